@@ -1,0 +1,313 @@
+"""Compile generated CUDA C++ to PTX without a GPU, to catch codegen errors early.
+
+NVRTC (through cuda-bindings) is preferred because it is what CuPy uses to
+build the same source on the GPU machine; `nvcc -ptx` is the fallback. Neither
+needs a device or a driver. Options mirror CuPy's RawModule defaults (no
+`-default-device`), so a kernel that passes here also compiles there: every
+helper function must be marked `__device__` explicitly.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from types import ModuleType
+
+__all__ = [
+    "KernelCompileError",
+    "available_compiler",
+    "available_compilers",
+    "compile_to_ptx",
+    "include_dirs",
+]
+
+# Forces a backend ('nvrtc' or 'nvcc'); useful to reproduce a fallback path.
+_ENV_COMPILER = "NIMBLEJAX_KERNEL_COMPILER"
+_CONTEXT_LINES = 3
+_MAX_LOCATIONS = 5
+_NVCC_TIMEOUT_S = 300
+
+
+class KernelCompileError(RuntimeError):
+    """A kernel failed to compile; the message holds the log and source lines."""
+
+    def __init__(self, name: str, compiler: str, log: str, source: str) -> None:
+        self.name = name
+        self.compiler = compiler
+        self.log = log
+        self.source = source
+        self.lines = _error_lines(log, _file_name(name))
+        excerpt = _excerpt(source, self.lines)
+        message = f"{compiler} failed to compile kernel source {name!r}:\n{log.strip()}"
+        if excerpt:
+            message += "\n\nsource around the error:\n" + excerpt
+        super().__init__(message)
+
+
+# ---------------------------------------------------------------------------
+# Error reporting
+# ---------------------------------------------------------------------------
+
+
+def _file_name(name: str) -> str:
+    # The name becomes a file name (nvcc) and shows up in the log; keep it safe.
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name) + ".cu"
+
+
+def _error_lines(log: str, file_name: str) -> list[int]:
+    """Line numbers of errors reported against our source (not headers)."""
+    pattern = re.compile(
+        rf"(?:^|[/\\\s]){re.escape(file_name)}\((\d+)\): (?:catastrophic )?error",
+        re.MULTILINE,
+    )
+    seen: list[int] = []
+    for match in pattern.finditer(log):
+        line = int(match.group(1))
+        if line not in seen:
+            seen.append(line)
+    return seen[:_MAX_LOCATIONS]
+
+
+def _excerpt(source: str, lines: list[int]) -> str:
+    """Numbered source lines around each error, the error line marked '>>'."""
+    src = source.splitlines()
+    shown: set[int] = set()
+    for line in lines:
+        lo, hi = max(1, line - _CONTEXT_LINES), min(len(src), line + _CONTEXT_LINES)
+        shown.update(range(lo, hi + 1))
+    width = len(str(max(shown, default=1)))
+    out: list[str] = []
+    previous = 0
+    for number in sorted(shown):
+        if previous and number != previous + 1:
+            out.append("   ...")
+        marker = ">>" if number in lines else "  "
+        out.append(f"{marker} {number:>{width}} | {src[number - 1]}")
+        previous = number
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------------------
+# Include paths
+# ---------------------------------------------------------------------------
+
+
+def _nvidia_wheel_include_dirs() -> list[str]:
+    # CUDA 13 wheels put headers in nvidia/cu13/include; CUDA 12 wheels in
+    # nvidia/cuda_runtime/include.
+    try:
+        spec = importlib.util.find_spec("nvidia")
+    except (ImportError, ValueError):
+        return []
+    if spec is None or spec.submodule_search_locations is None:
+        return []
+    return [
+        os.path.join(root, sub, "include")
+        for root in spec.submodule_search_locations
+        for sub in ("cu13", "cuda_runtime")
+    ]
+
+
+def _pathfinder_include_dir() -> str | None:
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:
+        return None
+    try:
+        return find_nvidia_header_directory("cudart")
+    except Exception:  # unsupported name on older pathfinder versions
+        return None
+
+
+def _candidate_include_dirs() -> list[str]:
+    candidates = _nvidia_wheel_include_dirs()
+    found = _pathfinder_include_dir()
+    if found:
+        candidates.append(found)
+    for var in ("CUDA_PATH", "CUDA_HOME"):
+        root = os.environ.get(var)
+        if root:
+            candidates.append(os.path.join(root, "include"))
+    candidates.append("/usr/local/cuda/include")
+    return candidates
+
+
+@functools.lru_cache(maxsize=1)
+def include_dirs() -> tuple[str, ...]:
+    """Directories that make <cuda_fp16.h> / <cuda_bf16.h> resolve.
+
+    NVRTC ships no CUDA headers of its own, so the first directory holding
+    cuda_fp16.h is used (plus its cccl/ subdirectory when present, which
+    CUDA 13 headers may reach for). Empty when none is found.
+    """
+    for directory in _candidate_include_dirs():
+        if os.path.isfile(os.path.join(directory, "cuda_fp16.h")):
+            dirs = [directory]
+            cccl = os.path.join(directory, "cccl")
+            if os.path.isdir(cccl):
+                dirs.append(cccl)
+            return tuple(dirs)
+    return ()
+
+
+# ---------------------------------------------------------------------------
+# Backends
+# ---------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _nvrtc() -> ModuleType | None:
+    """cuda.bindings.nvrtc if libnvrtc actually loads, else None."""
+    try:
+        from cuda.bindings import nvrtc
+    except ImportError:
+        return None
+    try:
+        # The Python module imports fine without libnvrtc; the first real
+        # call is what loads the shared library.
+        err, _major, _minor = nvrtc.nvrtcVersion()
+    except Exception:
+        return None
+    return nvrtc if err == nvrtc.nvrtcResult.NVRTC_SUCCESS else None
+
+
+@functools.lru_cache(maxsize=1)
+def _nvcc_path() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    try:
+        from cuda.pathfinder import find_nvidia_binary_utility
+
+        found = find_nvidia_binary_utility("nvcc")
+    except Exception:
+        found = None
+    if found:
+        return found
+    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+        if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
+            return os.path.join(root, "bin", "nvcc")
+    return None
+
+
+def available_compilers() -> tuple[str, ...]:
+    """Every usable backend, preferred first."""
+    found = []
+    if _nvrtc() is not None:
+        found.append("nvrtc")
+    if _nvcc_path() is not None:
+        found.append("nvcc")
+    return tuple(found)
+
+
+def available_compiler() -> str | None:
+    """The backend compile_to_ptx will use: 'nvrtc', 'nvcc' or None."""
+    forced = os.environ.get(_ENV_COMPILER)
+    compilers = available_compilers()
+    if forced:
+        return forced if forced in compilers else None
+    return compilers[0] if compilers else None
+
+
+def _options(arch: str, options: tuple[str, ...]) -> list[str]:
+    opts = [f"--gpu-architecture={arch}"]
+    # Respect a caller-chosen standard instead of passing two.
+    if not any(o.startswith(("--std", "-std")) for o in options):
+        opts.append("--std=c++17")
+    opts.extend(options)
+    # Ours go last so caller -I directories win.
+    opts.extend(f"-I{d}" for d in include_dirs())
+    return opts
+
+
+def _check_nvrtc(nvrtc: ModuleType, result: object, what: str) -> None:
+    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise RuntimeError(f"{what} failed: {result}")
+
+
+def _nvrtc_log(nvrtc: ModuleType, prog: object) -> str:
+    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+    _check_nvrtc(nvrtc, err, "nvrtcGetProgramLogSize")
+    buf = b" " * size
+    (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
+    _check_nvrtc(nvrtc, err, "nvrtcGetProgramLog")
+    return buf.rstrip(b"\0").decode(errors="replace")
+
+
+def _nvrtc_ptx(nvrtc: ModuleType, prog: object) -> str:
+    err, size = nvrtc.nvrtcGetPTXSize(prog)
+    _check_nvrtc(nvrtc, err, "nvrtcGetPTXSize")
+    buf = b" " * size
+    (err,) = nvrtc.nvrtcGetPTX(prog, buf)
+    _check_nvrtc(nvrtc, err, "nvrtcGetPTX")
+    return buf.rstrip(b"\0").decode()
+
+
+def _compile_nvrtc(source: str, name: str, opts: list[str]) -> str:
+    nvrtc = _nvrtc()
+    assert nvrtc is not None
+    err, prog = nvrtc.nvrtcCreateProgram(
+        source.encode(), _file_name(name).encode(), 0, [], []
+    )
+    _check_nvrtc(nvrtc, err, "nvrtcCreateProgram")
+    try:
+        encoded = [o.encode() for o in opts]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)
+        if err == nvrtc.nvrtcResult.NVRTC_ERROR_COMPILATION:
+            raise KernelCompileError(name, "nvrtc", _nvrtc_log(nvrtc, prog), source)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            # Bad options and the like: still surface the log.
+            log = _nvrtc_log(nvrtc, prog)
+            raise KernelCompileError(name, "nvrtc", f"{err}\n{log}", source)
+        return _nvrtc_ptx(nvrtc, prog)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _compile_nvcc(source: str, name: str, opts: list[str]) -> str:
+    nvcc = _nvcc_path()
+    assert nvcc is not None
+    with tempfile.TemporaryDirectory(prefix="nimblejax-nvcc-") as tmp:
+        src_path = os.path.join(tmp, _file_name(name))
+        ptx_path = os.path.join(tmp, "out.ptx")
+        with open(src_path, "w") as f:
+            f.write(source)
+        cmd = [nvcc, "-ptx", *opts, "-o", ptx_path, src_path]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_NVCC_TIMEOUT_S)
+        if proc.returncode != 0:
+            # Drop the throwaway temp path so logs read like NVRTC's.
+            log = (proc.stderr + proc.stdout).replace(src_path, _file_name(name))
+            raise KernelCompileError(name, "nvcc", log, source)
+        with open(ptx_path) as f:
+            return f.read()
+
+
+def compile_to_ptx(
+    source: str,
+    name: str,
+    arch: str = "sm_90",
+    options: tuple[str, ...] = (),
+    *,
+    compiler: str | None = None,
+) -> str:
+    """Compile CUDA C++ `source` to PTX text; raise KernelCompileError on failure.
+
+    `compiler` picks 'nvrtc' or 'nvcc' explicitly; by default the preferred
+    available one (see available_compiler()).
+    """
+    backend = compiler or available_compiler()
+    if backend is None:
+        raise RuntimeError(
+            "no CUDA compiler: install the 'nvidia-cuda-nvrtc' wheel or put nvcc on PATH"
+        )
+    if backend not in available_compilers():
+        raise RuntimeError(f"compiler {backend!r} is not available here")
+    opts = _options(arch, tuple(options))
+    if backend == "nvrtc":
+        return _compile_nvrtc(source, name, opts)
+    return _compile_nvcc(source, name, opts)
