@@ -1,0 +1,114 @@
+"""Fusion: partition the graph's nodes into groups, one group per kernel.
+
+Walking the nodes backwards, an elementwise node is *inlined* (recomputed inside its
+consumers' kernels) when all of its consumers are elementwise nodes or reductions and
+its value is not a graph output; otherwise it roots a kernel of its own and its value
+is materialized in a buffer. A reduction roots a kernel into whose loop its operand's
+producers are inlined. This is XLA's loop/input fusion with producer duplication,
+kept deliberately simple.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nimblejax.ir import Graph, Node, Var
+from nimblejax.lowering.gemm import canonicalize_dot
+from nimblejax.lowering.registry import check_supported, rule_for
+
+# A node feeding more than this many kernels is materialized rather than recomputed.
+MAX_DUPLICATION = 4
+VIEW_PRIMS = frozenset({"reshape", "squeeze", "expand_dims"})
+
+
+@dataclass(frozen=True, eq=False)
+class Group:
+    kind: str  # 'fused' | 'reduction' | 'kernel' | 'gemm' | 'view'
+    root: Node
+    nodes: tuple[Node, ...]  # topological order, root last
+    inputs: tuple[Var, ...]  # materialized values read
+
+    @property
+    def output(self) -> Var:
+        return self.root.outputs[0]
+
+    @property
+    def outputs(self) -> tuple[Var, ...]:
+        return self.root.outputs
+
+
+def canonicalize(graph: Graph) -> Graph:
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        nodes.extend(canonicalize_dot(node) if node.name == "dot_general" else [node])
+    return Graph(graph.inputs, graph.outputs, tuple(nodes), graph.consts)
+
+
+def fuse(graph: Graph) -> list[Group]:
+    check_supported(graph.nodes)
+    graph = canonicalize(graph)
+    consumers = graph.consumers()
+    outputs = {a for a in graph.outputs if isinstance(a, Var)}
+    owner: dict[Node, frozenset[int]] = {}
+    roots: dict[int, Node] = {}
+
+    def new_group(node: Node) -> None:
+        gid = len(roots)
+        roots[gid] = node
+        owner[node] = frozenset([gid])
+
+    for node in reversed(graph.nodes):
+        kind = rule_for(node).kind
+        if kind == "elementwise":
+            groups = _inline_target(node, consumers, outputs, owner)
+            if groups is not None:
+                owner[node] = groups
+                continue
+        new_group(node)
+
+    members: dict[int, list[Node]] = {gid: [] for gid in roots}
+    for node in graph.nodes:
+        for gid in owner.get(node, ()):
+            members[gid].append(node)
+    groups = [_make_group(roots[gid], members[gid], outputs) for gid in sorted(roots, reverse=True)]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return sorted(groups, key=lambda g: order[g.root])
+
+
+def _inline_target(node: Node, consumers, outputs, owner) -> frozenset[int] | None:
+    out = node.outputs[0]
+    users = consumers.get(out, [])
+    if not users or out in outputs:
+        return None
+    groups: set[int] = set()
+    for user in users:
+        kind = rule_for(user).kind
+        if kind == "elementwise":
+            groups |= owner[user]
+        elif kind == "reduction" and user.inputs[0] is out:
+            groups |= owner[user]
+        else:
+            return None
+    return frozenset(groups) if len(groups) <= MAX_DUPLICATION else None
+
+
+def _make_group(root: Node, nodes: list[Node], outputs: set[Var]) -> Group:
+    produced = {v for n in nodes for v in n.outputs}
+    inputs: list[Var] = []
+    for n in nodes:
+        for a in n.inputs:
+            if isinstance(a, Var) and a not in produced and a not in inputs:
+                inputs.append(a)
+    kind = rule_for(root).kind
+    kind = {"elementwise": "fused"}.get(kind, kind)
+    # A reshape of a buffer is a view; but a graph output must be a fresh buffer.
+    if kind == "fused" and all(n.name in VIEW_PRIMS for n in nodes) and root.outputs[0] not in outputs:
+        kind = "view"
+    return Group(kind, root, tuple(nodes), tuple(inputs))
+
+
+def describe(groups: list[Group]) -> str:
+    lines = []
+    for g in groups:
+        ops = " ".join(n.name for n in g.nodes)
+        lines.append(f"{g.kind:9s} {g.output!r} <- {', '.join(map(repr, g.inputs))}   [{ops}]")
+    return "\n".join(lines)

@@ -1,0 +1,125 @@
+"""Graph IR: immutable records for values, nodes and graphs.
+
+A `Graph` is a flat, inlined, dead-code-free copy of a jaxpr. Nodes keep the JAX
+primitive and its params, so any node can still be evaluated by JAX itself (the CPU
+plan interpreter relies on that).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence, Union
+
+import numpy as np
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True, eq=False)
+class Var:
+    """A value produced by one node (or a graph input / constant). Hashed by identity."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    weak_type: bool = False
+    id: int = field(default_factory=lambda: next(_ids))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def __repr__(self) -> str:
+        return f"%{self.id}:{short_dtype(self.dtype)}{list(self.shape)}"
+
+
+@dataclass(frozen=True, eq=False)
+class Literal:
+    """A scalar constant written into the program text (jaxpr literals)."""
+
+    value: np.ndarray  # 0-d array with the literal's dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.value.dtype
+
+    def __repr__(self) -> str:
+        return f"{self.value.item()!r}:{short_dtype(self.dtype)}"
+
+
+Atom = Union[Var, Literal]
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One primitive application. `source` is the user's file:line that produced it."""
+
+    primitive: Any  # jax.extend.core.Primitive
+    inputs: tuple[Atom, ...]
+    outputs: tuple[Var, ...]
+    params: Mapping[str, Any]
+    source: str = "<unknown>"
+    effectful: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+    def __repr__(self) -> str:
+        outs = " ".join(map(repr, self.outputs))
+        ins = " ".join(map(repr, self.inputs))
+        shown = {k: v for k, v in self.params.items() if k not in HIDDEN_PARAMS}
+        ps = f"[{', '.join(f'{k}={v}' for k, v in shown.items())}]" if shown else ""
+        return f"{outs} = {self.name}{ps} {ins}"
+
+
+HIDDEN_PARAMS = frozenset({"sharding", "out_sharding", "accuracy"})
+
+
+@dataclass(frozen=True, eq=False)
+class Graph:
+    inputs: tuple[Var, ...]
+    outputs: tuple[Atom, ...]
+    nodes: tuple[Node, ...]
+    consts: Mapping[Var, np.ndarray]
+
+    def consumers(self) -> dict[Var, list[Node]]:
+        uses: dict[Var, list[Node]] = {}
+        for node in self.nodes:
+            for a in node.inputs:
+                if isinstance(a, Var):
+                    uses.setdefault(a, []).append(node)
+        return uses
+
+    def producers(self) -> dict[Var, Node]:
+        return {v: n for n in self.nodes for v in n.outputs}
+
+    def pretty(self) -> str:
+        lines = [f"graph ({', '.join(map(repr, self.inputs))}) consts ({len(self.consts)})"]
+        lines += [f"  {n!r}    # {n.source}" for n in self.nodes]
+        lines.append(f"  return {', '.join(map(repr, self.outputs))}")
+        return "\n".join(lines)
+
+    __str__ = pretty
+
+
+def short_dtype(dtype: Any) -> str:
+    name = np.dtype(dtype).name
+    return {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32": "i32",
+            "uint32": "u32", "bool": "bool", "int8": "i8", "uint8": "u8",
+            "int64": "i64", "float64": "f64"}.get(name, name)
+
+
+def atoms_vars(atoms: Sequence[Atom]) -> list[Var]:
+    return [a for a in atoms if isinstance(a, Var)]

@@ -1,0 +1,40 @@
+"""Lowering: fusion groups → Tasks (generated CUDA C kernels, cuBLAS GEMMs, views)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from nimblejax.lowering import gemm, rules_elementwise, rules_kernels, rules_reduce  # noqa: F401 (registration)
+from nimblejax.lowering.codegen import elementwise_kernel, reduction_kernel
+from nimblejax.lowering.registry import RULES, rule_for
+from nimblejax.lowering.task import GemmCall, Kernel, Task
+
+if TYPE_CHECKING:  # fusion imports lowering rules; avoid the cycle at import time
+    from nimblejax.fusion import Group
+
+__all__ = ["lower_group", "lower", "RULES", "Task", "Kernel", "GemmCall"]
+
+
+def lower_group(group: Group) -> Task:
+    root = group.root
+    inlined = {n.outputs[0]: n for n in group.nodes if n is not root}
+    if group.kind == "view":
+        return Task(f"view_{root.name}", "view", group.inputs, group.outputs, group.nodes)
+    if group.kind == "fused":
+        kernel = elementwise_kernel(group.output, {**inlined, group.output: root})
+    elif group.kind == "reduction":
+        reducer = rule_for(root).fn(root.inputs[0].dtype)
+        kernel = reduction_kernel(root, inlined, reducer.combine, reducer.init, reducer.acc_type)
+    elif group.kind == "gemm":
+        made = rule_for(root).fn(root)
+        if isinstance(made, GemmCall):
+            name = f"gemm_{made.in_dtype}_{made.batch}x{made.m}x{made.n}x{made.k}"
+            return Task(name, "gemm", group.inputs, group.outputs, group.nodes, gemm=made)
+        kernel = made
+    else:
+        kernel = rule_for(root).fn(root)
+    return Task(kernel.name, "kernel", tuple(v for v in kernel.params if v not in group.outputs),
+                group.outputs, group.nodes, kernel=kernel)
+
+
+def lower(groups: list[Group]) -> list[Task]:
+    return [lower_group(g) for g in groups]

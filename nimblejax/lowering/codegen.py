@@ -1,0 +1,235 @@
+"""CUDA C code generation: a builder that computes fused values at an index, and the
+kernel templates (elementwise loop, reduction) every fused kernel comes from.
+
+Shapes are compile-time constants baked into the source, so a kernel's only
+arguments are buffer pointers, which makes it trivial to freeze into a CUDA graph.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Mapping, Sequence
+
+from nimblejax.ir import Atom, Literal, Node, Var, short_dtype
+from nimblejax.lowering import dtypes
+from nimblejax.lowering.task import Kernel
+
+PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
+BLOCK = 256
+MAX_BLOCKS = 65535 * 16  # grid-stride loops cover the rest
+
+Index = tuple[str, ...]
+
+
+class KernelBuilder:
+    """Collects parameters and SSA lines of one kernel body."""
+
+    def __init__(self, inlined: Mapping[Var, Node] = {}) -> None:
+        self.inlined = dict(inlined)
+        self.inputs: dict[Var, str] = {}
+        self.outputs: dict[Var, str] = {}
+        self.lines: list[str] = []
+        self.memo: dict[tuple, str] = {}
+        self.count = 0
+        self.depth = 1
+        self.ops: list[str] = []
+
+    # ---- parameters and lines ---------------------------------------------------
+    def input(self, var: Var) -> str:
+        if var not in self.inputs:
+            self.inputs[var] = f"in{len(self.inputs)}"
+        return self.inputs[var]
+
+    def output(self, var: Var) -> str:
+        if var not in self.outputs:
+            self.outputs[var] = f"out{len(self.outputs)}"
+        return self.outputs[var]
+
+    def emit(self, line: str) -> None:
+        self.lines.append("  " * self.depth + line)
+
+    def tmp(self, ctype: str, expr: str) -> str:
+        name = f"v{self.count}"
+        self.count += 1
+        self.emit(f"{ctype} {name} = {expr};")
+        return name
+
+    def open(self, header: str) -> None:
+        self.emit(header + " {")
+        self.depth += 1
+
+    def close(self) -> None:
+        self.depth -= 1
+        self.emit("}")
+
+    def forget(self) -> None:
+        """Drop memoized values (they were defined in a scope that just closed)."""
+        self.memo.clear()
+
+    # ---- values -----------------------------------------------------------------
+    def value(self, atom: Atom, idx: Index) -> str:
+        """C name (or literal) of `atom` at multi-index `idx`, in its compute type."""
+        if isinstance(atom, Literal):
+            return dtypes.literal(atom.value, atom.dtype)
+        if atom.ndim == 0:
+            idx = ()
+        key = (atom.id, idx)
+        if key in self.memo:
+            return self.memo[key]
+        node = self.inlined.get(atom)
+        if node is None:
+            name = self.tmp(dtypes.compute_type(atom.dtype), self.load(atom, idx))
+        else:
+            from nimblejax.lowering.registry import rule_for
+
+            self.ops.append(node.name)
+            name = rule_for(node).fn(self, node, idx)
+        self.memo[key] = name
+        return name
+
+    def load(self, var: Var, idx: Index) -> str:
+        return dtypes.load(var.dtype, f"{self.input(var)}[{linear(idx, var.shape)}]")
+
+    def store(self, var: Var, offset: str, value: str) -> None:
+        self.emit(f"{self.output(var)}[{offset}] = {dtypes.store(var.dtype, value)};")
+
+    def index_vars(self, linear_name: str, shape: Sequence[int], prefix: str) -> Index:
+        """Declare per-dimension indices of `linear_name` over row-major `shape`."""
+        idx = []
+        stride = 1
+        strides = []
+        for d in reversed(shape):
+            strides.append(stride)
+            stride *= d
+        strides.reverse()
+        for d, (size, st) in enumerate(zip(shape, strides)):
+            if size == 1:
+                idx.append("0")
+                continue
+            expr = linear_name if st == 1 else f"({linear_name} / {st})"
+            if d > 0:
+                expr = f"({expr} % {size})"
+            idx.append(self.tmp("int", expr) if expr != linear_name else f"(int){linear_name}")
+        return tuple(idx)
+
+    # ---- kernel text ------------------------------------------------------------
+    def params(self) -> tuple[Var, ...]:
+        return tuple(self.outputs) + tuple(self.inputs)
+
+    def signature(self, name: str) -> str:
+        args = [f"{dtypes.storage_type(v.dtype)}* __restrict__ {n}" for v, n in self.outputs.items()]
+        args += [f"const {dtypes.storage_type(v.dtype)}* __restrict__ {n}"
+                 for v, n in self.inputs.items()]
+        return f'extern "C" __global__ void {name}({", ".join(args)})'
+
+    def finish(self, kind: str, result: Var, grid: int, block: int, prelude: str = "") -> Kernel:
+        body = "\n".join(self.lines)
+        text = f"{prelude}{self.signature('NAME')} {{\n{body}\n}}\n"
+        name = kernel_name(kind, self.ops, result.dtype, text)
+        source = PRELUDE + text.replace("NAME", name, 1)
+        return Kernel(name, source, (grid, 1, 1), (block, 1, 1), self.params())
+
+
+def kernel_name(kind: str, ops: Sequence[str], dtype, text: str) -> str:
+    """Readable, unique: nimble_fused_tanh_add_f32_3a9c."""
+    seen: list[str] = []
+    for op in ops:
+        short = op.replace("_", "")
+        if short not in seen and op not in INDEX_ONLY:
+            seen.append(short)
+    parts = [kind] + seen[:4] + [short_dtype(dtype)]
+    digest = hashlib.sha1(text.encode()).hexdigest()[:4]
+    return "nimble_" + "_".join(parts) + "_" + digest
+
+
+INDEX_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+                        "transpose", "slice", "rev", "convert_element_type"})
+
+
+def linear(idx: Index, shape: Sequence[int]) -> str:
+    """Row-major linear offset of `idx` in `shape`, dropping zero terms."""
+    terms = []
+    stride = 1
+    for i, size in zip(reversed(idx), reversed(shape)):
+        if i != "0" and size != 1:
+            terms.append(i if stride == 1 else f"{i} * {stride}")
+        stride *= size
+    if not terms:
+        return "0"
+    wide = stride >= 2 ** 31
+    return " + ".join(f"(long long){t}" if wide else t for t in reversed(terms))
+
+
+def blocks_for(n: int, block: int = BLOCK) -> int:
+    return max(1, min((n + block - 1) // block, MAX_BLOCKS))
+
+
+# ---- templates ----------------------------------------------------------------------
+def elementwise_kernel(root: Var, inlined: Mapping[Var, Node]) -> Kernel:
+    """One thread per element of `root`; every inlined producer is recomputed there."""
+    b = KernelBuilder(inlined)
+    n = root.size
+    itype = "long long" if n >= 2 ** 31 else "int"
+    b.open(f"for ({itype} i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}; "
+           f"i += (long long)gridDim.x * blockDim.x)")
+    idx = b.index_vars("i", root.shape, "i")
+    value = b.value(root, idx)
+    b.store(root, "i", value)
+    b.close()
+    return b.finish("fused", root, blocks_for(n), BLOCK)
+
+
+def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init: str,
+                     acc_type: str) -> Kernel:
+    """One warp (or one 256-thread block, for long rows) per output element."""
+    x = node.inputs[0]
+    out = node.outputs[0]
+    axes = tuple(sorted(node.params["axes"]))
+    kept = [d for d in range(x.ndim) if d not in axes]
+    red_shape = [x.shape[a] for a in axes]
+    n_out, n_red = out.size, max(1, _prod(red_shape))
+    per_out = 256 if (n_red >= 4096 and n_out < 2048) else 32
+    b = KernelBuilder(inlined)
+    b.emit(f"const int lane = threadIdx.x % {per_out};")
+    b.emit(f"const long long o = (long long)blockIdx.x * {BLOCK // per_out} + threadIdx.x / {per_out};")
+    # Whole warps (or whole blocks) leave together, so the shuffles below stay converged.
+    b.emit(f"if (o >= {n_out}) return;")
+    out_idx = b.index_vars("o", [x.shape[d] for d in kept], "o")
+    b.emit(f"{acc_type} acc = {init};")
+    b.open(f"for (long long r = lane; r < {n_red}; r += {per_out})")
+    red_idx = b.index_vars("r", red_shape, "r")
+    full = [""] * x.ndim
+    for d, i in zip(kept, out_idx):
+        full[d] = i
+    for d, i in zip(axes, red_idx):
+        full[d] = i
+    v = b.value(x, tuple(full))
+    b.emit(f"acc = {combine.format(a='acc', b=v)};")
+    b.close()
+    b.forget()
+    b.emit(f"for (int off = 16; off > 0; off >>= 1) {{ {acc_type} other = "
+           f"__shfl_down_sync(0xffffffffu, acc, off); acc = {combine.format(a='acc', b='other')}; }}")
+    if per_out > 32:
+        b.emit(f"__shared__ {acc_type} partial[{per_out // 32}];")
+        b.emit("if (lane % 32 == 0) partial[lane / 32] = acc;")
+        b.emit("__syncthreads();")
+        b.open("if (lane == 0)")
+        b.emit(f"for (int w = 1; w < {per_out // 32}; ++w) {{ {acc_type} other = partial[w]; "
+               f"acc = {combine.format(a='acc', b='other')}; }}")
+        b.close()
+    b.open("if (lane == 0)")
+    b.store(out, "o", _cast_acc(acc_type, out.dtype))
+    b.close()
+    b.ops.insert(0, node.name)
+    return b.finish("reduce", out, blocks_for(n_out * per_out), BLOCK)
+
+
+def _cast_acc(acc_type: str, dtype) -> str:
+    ctype = dtypes.compute_type(dtype)
+    return "acc" if ctype == acc_type else f"({ctype})acc"
+
+
+def _prod(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= int(x)
+    return p

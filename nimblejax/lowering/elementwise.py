@@ -1,0 +1,92 @@
+"""The elementwise family as data: primitive name → C expression, per operand class.
+
+`{a}`, `{b}`, `{c}` are the operands, already in their compute type (float for every
+float dtype, int, unsigned int or bool otherwise). Templates may repeat an operand:
+the code generator only ever substitutes variable names or literals.
+"""
+from __future__ import annotations
+
+# NaN-propagating max/min, as XLA's: if either side is NaN the result is NaN.
+_FMAX = "(({a} != {a} || {a} > {b}) ? {a} : {b})"
+_FMIN = "(({a} != {a} || {a} < {b}) ? {a} : {b})"
+
+UNARY_FLOAT = {
+    "neg": "(-{a})", "abs": "fabsf({a})", "sign": "({a} > 0.0f ? 1.0f : ({a} < 0.0f ? -1.0f : {a}))",
+    "floor": "floorf({a})", "ceil": "ceilf({a})", "exp": "expf({a})", "exp2": "exp2f({a})",
+    "log": "logf({a})", "log1p": "log1pf({a})", "expm1": "expm1f({a})", "sqrt": "sqrtf({a})",
+    "rsqrt": "(1.0f / sqrtf({a}))", "cbrt": "cbrtf({a})", "sin": "sinf({a})", "cos": "cosf({a})",
+    "tan": "tanf({a})", "asin": "asinf({a})", "acos": "acosf({a})", "atan": "atanf({a})",
+    "sinh": "sinhf({a})", "cosh": "coshf({a})", "tanh": "tanhf({a})", "asinh": "asinhf({a})",
+    "acosh": "acoshf({a})", "atanh": "atanhf({a})", "logistic": "(1.0f / (1.0f + expf(-{a})))",
+    "erf": "erff({a})", "erfc": "erfcf({a})", "erf_inv": "erfinvf({a})", "lgamma": "lgammaf({a})",
+    "square": "({a} * {a})", "is_finite": "isfinite({a})", "copy": "{a}", "copy_p": "{a}",
+}
+UNARY_INT = {
+    "neg": "(-{a})", "abs": "({a} < 0 ? -{a} : {a})", "sign": "(({a} > 0) - ({a} < 0))",
+    "not": "(~{a})", "population_count": "__popc({a})", "clz": "__clz({a})",
+    "square": "({a} * {a})", "copy": "{a}", "copy_p": "{a}",
+}
+UNARY_BOOL = {"not": "(!{a})", "copy": "{a}", "copy_p": "{a}"}
+
+BINARY_FLOAT = {
+    "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})", "div": "({a} / {b})",
+    "rem": "fmodf({a}, {b})", "pow": "powf({a}, {b})", "max": _FMAX, "min": _FMIN,
+    "atan2": "atan2f({a}, {b})", "nextafter": "nextafterf({a}, {b})",
+}
+BINARY_INT = {
+    "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})",
+    # XLA: x / 0 is -1 and x % 0 is x for integers (no trap), so guard the divisor.
+    "div": "({b} == 0 ? -1 : {a} / {b})", "rem": "({b} == 0 ? {a} : {a} % {b})",
+    "max": "max({a}, {b})", "min": "min({a}, {b})",
+    "and": "({a} & {b})", "or": "({a} | {b})", "xor": "({a} ^ {b})",
+    # Shifts by >= the bit width are defined in XLA (0 or the sign), undefined in C.
+    "shift_left": "((unsigned int){b} < 32u ? ({a} << {b}) : 0)",
+    "shift_right_arithmetic": "((unsigned int){b} < 32u ? ({a} >> {b}) : ({a} < 0 ? -1 : 0))",
+    "shift_right_logical": "((unsigned int){b} < 32u ? (int)((unsigned int){a} >> {b}) : 0)",
+}
+BINARY_UINT = dict(BINARY_INT, **{
+    "div": "({b} == 0u ? 0xffffffffu : {a} / {b})",
+    "shift_right_arithmetic": "({b} < 32u ? {a} >> {b} : 0u)",
+    "shift_right_logical": "({b} < 32u ? {a} >> {b} : 0u)",
+    "shift_left": "({b} < 32u ? {a} << {b} : 0u)",
+})
+BINARY_BOOL = {"and": "({a} && {b})", "or": "({a} || {b})", "xor": "({a} != {b})",
+               "max": "({a} || {b})", "min": "({a} && {b})", "add": "({a} || {b})",
+               "mul": "({a} && {b})"}
+COMPARE = {"eq": "({a} == {b})", "ne": "({a} != {b})", "lt": "({a} < {b})",
+           "le": "({a} <= {b})", "gt": "({a} > {b})", "ge": "({a} >= {b})"}
+
+UNARY = {"float": UNARY_FLOAT, "int": UNARY_INT, "uint": UNARY_INT, "bool": UNARY_BOOL}
+BINARY = {"float": BINARY_FLOAT, "int": BINARY_INT, "uint": BINARY_UINT, "bool": BINARY_BOOL}
+
+UNARY_NAMES = frozenset(set(UNARY_FLOAT) | set(UNARY_INT) | set(UNARY_BOOL) | {"round"})
+BINARY_NAMES = frozenset(set(BINARY_FLOAT) | set(BINARY_INT) | set(BINARY_BOOL) | set(COMPARE))
+
+
+def operand_class(dtype) -> str:
+    from nimblejax.lowering import dtypes
+
+    if dtypes.is_float(dtype):
+        return "float"
+    if dtypes.name(dtype) == "bool":
+        return "bool"
+    return "uint" if dtypes.is_unsigned_int(dtype) else "int"
+
+
+def unary_template(prim: str, dtype, params) -> str:
+    if prim == "round" and operand_class(dtype) == "float":
+        # rounding_method 0: away from zero (roundf); 1: to nearest even (rintf).
+        return "rintf({a})" if int(params.get("rounding_method", 0)) == 1 else "roundf({a})"
+    table = UNARY[operand_class(dtype)]
+    if prim not in table:
+        raise NotImplementedError(f"{prim} is not supported for {dtype}")
+    return table[prim]
+
+
+def binary_template(prim: str, dtype) -> str:
+    if prim in COMPARE:
+        return COMPARE[prim]
+    table = BINARY[operand_class(dtype)]
+    if prim not in table:
+        raise NotImplementedError(f"{prim} is not supported for {dtype}")
+    return table[prim]

@@ -1,0 +1,64 @@
+"""One registry: primitive name → lowering rule.
+
+Rule kinds:
+- "elementwise": fusible; `fn(builder, node, idx) -> C value` computes the node's output
+  at one index inside any fused kernel (index-only ops such as broadcast, transpose and
+  reshape are fusible too: they only rewrite the index).
+- "reduction": `fn(dtype) -> Reducer`; producers are fused into the reduction's loop.
+- "kernel": a standalone generated kernel; `fn(node, builder) -> KernelPlan`.
+- "gemm": `fn(node) -> GemmCall` (cuBLAS on the GPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from nimblejax.ir import Node
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: str
+    fn: Callable
+
+
+RULES: dict[str, Rule] = {}
+KINDS = ("elementwise", "reduction", "kernel", "gemm")
+
+
+def register(*names: str, kind: str) -> Callable:
+    assert kind in KINDS, kind
+
+    def deco(fn: Callable) -> Callable:
+        for n in names:
+            RULES[n] = Rule(kind, fn)
+        return fn
+
+    return deco
+
+
+class UnsupportedPrimitiveError(NotImplementedError):
+    pass
+
+
+def rule_for(node: Node) -> Rule:
+    rule = RULES.get(node.name)
+    if rule is None:
+        raise UnsupportedPrimitiveError(
+            f"nimblejax has no lowering rule for primitive '{node.name}' "
+            f"(from {node.source}). Use nimble.jit(..., backend=\"jax\") to run this "
+            f"function with plain jax.jit.")
+    return rule
+
+
+def check_supported(nodes) -> None:
+    """Raise for the first unsupported primitive or dtype, naming the user's line."""
+    from nimblejax.lowering import dtypes
+
+    for node in nodes:
+        rule_for(node)
+        for v in list(node.inputs) + list(node.outputs):
+            if not dtypes.is_supported(v.dtype):
+                raise UnsupportedPrimitiveError(
+                    f"nimblejax does not support dtype {v.dtype} in '{node.name}' "
+                    f"(from {node.source}). Use nimble.jit(..., backend=\"jax\").")

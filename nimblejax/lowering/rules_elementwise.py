@@ -1,0 +1,179 @@
+"""Fusible rules: each computes a node's output at one index inside a fused kernel."""
+from __future__ import annotations
+
+from nimblejax.ir import Node
+from nimblejax.lowering import dtypes
+from nimblejax.lowering.codegen import Index, KernelBuilder, linear
+from nimblejax.lowering.elementwise import (BINARY_NAMES, UNARY_NAMES, binary_template,
+                                            unary_template, _FMAX, _FMIN)
+from nimblejax.lowering.registry import register
+
+
+def _result(b: KernelBuilder, node: Node, expr: str) -> str:
+    out = node.outputs[0]
+    return b.tmp(dtypes.compute_type(out.dtype), dtypes.round_to(out.dtype, expr))
+
+
+@register(*sorted(UNARY_NAMES), kind="elementwise")
+def unary(b: KernelBuilder, node: Node, idx: Index) -> str:
+    x = node.inputs[0]
+    a = b.value(x, idx)
+    return _result(b, node, unary_template(node.name, x.dtype, node.params).format(a=a))
+
+
+@register(*sorted(BINARY_NAMES), kind="elementwise")
+def binary(b: KernelBuilder, node: Node, idx: Index) -> str:
+    x, y = node.inputs
+    a, c = b.value(x, idx), b.value(y, idx)
+    return _result(b, node, binary_template(node.name, x.dtype).format(a=a, b=c))
+
+
+@register("integer_pow", kind="elementwise")
+def integer_pow(b: KernelBuilder, node: Node, idx: Index) -> str:
+    # Same multiplication order as JAX's lowering (square-and-multiply), so half
+    # types round at the same steps.
+    x = b.value(node.inputs[0], idx)
+    y = int(node.params["y"])
+    out = node.outputs[0]
+    if y == 0:
+        return dtypes.literal(1, out.dtype)
+    reciprocal, y = y < 0, abs(y)
+    acc = None
+    while y > 0:
+        if y & 1:
+            acc = x if acc is None else _result(b, node, f"({acc} * {x})")
+        y >>= 1
+        if y > 0:
+            x = _result(b, node, f"({x} * {x})")
+    if reciprocal:
+        acc = _result(b, node, f"({dtypes.literal(1, out.dtype)} / {acc})")
+    return acc
+
+
+@register("convert_element_type", kind="elementwise")
+def convert(b: KernelBuilder, node: Node, idx: Index) -> str:
+    src, dst = node.inputs[0].dtype, node.outputs[0].dtype
+    a = b.value(node.inputs[0], idx)
+    ctype = dtypes.compute_type(dst)
+    return b.tmp(ctype, convert_expr(a, src, dst))
+
+
+def convert_expr(a: str, src, dst) -> str:
+    if dtypes.name(dst) == "bool":
+        return f"({a} != 0)"
+    if dtypes.name(src) == "bool":
+        return f"({a} ? {dtypes.literal(1, dst)} : {dtypes.literal(0, dst)})"
+    if dtypes.is_float(dst):
+        return dtypes.round_to(dst, f"(float){a}")
+    ctype = dtypes.compute_type(dst)
+    if dtypes.is_float(src):
+        # XLA saturates out-of-range floats and maps NaN to 0; a plain C cast is UB.
+        lo, hi = dtypes.lowest(dst), dtypes.highest(dst)
+        return (f"({a} != {a} ? ({ctype})0 : ({a} <= (float){lo} ? {lo} : "
+                f"({a} >= (float){hi} ? {hi} : ({ctype}){a})))")
+    return f"({ctype}){a}"
+
+
+@register("reduce_precision", kind="elementwise")
+def reduce_precision(b: KernelBuilder, node: Node, idx: Index) -> str:
+    bits = (int(node.params["exponent_bits"]), int(node.params["mantissa_bits"]))
+    target = {(8, 7): "bfloat16", (5, 10): "float16", (8, 23): "float32"}.get(bits)
+    if target is None:
+        raise NotImplementedError(f"reduce_precision to {bits} (exponent, mantissa) bits "
+                                  f"is not supported (from {node.source})")
+    return _result(b, node, dtypes.round_to(target, b.value(node.inputs[0], idx)))
+
+
+@register("select_n", kind="elementwise")
+def select_n(b: KernelBuilder, node: Node, idx: Index) -> str:
+    which, *cases = node.inputs
+    w = b.value(which, idx)
+    vals = [b.value(c, idx) for c in cases]
+    if dtypes.name(which.dtype) == "bool":
+        expr = f"({w} ? {vals[1]} : {vals[0]})" if len(vals) == 2 else vals[0]
+    else:
+        expr = vals[-1]
+        for i in range(len(vals) - 2, -1, -1):
+            expr = f"({w} == {i} ? {vals[i]} : {expr})"
+    return b.tmp(dtypes.compute_type(node.outputs[0].dtype), expr)
+
+
+@register("clamp", kind="elementwise")
+def clamp(b: KernelBuilder, node: Node, idx: Index) -> str:
+    lo, x, hi = (b.value(a, idx) for a in node.inputs)
+    if dtypes.is_float(node.outputs[0].dtype):
+        inner = b.tmp("float", _FMAX.format(a=x, b=lo))
+        return b.tmp("float", _FMIN.format(a=inner, b=hi))
+    return b.tmp(dtypes.compute_type(node.outputs[0].dtype), f"min(max({x}, {lo}), {hi})")
+
+
+@register("iota", kind="elementwise")
+def iota(b: KernelBuilder, node: Node, idx: Index) -> str:
+    out = node.outputs[0]
+    i = idx[int(node.params["dimension"])]
+    return b.tmp(dtypes.compute_type(out.dtype), convert_expr(i, "int32", out.dtype))
+
+
+# ---- index-only rules: they rewrite the index and read the operand there --------
+@register("broadcast_in_dim", kind="elementwise")
+def broadcast_in_dim(b: KernelBuilder, node: Node, idx: Index) -> str:
+    x = node.inputs[0]
+    dims = node.params["broadcast_dimensions"]
+    src = tuple("0" if x.shape[j] == 1 else idx[d] for j, d in enumerate(dims))
+    return b.value(x, src)
+
+
+@register("reshape", kind="elementwise")
+def reshape(b: KernelBuilder, node: Node, idx: Index) -> str:
+    if node.params.get("dimensions") is not None:
+        raise NotImplementedError(f"reshape with dimensions= is not supported (from {node.source})")
+    x, out = node.inputs[0], node.outputs[0]
+    flat = b.tmp("long long", linear(idx, out.shape) if idx else "0")
+    return b.value(x, b.index_vars(flat, x.shape, "r"))
+
+
+@register("squeeze", kind="elementwise")
+def squeeze(b: KernelBuilder, node: Node, idx: Index) -> str:
+    x = node.inputs[0]
+    dims = {d % x.ndim for d in node.params["dimensions"]}
+    it = iter(idx)
+    return b.value(x, tuple("0" if d in dims else next(it) for d in range(x.ndim)))
+
+
+@register("expand_dims", kind="elementwise")
+def expand_dims(b: KernelBuilder, node: Node, idx: Index) -> str:
+    out = node.outputs[0]
+    dims = {d % out.ndim for d in node.params["dimensions"]}
+    return b.value(node.inputs[0], tuple(i for d, i in enumerate(idx) if d not in dims))
+
+
+@register("transpose", kind="elementwise")
+def transpose(b: KernelBuilder, node: Node, idx: Index) -> str:
+    perm = node.params["permutation"]
+    src = [""] * len(perm)
+    for d, p in enumerate(perm):
+        src[p] = idx[d]
+    return b.value(node.inputs[0], tuple(src))
+
+
+@register("slice", kind="elementwise")
+def slice_(b: KernelBuilder, node: Node, idx: Index) -> str:
+    starts = node.params["start_indices"]
+    strides = node.params.get("strides") or (1,) * len(starts)
+    src = tuple(_affine(i, int(s), int(st)) for i, s, st in zip(idx, starts, strides))
+    return b.value(node.inputs[0], src)
+
+
+@register("rev", kind="elementwise")
+def rev(b: KernelBuilder, node: Node, idx: Index) -> str:
+    x = node.inputs[0]
+    dims = set(node.params["dimensions"])
+    src = tuple(f"({x.shape[d] - 1} - {i})" if d in dims else i for d, i in enumerate(idx))
+    return b.value(x, src)
+
+
+def _affine(i: str, start: int, stride: int) -> str:
+    if i == "0":
+        return str(start)
+    term = i if stride == 1 else f"{i} * {stride}"
+    return term if start == 0 else f"({start} + {term})"

@@ -1,0 +1,187 @@
+"""Standalone kernels: primitives whose output element needs a branch or a loop over
+other elements (concatenate, pad, dynamic slices, scans, argmax). Their inputs are
+always materialized buffers."""
+from __future__ import annotations
+
+from typing import Callable
+
+from nimblejax.ir import Node, Var
+from nimblejax.lowering import dtypes
+from nimblejax.lowering.codegen import BLOCK, Index, KernelBuilder, blocks_for, linear
+from nimblejax.lowering.registry import register
+from nimblejax.lowering.task import Kernel
+from nimblejax.lowering.elementwise import _FMAX, _FMIN
+
+
+def loop_kernel(kind: str, out: Var, ops: list[str],
+                body: Callable[[KernelBuilder, Index], str]) -> Kernel:
+    """One thread per output element; `body` returns the element's value."""
+    b = KernelBuilder()
+    b.ops = list(ops)
+    n = out.size
+    itype = "long long" if n >= 2 ** 31 else "int"
+    b.open(f"for ({itype} i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}; "
+           f"i += (long long)gridDim.x * blockDim.x)")
+    idx = b.index_vars("i", out.shape, "i")
+    b.store(out, "i", body(b, idx))
+    b.close()
+    return b.finish(kind, out, blocks_for(n), BLOCK)
+
+
+@register("concatenate", kind="kernel")
+def concatenate(node: Node) -> Kernel:
+    dim = int(node.params["dimension"])
+    out = node.outputs[0]
+
+    def body(b: KernelBuilder, idx: Index) -> str:
+        b.emit(f"{dtypes.compute_type(out.dtype)} val;")
+        start = 0
+        for k, x in enumerate(node.inputs):
+            src = list(idx)
+            src[dim] = f"({idx[dim]} - {start})" if start else idx[dim]
+            load = f"val = {b.load(x, tuple(src))};"
+            if k == len(node.inputs) - 1:
+                b.emit(f"else {{ {load} }}" if k else load)
+            else:
+                b.emit(f"{'else ' if k else ''}if ({idx[dim]} < {start + x.shape[dim]}) {{ {load} }}")
+            start += x.shape[dim]
+        return "val"
+
+    return loop_kernel("concat", out, ["concatenate"], body)
+
+
+@register("pad", kind="kernel")
+def pad(node: Node) -> Kernel:
+    x, pad_value = node.inputs
+    out = node.outputs[0]
+
+    def body(b: KernelBuilder, idx: Index) -> str:
+        pv = b.value(pad_value, ())
+        conds, src = [], []
+        for d, ((lo, _hi, interior), i) in enumerate(zip(node.params["padding_config"], idx)):
+            t = b.tmp("int", f"{i} - ({int(lo)})")
+            step = int(interior) + 1
+            conds.append(f"{t} >= 0")
+            if step > 1:
+                conds.append(f"{t} % {step} == 0")
+                t = f"({t} / {step})"
+            conds.append(f"{t} < {x.shape[d]}")
+            src.append(t)
+        inside = " && ".join(conds) or "true"
+        # The ternary evaluates the load only when the index is inside the operand.
+        return b.tmp(dtypes.compute_type(out.dtype), f"({inside}) ? {b.load(x, tuple(src))} : {pv}")
+
+    return loop_kernel("pad", out, ["pad"], body)
+
+
+def _clamped_starts(b: KernelBuilder, starts, limits) -> list[str]:
+    # XLA clamps dynamic start indices so the slice stays inside the operand.
+    out = []
+    for s, limit in zip(starts, limits):
+        v = b.value(s, ())
+        out.append(b.tmp("int", f"min(max((int){v}, 0), {int(limit)})"))
+    return out
+
+
+@register("dynamic_slice", kind="kernel")
+def dynamic_slice(node: Node) -> Kernel:
+    x, *starts = node.inputs
+    out = node.outputs[0]
+    sizes = node.params["slice_sizes"]
+
+    def body(b: KernelBuilder, idx: Index) -> str:
+        s = _clamped_starts(b, starts, [x.shape[d] - sizes[d] for d in range(x.ndim)])
+        return b.load(x, tuple(f"({a} + {i})" for a, i in zip(s, idx)))
+
+    return loop_kernel("dynslice", out, ["dynamic_slice"], body)
+
+
+@register("dynamic_update_slice", kind="kernel")
+def dynamic_update_slice(node: Node) -> Kernel:
+    x, upd, *starts = node.inputs
+    out = node.outputs[0]
+
+    def body(b: KernelBuilder, idx: Index) -> str:
+        s = _clamped_starts(b, starts, [x.shape[d] - upd.shape[d] for d in range(x.ndim)])
+        t = [b.tmp("int", f"{i} - {a}") for a, i in zip(s, idx)]
+        inside = " && ".join(f"{ti} >= 0 && {ti} < {n}" for ti, n in zip(t, upd.shape)) or "true"
+        return b.tmp(dtypes.compute_type(out.dtype),
+                     f"({inside}) ? {b.load(upd, tuple(t))} : {b.load(x, idx)}")
+
+    return loop_kernel("dynupdate", out, ["dynamic_update_slice"], body)
+
+
+SCANS = {"cumsum": ("({a} + {b})", lambda d: dtypes.literal(0, d)),
+         "cumprod": ("({a} * {b})", lambda d: dtypes.literal(1, d)),
+         "cummax": (_FMAX, dtypes.lowest), "cummin": (_FMIN, dtypes.highest)}
+
+
+@register(*SCANS, kind="kernel")
+def cumulative(node: Node) -> Kernel:
+    """One thread per line along `axis`, a serial scan (rounded to the dtype each step)."""
+    x, out = node.inputs[0], node.outputs[0]
+    axis, reverse = int(node.params["axis"]), bool(node.params["reverse"])
+    combine, init = SCANS[node.name]
+    if not dtypes.is_float(out.dtype) and node.name in ("cummax", "cummin"):
+        combine = "max({a}, {b})" if node.name == "cummax" else "min({a}, {b})"
+    n = x.shape[axis]
+    inner = 1
+    for d in x.shape[axis + 1:]:
+        inner *= d
+    lines = max(1, x.size // max(n, 1))
+    ctype = dtypes.compute_type(out.dtype)
+    b = KernelBuilder()
+    b.ops = [node.name]
+    b.input(x)
+    b.output(out)
+    b.open(f"for (long long line = blockIdx.x * (long long)blockDim.x + threadIdx.x; "
+           f"line < {lines}; line += (long long)gridDim.x * blockDim.x)")
+    b.emit(f"const long long base = (line / {inner}) * {n * inner} + line % {inner};")
+    b.emit(f"{ctype} acc = {init(out.dtype)};")
+    b.open(f"for (int k = 0; k < {n}; ++k)")
+    b.emit(f"const long long at = base + (long long)({f'{n - 1} - k' if reverse else 'k'}) * {inner};")
+    b.emit(f"{ctype} v = {dtypes.load(x.dtype, f'{b.input(x)}[at]')};")
+    b.emit(f"acc = {dtypes.round_to(out.dtype, combine.format(a='acc', b='v'))};")
+    b.store(out, "at", "acc")
+    b.close()
+    b.close()
+    return b.finish("scan", out, blocks_for(lines), BLOCK)
+
+
+@register("argmax", "argmin", kind="kernel")
+def argminmax(node: Node) -> Kernel:
+    """One warp per output; ties go to the lower index and NaN wins, as in XLA."""
+    x, out = node.inputs[0], node.outputs[0]
+    (axis,) = node.params["axes"]
+    cmp = ">" if node.name == "argmax" else "<"
+    kept = [d for d in range(x.ndim) if d != axis]
+    n_out, n_red = out.size, x.shape[axis]
+    # Warp shuffles do not take bool, so booleans compare as int.
+    ctype = "int" if dtypes.name(x.dtype) == "bool" else dtypes.compute_type(x.dtype)
+    is_float = dtypes.is_float(x.dtype)
+    nan = lambda v: f"({v} != {v})" if is_float else "false"  # noqa: E731
+    better = (f"(({nan('bv')} && !{nan('av')}) || (!{nan('av')} && bv {cmp} av) || "
+              f"(({nan('bv')} == {nan('av')}) && (bv == av || {nan('bv')}) && bi < ai))")
+    b = KernelBuilder()
+    b.ops = [node.name]
+    b.emit("const int lane = threadIdx.x % 32;")
+    b.emit(f"const long long o = (long long)blockIdx.x * {BLOCK // 32} + threadIdx.x / 32;")
+    b.emit(f"if (o >= {n_out}) return;")
+    out_idx = b.index_vars("o", [x.shape[d] for d in kept], "o")
+    b.emit(f"{ctype} av = {dtypes.load(x.dtype, f'{b.input(x)}[0]')}; int ai = 2147483647;")
+    b.emit("bool have = false;")
+    b.open(f"for (int r = lane; r < {n_red}; r += 32)")
+    full = list(out_idx)
+    full.insert(axis, "r")
+    b.emit(f"{ctype} bv = {b.load(x, tuple(full))}; int bi = r;")
+    b.emit(f"if (!have || {better}) {{ av = bv; ai = bi; have = true; }}")
+    b.close()
+    b.open("for (int off = 16; off > 0; off >>= 1)")
+    b.emit(f"{ctype} bv = __shfl_down_sync(0xffffffffu, av, off);")
+    b.emit("int bi = __shfl_down_sync(0xffffffffu, ai, off);")
+    b.emit(f"if (bi != 2147483647 && (ai == 2147483647 || {better})) {{ av = bv; ai = bi; }}")
+    b.close()
+    b.open("if (lane == 0)")
+    b.store(out, "o", f"({dtypes.compute_type(out.dtype)})ai")
+    b.close()
+    return b.finish("arg", out, blocks_for(n_out * 32), BLOCK)

@@ -1,0 +1,64 @@
+"""Reductions. Each returns (combine template, identity, accumulator C type) for a dtype;
+codegen.reduction_kernel fuses the operand's elementwise producers into the loop."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nimblejax.lowering import dtypes
+from nimblejax.lowering.elementwise import _FMAX, _FMIN
+from nimblejax.lowering.registry import register
+
+
+@dataclass(frozen=True)
+class Reducer:
+    combine: str
+    init: str
+    acc_type: str
+
+
+def _acc_type(dtype) -> str:
+    # Halves accumulate in float (as XLA does); bool accumulates in int because warp
+    # shuffles do not take bool.
+    return "int" if dtypes.name(dtype) == "bool" else dtypes.compute_type(dtype)
+
+
+@register("reduce_sum", kind="reduction")
+def reduce_sum(dtype) -> Reducer:
+    return Reducer("({a} + {b})", dtypes.literal(0, dtype), _acc_type(dtype))
+
+
+@register("reduce_prod", kind="reduction")
+def reduce_prod(dtype) -> Reducer:
+    return Reducer("({a} * {b})", dtypes.literal(1, dtype), _acc_type(dtype))
+
+
+@register("reduce_max", kind="reduction")
+def reduce_max(dtype) -> Reducer:
+    if dtypes.is_float(dtype):
+        return Reducer(_FMAX, dtypes.lowest(dtype), "float")
+    if dtypes.name(dtype) == "bool":
+        return Reducer("({a} || {b})", "0", "int")
+    return Reducer("max({a}, {b})", dtypes.lowest(dtype), _acc_type(dtype))
+
+
+@register("reduce_min", kind="reduction")
+def reduce_min(dtype) -> Reducer:
+    if dtypes.is_float(dtype):
+        return Reducer(_FMIN, dtypes.highest(dtype), "float")
+    if dtypes.name(dtype) == "bool":
+        return Reducer("({a} && {b})", "1", "int")
+    return Reducer("min({a}, {b})", dtypes.highest(dtype), _acc_type(dtype))
+
+
+@register("reduce_or", kind="reduction")
+def reduce_or(dtype) -> Reducer:
+    if dtypes.name(dtype) == "bool":
+        return Reducer("({a} || {b})", "0", "int")
+    return Reducer("({a} | {b})", "0", _acc_type(dtype))
+
+
+@register("reduce_and", kind="reduction")
+def reduce_and(dtype) -> Reducer:
+    if dtypes.name(dtype) == "bool":
+        return Reducer("({a} && {b})", "1", "int")
+    return Reducer("({a} & {b})", "(~0)", _acc_type(dtype))

@@ -1,0 +1,151 @@
+"""jaxpr → graph IR: inline nested calls, bind constants and literals, drop dead code.
+
+Works across the jaxpr renames listed in DESIGN.md: nested jit is `pjit` (≤0.6) or
+`jit` (≥0.7); custom_vjp is `custom_vjp_call_jaxpr` (≤0.6) or `custom_vjp_call`
+(≥0.7); 0.11 merged ClosedJaxpr into Jaxpr.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from nimblejax.ir import Atom, Graph, Literal, Node, Var
+
+# Call-like primitives whose body is inlined, and the params that may hold the body.
+INLINED = {
+    "pjit": ("jaxpr",),
+    "jit": ("jaxpr",),
+    "closed_call": ("call_jaxpr",),
+    "core_call": ("call_jaxpr",),
+    "custom_jvp_call": ("call_jaxpr", "jaxpr"),
+    "custom_vjp_call": ("call_jaxpr", "fun_jaxpr", "jaxpr"),
+    "custom_vjp_call_jaxpr": ("fun_jaxpr", "call_jaxpr"),
+    "remat": ("jaxpr",),
+    "remat2": ("jaxpr",),
+    "checkpoint": ("jaxpr",),
+    "custom_lin": (),  # only appears under linearize; never in a plain jaxpr
+}
+# Primitives that are the identity on values.
+IDENTITY = frozenset({"stop_gradient", "optimization_barrier"})
+
+
+def make_graph(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> tuple[Graph, Any]:
+    """Trace `fun` (flat arguments, flat outputs) and return (graph, output shapes)."""
+    closed, out_shapes = jax.make_jaxpr(fun, return_shape=True)(*specs)
+    return jaxpr_to_graph(closed), out_shapes
+
+
+def open_jaxpr(j: Any) -> tuple[Any, list]:
+    """(jaxpr, consts) of a ClosedJaxpr, or of a Jaxpr that carries its consts (≥0.11)."""
+    inner = getattr(j, "jaxpr", j)
+    consts = getattr(j, "consts", None)
+    if consts is None:
+        consts = getattr(inner, "consts", None) or []
+    return inner, list(consts)
+
+
+def jaxpr_to_graph(closed: Any) -> Graph:
+    jaxpr, consts = open_jaxpr(closed)
+    builder = _Builder()
+    inputs = tuple(builder.new_var(v.aval) for v in jaxpr.invars)
+    const_vars = [builder.const(c) for c in consts]
+    outs = builder.inline(jaxpr, list(const_vars) + list(inputs))
+    graph = Graph(inputs=inputs, outputs=tuple(outs), nodes=tuple(builder.nodes),
+                  consts=builder.consts)
+    return drop_dead_code(graph)
+
+
+class _Builder:
+    def __init__(self) -> None:
+        self.nodes: list[Node] = []
+        self.consts: dict[Var, np.ndarray] = {}
+
+    def new_var(self, aval: Any) -> Var:
+        return Var(tuple(int(d) for d in aval.shape), np.dtype(aval.dtype),
+                   bool(getattr(aval, "weak_type", False)))
+
+    def const(self, value: Any) -> Atom:
+        arr = np.asarray(value)
+        if arr.ndim == 0:
+            return Literal(arr)
+        var = Var(arr.shape, arr.dtype)
+        self.consts[var] = arr
+        return var
+
+    def inline(self, jaxpr: Any, args: list[Atom]) -> list[Atom]:
+        env: dict[Any, Atom] = dict(zip(list(jaxpr.constvars) + list(jaxpr.invars), args))
+
+        def read(v: Any) -> Atom:
+            if _is_literal(v):
+                return Literal(np.asarray(v.val, dtype=v.aval.dtype))
+            return env[v]
+
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            name = eqn.primitive.name
+            if name in INLINED and _body(eqn) is not None:
+                body, consts = open_jaxpr(_body(eqn))
+                outs = self.inline(body, [self.const(c) for c in consts] + ins)
+            elif name in IDENTITY:
+                outs = ins[: len(eqn.outvars)]
+            else:
+                outs = [self.new_var(v.aval) for v in eqn.outvars]
+                self.nodes.append(Node(eqn.primitive, tuple(ins), tuple(outs),
+                                       dict(eqn.params), source_line(eqn),
+                                       effectful=bool(getattr(eqn, "effects", None))))
+            for v, a in zip(eqn.outvars, outs):
+                if not _is_dropvar(v):
+                    env[v] = a
+        return [read(v) for v in jaxpr.outvars]
+
+
+def _body(eqn: Any) -> Any:
+    for key in INLINED[eqn.primitive.name]:
+        if eqn.params.get(key) is not None:
+            return eqn.params[key]
+    return None
+
+
+def _is_literal(v: Any) -> bool:
+    return type(v).__name__ == "Literal"
+
+
+def _is_dropvar(v: Any) -> bool:
+    return type(v).__name__ == "DropVar"
+
+
+def source_line(eqn: Any) -> str:
+    """file:line of the user's code that emitted `eqn` (JAX's internal frames skipped)."""
+    from jax._src import source_info_util as siu
+
+    info = eqn.source_info
+    for get in (lambda: siu.user_frame(info.traceback), lambda: siu.user_frame(info)):
+        try:
+            frame = get()
+        except Exception:  # the helper's signature moved across JAX versions
+            continue
+        if frame is not None and frame.file_name:
+            return f"{frame.file_name}:{frame.start_line}"
+    try:
+        return siu.summarize(info) or "<unknown>"
+    except Exception:
+        return "<unknown>"
+
+
+def drop_dead_code(graph: Graph) -> Graph:
+    live = {a for a in graph.outputs if isinstance(a, Var)}
+    kept: list[Node] = []
+    for node in reversed(graph.nodes):
+        if any(o in live for o in node.outputs) or _has_effect(node):
+            kept.append(node)
+            live.update(a for a in node.inputs if isinstance(a, Var))
+    consts = {v: c for v, c in graph.consts.items() if v in live}
+    return Graph(graph.inputs, graph.outputs, tuple(reversed(kept)), consts)
+
+
+def _has_effect(node: Node) -> bool:
+    # Effectful nodes (debug callbacks, io) are kept so that lowering can reject them
+    # by name instead of dropping them silently.
+    return node.effectful
