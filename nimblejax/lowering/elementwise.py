@@ -56,6 +56,10 @@ BINARY_BOOL = {"and": "({a} && {b})", "or": "({a} || {b})", "xor": "({a} != {b})
 COMPARE = {"eq": "({a} == {b})", "ne": "({a} != {b})", "lt": "({a} < {b})",
            "le": "({a} <= {b})", "gt": "({a} > {b})", "ge": "({a} >= {b})"}
 
+# add_any is the add that jax.grad emits to accumulate cotangents.
+for _table in (BINARY_FLOAT, BINARY_INT, BINARY_UINT, BINARY_BOOL):
+    _table["add_any"] = _table["add"]
+
 UNARY = {"float": UNARY_FLOAT, "int": UNARY_INT, "uint": UNARY_INT, "bool": UNARY_BOOL}
 BINARY = {"float": BINARY_FLOAT, "int": BINARY_INT, "uint": BINARY_UINT, "bool": BINARY_BOOL}
 

@@ -101,7 +101,7 @@ def dot_general(node: Node) -> Union[GemmCall, Kernel]:
     batch, m, k, n = size(lhs, lb), size(lhs, lf), size(lhs, lc), size(rhs, rf)
     ta, tb = layout
     if dtypes.name(lhs.dtype) in GEMM_DTYPES and dtypes.name(lhs.dtype) == dtypes.name(rhs.dtype) \
-            and dtypes.name(out.dtype) in GEMM_DTYPES:
+            and dtypes.name(out.dtype) in GEMM_DTYPES and min(batch, m, n, k) > 0:
         return GemmCall(batch, m, n, k, ta, tb, dtypes.name(lhs.dtype), dtypes.name(out.dtype),
                         compute_mode(node), lhs, rhs, out)
     return naive_matmul(node, batch, m, n, k, ta, tb)

@@ -379,8 +379,11 @@ class GemmSpec:
     compute: str
     alpha: float = 1.0
     beta: float = 0.0
+    out_dtype: str | None = None  # C's dtype when it differs (bf16 x bf16 -> f32)
 
     def __post_init__(self) -> None:
+        if self.out_dtype is not None and self.out_dtype not in _DTYPES:
+            raise ValueError(f"GemmSpec.out_dtype={self.out_dtype!r}; expected one of {list(_DTYPES)}")
         for name in ("batch", "m", "n", "k"):
             value = getattr(self, name)
             if not 1 <= value <= _INT32_MAX:
@@ -496,7 +499,7 @@ def gemm_strided_batched(
         cm.stride_second,
         ctypes.byref(beta),
         c_ptr,
-        dtype,
+        _DTYPES[spec.out_dtype or spec.dtype][0],
         cm.ldc,
         cm.stride_c,
         spec.batch,

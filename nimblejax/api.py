@@ -1,0 +1,259 @@
+"""`nimble.jit`: flatten arguments, cache one plan per input signature, run it.
+
+Calling conventions follow jax.jit: pytrees in and out, static_argnums/static_argnames
+hashed into the cache key, Python scalars weakly typed.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nimblejax.runtime.plan import Plan, build_plan
+from nimblejax.trace import make_graph
+
+BACKENDS = ("cuda", "interpret", "jax")
+OUTPUTS = ("jax", "cupy", "numpy")
+_warned_no_gpu = False
+
+
+def gpu_available() -> bool:
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no CUDA driver, no cupy: no GPU
+        return False
+
+
+def default_backend() -> str:
+    global _warned_no_gpu
+    if gpu_available():
+        return "cuda"
+    if not _warned_no_gpu:
+        warnings.warn("nimblejax: no CUDA GPU is visible; nimble.jit falls back to jax.jit "
+                      "(backend='jax'). Pass backend='interpret' to check a plan on the CPU.",
+                      stacklevel=3)
+        _warned_no_gpu = True
+    return "jax"
+
+
+def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
+        max_streams: Optional[int] = None, backend: Optional[str] = None,
+        output: str = "jax", eager: Optional[bool] = None) -> Any:
+    """Compile `fun` into one frozen multi-stream CUDA graph per input signature.
+
+    Usable as ``@nimble.jit`` or ``@nimble.jit(static_argnums=...)``. ``backend`` is
+    ``"cuda"`` (default where a GPU is visible), ``"interpret"`` (the CPU plan
+    interpreter) or ``"jax"`` (plain jax.jit). ``output`` picks the type of returned
+    arrays on the cuda backend: ``"jax"`` (default) or ``"cupy"``. ``eager=True`` (or
+    ``NIMBLE_EAGER=1``) launches tasks one by one instead of the graph.
+    """
+    options = dict(static_argnums=static_argnums, static_argnames=static_argnames,
+                   donate_argnums=donate_argnums, max_streams=max_streams, backend=backend,
+                   output=output, eager=eager)
+    if fun is None:
+        return functools.partial(jit, **options)
+    return NimbleFunction(fun, **options)
+
+
+def _as_tuple(x) -> tuple:
+    if x is None:
+        return ()
+    return (x,) if isinstance(x, (int, str)) else tuple(x)
+
+
+@dataclass
+class Compiled:
+    plan: Plan
+    out_tree: Any
+    run: Callable[[list], list]
+
+
+class NimbleFunction:
+    def __init__(self, fun: Callable, *, static_argnums, static_argnames, donate_argnums,
+                 max_streams, backend, output, eager) -> None:
+        if not callable(fun):
+            raise TypeError(f"nimble.jit expects a function, got {type(fun).__name__}")
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+        if max_streams is not None and (not isinstance(max_streams, int) or max_streams < 1):
+            raise ValueError(f"max_streams must be a positive int or None, got {max_streams!r}")
+        self.fun = fun
+        functools.update_wrapper(self, fun)
+        self.static_argnums, self.static_argnames = _static_positions(
+            fun, _as_tuple(static_argnums), _as_tuple(static_argnames))
+        self.donate_argnums = _as_tuple(donate_argnums)
+        self.max_streams = max_streams
+        self.backend = backend
+        self.output = output
+        self.eager = eager
+        self._cache: dict[Any, Compiled] = {}
+        self._lock = threading.Lock()
+        self._jax_fn: Optional[Callable] = None
+
+    # ---- public -----------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        backend = self.backend or default_backend()
+        if backend == "jax":
+            return self._jax()(*args, **kwargs)
+        leaves, key, in_tree, statics = self._flatten(args, kwargs)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            with self._lock:
+                compiled = self._cache.get(key) or self._compile(key, leaves, in_tree, statics, backend)
+        outs = compiled.run(leaves)
+        return jax.tree_util.tree_unflatten(compiled.out_tree, outs)
+
+    def plan(self, *args, **kwargs) -> Plan:
+        """The launch plan for these arguments (traced and planned, not compiled)."""
+        leaves, _key, in_tree, statics = self._flatten(args, kwargs)
+        return self._trace(leaves, in_tree, statics)[0]
+
+    @property
+    def cache_size(self) -> int:
+        return len(self._cache)
+
+    # ---- internals --------------------------------------------------------------
+    def _jax(self) -> Callable:
+        if self._jax_fn is None:
+            self._jax_fn = jax.jit(self.fun, static_argnums=self.static_argnums,
+                                   static_argnames=self.static_argnames,
+                                   donate_argnums=self.donate_argnums)
+        return self._jax_fn
+
+    def _flatten(self, args: tuple, kwargs: dict):
+        statics = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
+        statics += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        with_path, in_tree = jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))
+        leaves = []
+        for path, leaf in with_path:
+            leaves.append(_check_leaf(path, leaf, self.fun))
+        for _, v in statics:
+            try:
+                hash(v)
+            except TypeError:
+                raise TypeError(f"static argument {v!r} of {self.fun.__name__} must be "
+                                f"hashable (it is part of the cache key)") from None
+        key = (in_tree, tuple(_signature(x) for x in leaves), statics)
+        return leaves, key, in_tree, statics
+
+    def _trace(self, leaves, in_tree, statics):
+        out_tree_box = []
+        static_pos = dict((k, v) for k, v in statics if isinstance(k, int))
+        static_kw = dict((k, v) for k, v in statics if isinstance(k, str))
+
+        def flat_fun(*flat):
+            dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, flat)
+            it = iter(dyn_args)
+            n = len(dyn_args) + len(static_pos)
+            full = [static_pos[i] if i in static_pos else next(it) for i in range(n)]
+            out = self.fun(*full, **dyn_kwargs, **static_kw)
+            out_leaves, out_tree = jax.tree_util.tree_flatten(out)
+            out_tree_box.append(out_tree)
+            return out_leaves
+
+        specs = [jax.ShapeDtypeStruct(*_signature(x)[:2], weak_type=_signature(x)[2]) for x in leaves]
+        graph, _ = make_graph(flat_fun, specs)
+        plan = build_plan(graph, self.max_streams)
+        return plan, out_tree_box[-1]
+
+    def _compile(self, key, leaves, in_tree, statics, backend) -> Compiled:
+        plan, out_tree = self._trace(leaves, in_tree, statics)
+        if backend == "interpret":
+            run = _interpret_runner(plan)
+        else:
+            from nimblejax.runtime.executable import make_executable
+
+            run = make_executable(plan, output=self.output, eager=self.eager,
+                                  donate=self._donated_leaves(in_tree))
+        compiled = Compiled(plan, out_tree, run)
+        self._cache[key] = compiled
+        return compiled
+
+    def _donated_leaves(self, in_tree) -> frozenset[int]:
+        """Flat indices of leaves that belong to donated positional arguments."""
+        if not self.donate_argnums:
+            return frozenset()
+        dyn_positions = [i for i in range(in_tree.children()[0].num_children + len(self.static_argnums))
+                         if i not in self.static_argnums]
+        args_tree = in_tree.children()[0]
+        donated, start = set(), 0
+        for pos, child in zip(dyn_positions, args_tree.children()):
+            if pos in self.donate_argnums:
+                donated.update(range(start, start + child.num_leaves))
+            start += child.num_leaves
+        return frozenset(donated)
+
+
+def _interpret_runner(plan: Plan) -> Callable[[list], list]:
+    from nimblejax.runtime import interpret
+
+    calls = iter(range(1 << 62))
+
+    def run(leaves: list) -> list:
+        # Each call takes another interleaving of the streams.
+        outs = interpret.run(plan, [np.asarray(x) for x in leaves], seed=next(calls))
+        return [jnp.asarray(o) for o in outs]
+
+    return run
+
+
+def _static_positions(fun: Callable, nums: tuple, names: tuple) -> tuple[tuple, tuple]:
+    """Complete static_argnums from static_argnames and back, as jax.jit does."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return tuple(nums), tuple(names)
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    nums = set(i if i >= 0 else len(positional) + i for i in nums)
+    names = set(names)
+    for i in list(nums):
+        if i < len(positional):
+            names.add(positional[i])
+    for n in list(names):
+        if n in positional:
+            nums.add(positional.index(n))
+    return tuple(sorted(nums)), tuple(sorted(names))
+
+
+def _is_array_like(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float)) or \
+        hasattr(x, "__cuda_array_interface__")
+
+
+def _check_leaf(path, leaf: Any, fun: Callable) -> Any:
+    if _is_array_like(leaf):
+        return leaf
+    where = jax.tree_util.keystr(path)
+    raise TypeError(
+        f"argument {where} of {getattr(fun, '__name__', 'the function')} is a "
+        f"{type(leaf).__name__}, not an array: pass a jax/numpy/cupy array or a Python "
+        f"scalar, or mark the argument static with static_argnums/static_argnames")
+
+
+def _signature(x: Any) -> tuple:
+    """(shape, dtype, weak_type): the part of an argument a plan depends on."""
+    if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
+        dtype = jnp.asarray(x).dtype  # Python scalars are weakly typed, as in jax.jit
+        return (), np.dtype(dtype), True
+    if isinstance(x, jax.Array):
+        return tuple(x.shape), np.dtype(x.dtype), bool(getattr(x, "weak_type", False))
+    dtype = np.dtype(x.dtype)
+    if dtype == np.float64 and not jax.config.jax_enable_x64:
+        dtype = np.dtype(np.float32)
+    elif dtype == np.int64 and not jax.config.jax_enable_x64:
+        dtype = np.dtype(np.int32)
+    return tuple(x.shape), dtype, False

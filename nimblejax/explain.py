@@ -1,0 +1,70 @@
+"""`nimble.explain`: the plan printed like a jaxpr, annotated with streams, events,
+kernels and buffers."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from nimblejax.runtime.plan import Plan
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+class Report:
+    """What nimble.jit would run: one line per task, then totals."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        s = plan.schedule
+        recorders = [u for u in s.order if any(src is u for src, _ in s.syncs)]
+        self.event_of = {u: i for i, u in enumerate(recorders)}
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.plan.tasks)
+
+    @property
+    def num_streams(self) -> int:
+        return self.plan.schedule.num_streams
+
+    @property
+    def num_events(self) -> int:
+        return len(self.plan.schedule.syncs)
+
+    @property
+    def arena_bytes(self) -> int:
+        return self.plan.memory.arena_bytes
+
+    def task_line(self, task) -> str:
+        p, s = self.plan, self.plan.schedule
+        waits = [f"e{self.event_of[u]}" for u in s.waits(task)]
+        rec = f" record e{self.event_of[task]}" if task in self.event_of else ""
+        wait = f" wait {','.join(waits)}" if waits else ""
+        ins = " ".join(f"{v!r}@{p.offset(v)}" for v in p.reads[task])
+        outs = " ".join(f"{v!r}@{p.offset(v)}({_bytes(v.nbytes)})" for v in p.writes[task])
+        return f"  s{s.stream[task]}{wait}{rec}  {task.name}  {outs} <- {ins}"
+
+    def __str__(self) -> str:
+        p = self.plan
+        lines = [f"nimblejax plan: {len(p.graph.nodes)} equations → {self.num_tasks} tasks "
+                 f"(+{len(p.views)} views)"]
+        lines += [self.task_line(t) for t in p.tasks]
+        lines.append(f"totals: {self.num_tasks} tasks, {self.num_streams} streams, "
+                     f"{self.num_events} events, arena {_bytes(self.arena_bytes)} "
+                     f"({p.memory.describe()}), critical path {p.critical_path} tasks")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def explain(fun: Callable, *args: Any, **kwargs: Any) -> Report:
+    """Plan `fun` for these arguments and return a printable report (nothing runs)."""
+    from nimblejax.api import NimbleFunction, jit
+
+    nf = fun if isinstance(fun, NimbleFunction) else jit(fun, backend="interpret")
+    return Report(nf.plan(*args, **kwargs))

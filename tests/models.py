@@ -1,0 +1,129 @@
+"""Reference functions shared by the interpreter tests and the GPU tests.
+
+Each entry: name → (function, argument factory, options for nimble.jit). Inputs are
+random (never zeros), drawn from a seeded generator.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def rand(rng: np.random.Generator, *shape, dtype=jnp.float32, scale=1.0):
+    return jnp.asarray(rng.standard_normal(shape) * scale, dtype=dtype)
+
+
+def mlp(params, x):
+    for w, b in params:
+        x = jnp.tanh(x @ w + b)
+    return x
+
+
+def mlp_args(rng):
+    sizes = [(16, 32), (32, 32), (32, 8)]
+    params = [(rand(rng, i, o, scale=0.3), rand(rng, o, scale=0.1)) for i, o in sizes]
+    return (params, rand(rng, 4, 16))
+
+
+def softmax(x):
+    return jax.nn.softmax(x, axis=-1)
+
+
+def layer_norm(x, g, b, eps=1e-5):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * g + b
+
+
+def gelu_dense(x, w, b):
+    return jax.nn.gelu(x @ w + b)
+
+
+def attention(q, k, v):
+    s = jnp.einsum("bqd,bkd->bqk", q, k) / np.sqrt(q.shape[-1])
+    return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(s, axis=-1), v)
+
+
+def nested(tree):
+    a, (b, c) = tree["a"], tree["bc"]
+    return {"sum": a + b, "pair": (jnp.sin(c), {"prod": a * b})}
+
+
+def static_power(x, n):
+    y = x
+    for _ in range(n):
+        y = y * x
+    return y
+
+
+def mlp_loss_grad(params, x, y):
+    def loss(p):
+        return jnp.mean((mlp(p, x) - y) ** 2)
+    return jax.grad(loss)(params)
+
+
+@jax.jit
+def _inner(x):
+    return jnp.exp(-x * x)
+
+
+def calls_jitted(x):
+    return jax.nn.relu(_inner(x) - 0.5) + x
+
+
+def branchy_mlp(params, x):
+    """DESIGN.md's branchy MLP: parallel branches of dense + bias + tanh, summed."""
+    out = 0.0
+    for branch in params:
+        h = x
+        for w, b in branch:
+            h = jnp.tanh(h @ w + b)
+        out = out + h
+    return out
+
+
+def branchy_args(rng, branches=4, layers=3, width=64, batch=2):
+    params = [[(rand(rng, width, width, scale=1 / np.sqrt(width)), rand(rng, width, scale=0.1))
+               for _ in range(layers)] for _ in range(branches)]
+    return (params, rand(rng, batch, width))
+
+
+MODELS = {
+    "mlp": (mlp, mlp_args, {}),
+    "softmax": (softmax, lambda r: (rand(r, 4, 33),), {}),
+    "layer_norm": (layer_norm, lambda r: (rand(r, 4, 48), rand(r, 48), rand(r, 48)), {}),
+    "gelu_dense": (gelu_dense, lambda r: (rand(r, 8, 16), rand(r, 16, 24, scale=0.3), rand(r, 24)), {}),
+    "attention": (attention, lambda r: tuple(rand(r, 2, 5, 8) for _ in range(3)), {}),
+    "nested": (nested, lambda r: ({"a": rand(r, 3, 4), "bc": (rand(r, 3, 4), rand(r, 2))},), {}),
+    "static_argnums": (static_power, lambda r: (rand(r, 5), 3), {"static_argnums": (1,)}),
+    "grad_mlp": (mlp_loss_grad, lambda r: mlp_args(r) + (rand(r, 4, 8),), {}),
+    "calls_jitted": (calls_jitted, lambda r: (rand(r, 6, 7),), {}),
+    "branchy_mlp": (branchy_mlp, branchy_args, {}),
+}
+
+
+def tolerance(dtype) -> dict:
+    name = np.dtype(dtype).name
+    if name in ("bfloat16", "float16"):
+        return dict(rtol=2e-2, atol=2e-2)
+    if name == "float32":
+        return dict(rtol=2e-3, atol=2e-3)  # TF32 dots on the GPU
+    return dict(rtol=0, atol=0)
+
+
+def assert_tree_close(got, want) -> None:
+    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
+    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+    assert got_tree == want_tree, f"{got_tree} != {want_tree}"
+    for g, w in zip(got_leaves, want_leaves):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, g.dtype, w.shape, w.dtype)
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), **tolerance(w.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def model_args(name: str, seed: int = 0):
+    return MODELS[name][1](np.random.default_rng(seed))
