@@ -1,0 +1,1 @@
+"""Runtime: memory plan, launch plan, CUDA graph executable, CPU plan interpreter."""
