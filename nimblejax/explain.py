@@ -55,8 +55,8 @@ class Report:
                  f"(+{len(p.views)} views)"]
         lines += [self.task_line(t) for t in p.tasks]
         lines.append(f"totals: {self.num_tasks} tasks, {self.num_streams} streams, "
-                     f"{self.num_events} events, arena {_bytes(self.arena_bytes)} "
-                     f"({p.memory.describe()}), critical path {p.critical_path} tasks")
+                     f"{self.num_events} events, {p.memory.describe()}, "
+                     f"critical path {p.critical_path} tasks")
         return "\n".join(lines)
 
     __repr__ = __str__

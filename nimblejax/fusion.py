@@ -17,7 +17,7 @@ from nimblejax.lowering.registry import check_supported, rule_for
 
 # A node feeding more than this many kernels is materialized rather than recomputed.
 MAX_DUPLICATION = 4
-VIEW_PRIMS = frozenset({"reshape", "squeeze", "expand_dims"})
+VIEW_PRIMS = frozenset({"reshape", "squeeze"})
 
 
 @dataclass(frozen=True, eq=False)

@@ -54,7 +54,7 @@ def jaxpr_to_graph(closed: Any) -> Graph:
     outs = builder.inline(jaxpr, list(const_vars) + list(inputs))
     graph = Graph(inputs=inputs, outputs=tuple(outs), nodes=tuple(builder.nodes),
                   consts=builder.consts)
-    return drop_dead_code(graph)
+    return drop_dead_code(common_subexpressions(graph))
 
 
 class _Builder:
@@ -74,7 +74,10 @@ class _Builder:
         self.consts[var] = arr
         return var
 
-    def inline(self, jaxpr: Any, args: list[Atom]) -> list[Atom]:
+    def inline(self, jaxpr: Any, args: list[Atom], outer: str = "<unknown>") -> list[Atom]:
+        """Copy `jaxpr`'s equations into the graph. `outer` is the user line of the call
+        being inlined: bodies traced once and cached (jnp.fft, jax.nn.relu) carry no
+        user frame of their own, so they report their call site."""
         env: dict[Any, Atom] = dict(zip(list(jaxpr.constvars) + list(jaxpr.invars), args))
 
         def read(v: Any) -> Atom:
@@ -85,15 +88,17 @@ class _Builder:
         for eqn in jaxpr.eqns:
             ins = [read(v) for v in eqn.invars]
             name = eqn.primitive.name
+            src = source_line(eqn)
+            src = outer if src == "<unknown>" else src
             if name in INLINED and _body(eqn) is not None:
                 body, consts = open_jaxpr(_body(eqn))
-                outs = self.inline(body, [self.const(c) for c in consts] + ins)
+                outs = self.inline(body, [self.const(c) for c in consts] + ins, src)
             elif name in IDENTITY:
                 outs = ins[: len(eqn.outvars)]
             else:
                 outs = [self.new_var(v.aval) for v in eqn.outvars]
                 self.nodes.append(Node(eqn.primitive, tuple(ins), tuple(outs),
-                                       dict(eqn.params), source_line(eqn),
+                                       dict(eqn.params), src,
                                        effectful=bool(getattr(eqn, "effects", None))))
             for v, a in zip(eqn.outvars, outs):
                 if not _is_dropvar(v):
@@ -132,6 +137,41 @@ def source_line(eqn: Any) -> str:
         return siu.summarize(info) or "<unknown>"
     except Exception:
         return "<unknown>"
+
+
+def common_subexpressions(graph: Graph) -> Graph:
+    """Merge nodes that apply the same primitive with the same params to the same
+    inputs (jnp.mean inside jnp.var recomputes the mean, for example)."""
+    rename: dict[Var, Atom] = {}
+    seen: dict[Any, Node] = {}
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        ins = tuple(rename.get(a, a) if isinstance(a, Var) else a for a in node.inputs)
+        if ins != node.inputs:
+            node = Node(node.primitive, ins, node.outputs, node.params, node.source, node.effectful)
+        key = _cse_key(node)
+        prev = seen.get(key) if key is not None else None
+        if prev is not None:
+            rename.update(zip(node.outputs, prev.outputs))
+            continue
+        if key is not None:
+            seen[key] = node
+        nodes.append(node)
+    outputs = tuple(rename.get(a, a) if isinstance(a, Var) else a for a in graph.outputs)
+    return Graph(graph.inputs, outputs, tuple(nodes), graph.consts)
+
+
+def _cse_key(node: Node) -> Any:
+    if node.effectful:
+        return None
+    ins = tuple(a if isinstance(a, Var) else ("lit", a.value.dtype.str, a.value.tobytes())
+                for a in node.inputs)
+    try:
+        key = (node.primitive, ins, tuple(sorted(node.params.items())))
+        hash(key)
+    except TypeError:  # params holding arrays or jaxprs: do not merge
+        return None
+    return key
 
 
 def drop_dead_code(graph: Graph) -> Graph:

@@ -91,6 +91,23 @@ def branchy_args(rng, branches=4, layers=3, width=64, batch=2):
     return (params, rand(rng, batch, width))
 
 
+def inception_block(params, x):
+    """Four parallel branches of different depth joined by a concatenate."""
+    outs = []
+    for branch in params:
+        h = x
+        for w in branch:
+            h = jax.nn.relu(h @ w)
+        outs.append(h)
+    return jnp.concatenate(outs, axis=-1)
+
+
+def inception_args(rng, width=32):
+    depths = (1, 2, 2, 3)
+    params = [[rand(rng, width, width, scale=0.3) for _ in range(d)] for d in depths]
+    return (params, rand(rng, 3, width))
+
+
 MODELS = {
     "mlp": (mlp, mlp_args, {}),
     "softmax": (softmax, lambda r: (rand(r, 4, 33),), {}),
@@ -102,6 +119,7 @@ MODELS = {
     "grad_mlp": (mlp_loss_grad, lambda r: mlp_args(r) + (rand(r, 4, 8),), {}),
     "calls_jitted": (calls_jitted, lambda r: (rand(r, 6, 7),), {}),
     "branchy_mlp": (branchy_mlp, branchy_args, {}),
+    "inception_block": (inception_block, inception_args, {}),
 }
 
 

@@ -81,8 +81,8 @@ class KernelBuilder:
         else:
             from nimblejax.lowering.registry import rule_for
 
-            self.ops.append(node.name)
             name = rule_for(node).fn(self, node, idx)
+            self.ops.append(node.name)  # after its operands: names read in compute order
         self.memo[key] = name
         return name
 
@@ -141,7 +141,7 @@ def kernel_name(kind: str, ops: Sequence[str], dtype, text: str) -> str:
     return "nimble_" + "_".join(parts) + "_" + digest
 
 
-INDEX_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze", "expand_dims",
+INDEX_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze",
                         "transpose", "slice", "rev", "convert_element_type"})
 
 
@@ -219,7 +219,7 @@ def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init
     b.open("if (lane == 0)")
     b.store(out, "o", _cast_acc(acc_type, out.dtype))
     b.close()
-    b.ops.insert(0, node.name)
+    b.ops.append(node.name)
     return b.finish("reduce", out, blocks_for(n_out * per_out), BLOCK)
 
 

@@ -19,14 +19,14 @@ UNARY_FLOAT = {
     "sinh": "sinhf({a})", "cosh": "coshf({a})", "tanh": "tanhf({a})", "asinh": "asinhf({a})",
     "acosh": "acoshf({a})", "atanh": "atanhf({a})", "logistic": "(1.0f / (1.0f + expf(-{a})))",
     "erf": "erff({a})", "erfc": "erfcf({a})", "erf_inv": "erfinvf({a})", "lgamma": "lgammaf({a})",
-    "square": "({a} * {a})", "is_finite": "isfinite({a})", "copy": "{a}", "copy_p": "{a}",
+    "square": "({a} * {a})", "is_finite": "isfinite({a})", "copy": "{a}",
 }
 UNARY_INT = {
     "neg": "(-{a})", "abs": "({a} < 0 ? -{a} : {a})", "sign": "(({a} > 0) - ({a} < 0))",
     "not": "(~{a})", "population_count": "__popc({a})", "clz": "__clz({a})",
-    "square": "({a} * {a})", "copy": "{a}", "copy_p": "{a}",
+    "square": "({a} * {a})", "copy": "{a}",
 }
-UNARY_BOOL = {"not": "(!{a})", "copy": "{a}", "copy_p": "{a}"}
+UNARY_BOOL = {"not": "(!{a})", "copy": "{a}"}
 
 BINARY_FLOAT = {
     "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})", "div": "({a} / {b})",

@@ -57,6 +57,7 @@ def check_supported(nodes) -> None:
 
     for node in nodes:
         rule_for(node)
+    for node in nodes:
         for v in list(node.inputs) + list(node.outputs):
             if not dtypes.is_supported(v.dtype):
                 raise UnsupportedPrimitiveError(

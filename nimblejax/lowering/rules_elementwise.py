@@ -140,13 +140,6 @@ def squeeze(b: KernelBuilder, node: Node, idx: Index) -> str:
     return b.value(x, tuple("0" if d in dims else next(it) for d in range(x.ndim)))
 
 
-@register("expand_dims", kind="elementwise")
-def expand_dims(b: KernelBuilder, node: Node, idx: Index) -> str:
-    out = node.outputs[0]
-    dims = {d % out.ndim for d in node.params["dimensions"]}
-    return b.value(node.inputs[0], tuple(i for d, i in enumerate(idx) if d not in dims))
-
-
 @register("transpose", kind="elementwise")
 def transpose(b: KernelBuilder, node: Node, idx: Index) -> str:
     perm = node.params["permutation"]

@@ -1,0 +1,175 @@
+"""Every primitive with a lowering rule, with a function that emits it and reference
+inputs (random, never zeros). test_primitives.py checks each record against jax.jit
+and a meta-test fails when a registered rule has no record here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+@dataclass(frozen=True)
+class Record:
+    primitive: str
+    fn: Callable
+    args: Callable[[np.random.Generator], tuple]
+    label: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.primitive}{'-' + self.label if self.label else ''}"
+
+
+def f32(*shape, lo=-2.0, hi=2.0):
+    return lambda r: jnp.asarray(r.uniform(lo, hi, shape), jnp.float32)
+
+
+def dt(dtype, *shape, lo=-2.0, hi=2.0):
+    return lambda r: jnp.asarray(r.uniform(lo, hi, shape), dtype)
+
+
+def i32(*shape, lo=-50, hi=50):
+    return lambda r: jnp.asarray(r.integers(lo, hi, shape), jnp.int32)
+
+
+def u32(*shape):
+    return lambda r: jnp.asarray(r.integers(0, 2 ** 32 - 1, shape, dtype=np.uint64), jnp.uint32)
+
+
+def boolean(*shape):
+    return lambda r: jnp.asarray(r.random(shape) > 0.5)
+
+
+def args(*makers):
+    return lambda r: tuple(m(r) for m in makers)
+
+
+RECORDS: list[Record] = []
+
+
+def rec(prim, fn, *makers, label=""):
+    RECORDS.append(Record(prim, fn, args(*makers), label))
+
+
+# ---- unary float -------------------------------------------------------------------
+UNARY_FLOAT = {
+    "neg": lax.neg, "abs": lax.abs, "sign": lax.sign, "floor": lax.floor, "ceil": lax.ceil,
+    "exp": lax.exp, "exp2": lax.exp2, "log": lax.log, "log1p": lax.log1p, "expm1": lax.expm1,
+    "sqrt": lax.sqrt, "rsqrt": lax.rsqrt, "cbrt": lax.cbrt, "sin": lax.sin, "cos": lax.cos,
+    "tan": lax.tan, "asin": lax.asin, "acos": lax.acos, "atan": lax.atan, "sinh": lax.sinh,
+    "cosh": lax.cosh, "tanh": lax.tanh, "asinh": lax.asinh, "acosh": lax.acosh,
+    "atanh": lax.atanh, "logistic": lax.logistic, "erf": lax.erf, "erfc": lax.erfc,
+    "erf_inv": lax.erf_inv, "lgamma": lax.lgamma, "square": lax.square,
+    "is_finite": lax.is_finite,
+}
+DOMAIN = {"log": (0.1, 4), "log1p": (-0.5, 3), "sqrt": (0.1, 4), "rsqrt": (0.1, 4),
+          "asin": (-0.9, 0.9), "acos": (-0.9, 0.9), "acosh": (1.1, 4), "atanh": (-0.9, 0.9),
+          "erf_inv": (-0.9, 0.9), "lgamma": (0.5, 4)}
+for name, op in UNARY_FLOAT.items():
+    lo, hi = DOMAIN.get(name, (-2.0, 2.0))
+    rec(name, op, f32(5, 7, lo=lo, hi=hi))
+for name in ("exp", "tanh", "neg", "sqrt"):
+    lo, hi = DOMAIN.get(name, (-2.0, 2.0))
+    rec(name, UNARY_FLOAT[name], dt(jnp.bfloat16, 33, lo=lo, hi=hi), label="bf16")
+    rec(name, UNARY_FLOAT[name], dt(jnp.float16, 33, lo=lo, hi=hi), label="f16")
+rec("round", lambda x: lax.round(x, lax.RoundingMethod.AWAY_FROM_ZERO), f32(40, lo=-5, hi=5))
+rec("round", lambda x: lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN), f32(40, lo=-5, hi=5),
+    label="even")
+rec("copy", lambda x: lax.copy_p.bind(x), f32(6))
+# ---- unary int / bool ------------------------------------------------------------
+rec("neg", lax.neg, i32(9), label="i32")
+rec("abs", lax.abs, i32(9), label="i32")
+rec("sign", lax.sign, i32(9), label="i32")
+rec("not", lax.bitwise_not, i32(9), label="i32")
+rec("not", lax.bitwise_not, boolean(9), label="bool")
+rec("population_count", lax.population_count, i32(9, lo=0, hi=1 << 30))
+rec("clz", lax.clz, i32(9, lo=1, hi=1 << 30))
+# ---- binary ----------------------------------------------------------------------
+BINARY = {"add": lax.add, "sub": lax.sub, "mul": lax.mul, "div": lax.div, "rem": lax.rem,
+          "max": lax.max, "min": lax.min, "atan2": lax.atan2, "nextafter": lax.nextafter,
+          "pow": lax.pow}
+for name, op in BINARY.items():
+    lo = 0.2 if name in ("pow", "div", "rem") else -2.0
+    rec(name, op, f32(4, 6, lo=lo), f32(4, 6, lo=lo))
+for name in ("add", "mul", "max", "div"):
+    rec(name, BINARY[name], dt(jnp.bfloat16, 17, lo=0.5), dt(jnp.bfloat16, 17, lo=0.5), label="bf16")
+for name in ("add", "sub", "mul", "max", "min"):
+    rec(name, BINARY[name], i32(8), i32(8), label="i32")
+rec("div", lax.div, i32(8), i32(8, lo=1, hi=9), label="i32")
+rec("rem", lax.rem, i32(8), i32(8, lo=1, hi=9), label="i32")
+rec("add", lax.add, u32(8), u32(8), label="u32")
+for name, op in {"and": lax.bitwise_and, "or": lax.bitwise_or, "xor": lax.bitwise_xor}.items():
+    rec(name, op, i32(8), i32(8), label="i32")
+    rec(name, op, boolean(8), boolean(8), label="bool")
+for name, op in {"shift_left": lax.shift_left, "shift_right_arithmetic": lax.shift_right_arithmetic,
+                 "shift_right_logical": lax.shift_right_logical}.items():
+    rec(name, op, i32(8), i32(8, lo=0, hi=40))
+for name, op in {"eq": lax.eq, "ne": lax.ne, "lt": lax.lt, "le": lax.le, "gt": lax.gt,
+                 "ge": lax.ge}.items():
+    rec(name, op, f32(12), f32(12))
+    rec(name, op, i32(12, lo=-3, hi=3), i32(12, lo=-3, hi=3), label="i32")
+rec("add_any", lambda x: jax.grad(lambda y: jnp.sum(jnp.sin(y) * y))(x), f32(7))
+rec("select_n", lambda p, a, b: lax.select_n(p, a, b), boolean(10), f32(10), f32(10))
+rec("select_n", lambda i, a, b, c: lax.select_n(i, a, b, c), i32(10, lo=0, hi=3), f32(10), f32(10),
+    f32(10), label="int")
+rec("clamp", lambda x: lax.clamp(-0.5, x, 0.7), f32(20))
+rec("clamp", lambda x: lax.clamp(-3, x, 4), i32(20), label="i32")
+rec("integer_pow", lambda x: lax.integer_pow(x, 5), f32(11))
+rec("integer_pow", lambda x: lax.integer_pow(x, -3), f32(11, lo=0.5), label="neg")
+rec("integer_pow", lambda x: lax.integer_pow(x, 3), dt(jnp.bfloat16, 11), label="bf16")
+rec("pow", lambda x: x ** 2.5, f32(11, lo=0.1), label="scalar")
+# ---- conversions -----------------------------------------------------------------
+rec("convert_element_type", lambda x: x.astype(jnp.bfloat16), f32(9))
+rec("convert_element_type", lambda x: x.astype(jnp.int32), f32(9, lo=-100, hi=100), label="f2i")
+rec("convert_element_type", lambda x: x.astype(jnp.float16), i32(9), label="i2h")
+rec("convert_element_type", lambda x: x.astype(jnp.float32), boolean(9), label="b2f")
+rec("convert_element_type", lambda x: x.astype(bool), f32(9), label="f2b")
+rec("reduce_precision", lambda x: lax.reduce_precision(x, 8, 7), f32(9))
+# ---- shape and index ops -----------------------------------------------------------
+rec("broadcast_in_dim", lambda x: lax.broadcast_in_dim(x, (3, 4, 5), (0, 2)) + 1.0, f32(3, 5))
+rec("reshape", lambda x: jnp.sin(x).reshape(6, 4) * 2.0, f32(4, 6))
+rec("reshape", lambda x: x.reshape(6, 4), f32(4, 6), label="view")
+rec("squeeze", lambda x: jnp.cos(lax.squeeze(x, (1,))), f32(4, 1, 6))
+rec("transpose", lambda x: jnp.transpose(x, (2, 0, 1)) * 3.0, f32(2, 3, 4))
+rec("slice", lambda x: lax.slice(x, (1, 0), (6, 8), (2, 3)), f32(7, 9))
+rec("rev", lambda x: lax.rev(x, (0,)), f32(5, 3))
+rec("iota", lambda x: x + lax.broadcasted_iota(jnp.float32, (4, 5), 1), f32(4, 5))
+rec("iota", lambda x: x + lax.iota(jnp.int32, 6), i32(6), label="i32")
+rec("concatenate", lambda a, b: jnp.concatenate([a, b, a], axis=1), f32(3, 2), f32(3, 5))
+rec("pad", lambda x: lax.pad(x, 1.5, ((1, 2, 0), (-1, 1, 2))), f32(4, 5))
+rec("dynamic_slice", lambda x, i: lax.dynamic_slice(x, (i, 2), (3, 4)), f32(6, 7),
+    lambda r: jnp.int32(r.integers(0, 8)))
+rec("dynamic_update_slice", lambda x, u, i: lax.dynamic_update_slice(x, u, (i, 1)), f32(6, 7),
+    f32(2, 3), lambda r: jnp.int32(r.integers(-2, 8)))
+# ---- reductions and scans ----------------------------------------------------------
+rec("reduce_sum", lambda x: jnp.sum(x, axis=1), f32(6, 50, 3))
+rec("reduce_sum", lambda x: jnp.sum(x), f32(5000), label="full")
+rec("reduce_sum", lambda x: jnp.sum(x, axis=-1), dt(jnp.bfloat16, 4, 40), label="bf16")
+rec("reduce_sum", lambda x: jnp.sum(x, axis=0), i32(30, 3), label="i32")
+rec("reduce_max", lambda x: jnp.max(x, axis=(0, 2)), f32(6, 5, 7))
+rec("reduce_max", lambda x: jnp.max(x, axis=0), i32(6, 5), label="i32")
+rec("reduce_min", lambda x: jnp.min(x, axis=-1), f32(6, 37))
+rec("reduce_prod", lambda x: jnp.prod(x, axis=-1), f32(4, 9, lo=0.5, hi=1.5))
+rec("reduce_or", lambda x: jnp.any(x > 1.0, axis=-1), f32(6, 9))
+rec("reduce_and", lambda x: jnp.all(x > -1.5, axis=-1), f32(6, 9))
+rec("argmax", lambda x: jnp.argmax(x, axis=1), f32(5, 70))
+rec("argmin", lambda x: jnp.argmin(x, axis=0), f32(70, 5))
+rec("cumsum", lambda x: jnp.cumsum(x, axis=1), f32(3, 20))
+rec("cumsum", lambda x: lax.cumsum(x, axis=0, reverse=True), f32(9, 4), label="reverse")
+rec("cumprod", lambda x: jnp.cumprod(x, axis=0), f32(9, 4, lo=0.5, hi=1.5))
+rec("cummax", lambda x: lax.cummax(x, axis=0), f32(9, 4))
+rec("cummin", lambda x: lax.cummin(x, axis=1), f32(4, 9))
+# ---- matrix products ----------------------------------------------------------------
+rec("dot_general", lambda a, b: a @ b, f32(5, 7), f32(7, 3))
+rec("dot_general", lambda a, b: jnp.einsum("bij,bkj->bik", a, b), f32(2, 5, 7), f32(2, 4, 7),
+    label="batched")
+rec("dot_general", lambda a, b: jnp.einsum("ijb,jk->bik", a, b), f32(5, 7, 2), f32(7, 3),
+    label="transposed")
+rec("dot_general", lambda a, b: lax.dot(a, b, precision=lax.Precision.HIGHEST), f32(6, 8), f32(8, 4),
+    label="highest")
+rec("dot_general", lambda a, b: a @ b, dt(jnp.bfloat16, 6, 8), dt(jnp.bfloat16, 8, 4), label="bf16")
+rec("dot_general", lambda a, b: a @ b, i32(4, 5, lo=-5, hi=5), i32(5, 3, lo=-5, hi=5), label="i32")

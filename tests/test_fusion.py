@@ -1,0 +1,58 @@
+"""Fusion targets, asserted on the plan."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nimblejax as nimble
+from models import gelu_dense, layer_norm, mlp, mlp_args, rand, softmax
+
+
+def kernels(fn, *args):
+    plan = nimble.jit(fn, backend="interpret").plan(*args)
+    return [t for t in plan.tasks if t.kind == "kernel"], [t for t in plan.tasks if t.kind == "gemm"]
+
+
+r = np.random.default_rng(0)
+
+
+def test_softmax_at_most_3_kernels():
+    ks, gs = kernels(softmax, rand(r, 8, 128))
+    assert len(ks) <= 3 and not gs
+
+
+def test_layer_norm_at_most_3_kernels():
+    ks, _ = kernels(layer_norm, rand(r, 8, 64), rand(r, 64), rand(r, 64))
+    assert len(ks) <= 3
+
+
+def test_jax_nn_layer_norm_style_at_most_3_kernels():
+    def ln(x):
+        m = jnp.mean(x, -1, keepdims=True)
+        return (x - m) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-6)
+    ks, _ = kernels(ln, rand(r, 8, 64))
+    assert len(ks) <= 3
+
+
+def test_gelu_dense_is_one_gemm_and_one_kernel():
+    ks, gs = kernels(gelu_dense, rand(r, 8, 16), rand(r, 16, 24), rand(r, 24))
+    assert (len(gs), len(ks)) == (1, 1)
+
+
+def test_mlp_bias_and_activation_fuse_after_each_gemm():
+    params, x = mlp_args(r)
+    ks, gs = kernels(mlp, params, x)
+    assert len(gs) == len(params) and len(ks) == len(params)
+
+
+def test_reshape_of_a_buffer_is_a_view():
+    plan = nimble.jit(lambda a, b, c: (a @ b).reshape(-1) @ c, backend="interpret").plan(
+        rand(r, 3, 5), rand(r, 5, 4), rand(r, 12))
+    assert [t.kind for t in plan.views] == ["view"]
+    assert sum(t.kind == "kernel" for t in plan.tasks) == 0
+
+
+def test_generated_kernel_names_are_readable():
+    ks, _ = kernels(lambda x: jnp.tanh(x) + 1.0, rand(r, 4))
+    assert ks[0].name.startswith("nimble_fused_tanh_add_f32_")
