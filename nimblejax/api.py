@@ -124,6 +124,11 @@ class NimbleFunction:
     def cache_size(self) -> int:
         return len(self._cache)
 
+    def executables(self) -> list:
+        """The compiled runners, one per cached signature (GPU: Executable objects
+        with a `stats` dict of calls, graph launches and task launches)."""
+        return [c.run for c in self._cache.values()]
+
     # ---- internals --------------------------------------------------------------
     def _jax(self) -> Callable:
         if self._jax_fn is None:

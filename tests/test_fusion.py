@@ -1,7 +1,6 @@
 """Fusion targets, asserted on the plan."""
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 

@@ -7,7 +7,7 @@ from typing import Callable
 
 from nimblejax.ir import Node, Var
 from nimblejax.lowering import dtypes
-from nimblejax.lowering.codegen import BLOCK, Index, KernelBuilder, blocks_for, linear
+from nimblejax.lowering.codegen import BLOCK, Index, KernelBuilder, blocks_for
 from nimblejax.lowering.registry import register
 from nimblejax.lowering.task import Kernel
 from nimblejax.lowering.elementwise import _FMAX, _FMIN

@@ -72,13 +72,13 @@ class Executable:
     def _upload_consts(self) -> None:
         for var, value in self.plan.graph.consts.items():
             if var in self.plan.memory.offsets:
-                self._view(var).set(np.ascontiguousarray(value, dtype=var.dtype))
+                host = np.ascontiguousarray(value, dtype=var.dtype)
+                self._view(var).set(host.view(cupy_dtype(var.dtype)))
 
     def _view(self, var):
-        """A cupy array over `var`'s bytes in the arena."""
-        off = self.plan.offset(var)
-        mem = self.cupy.cuda.MemoryPointer(self.arena.data.mem, self.arena.data.ptr - self.arena.data.mem.ptr + off)
-        return self.cupy.ndarray(var.shape, dtype=var.dtype, memptr=mem)
+        """A cupy array over `var`'s bytes in the arena (dtypes cupy knows)."""
+        return (self.arena[self.plan.offset(var): self.plan.offset(var) + var.nbytes]
+                .view(cupy_dtype(var.dtype)).reshape(var.shape))
 
     def _args(self, task: Task) -> tuple:
         if task.kind == "kernel":
@@ -137,8 +137,6 @@ class Executable:
         finally:
             graph = s0.end_capture()  # ends capture even on error, so s0 stays usable
         self.graph = graph
-        self.graph.upload(s0)
-        s0.synchronize()
 
     # ---- calling ----------------------------------------------------------------
     def __call__(self, leaves: list) -> list:
@@ -160,49 +158,132 @@ class Executable:
         return [self._wrap(o) for o in outs]
 
     def _bind_inputs(self, leaves: list) -> None:
+        s0 = self.streams[0]
         for i, (var, x) in enumerate(zip(self.plan.graph.inputs, leaves)):
-            if var not in self.plan.memory.offsets:
+            if var not in self.plan.memory.offsets or var.nbytes == 0:
                 continue
-            if x is self.last_inputs[i] and _immutable(x):
+            if x is self.last_inputs[i] and _on_gpu(x):
                 continue  # the same immutable jax.Array as last call: already in place
-            self._view(var)[...] = _to_cupy(self.cupy, x, var.dtype)
-            self.last_inputs[i] = x
+            copy_in(self.cupy, s0, self.base + self.plan.offset(var), var, x)
+            self.last_inputs[i] = x if _on_gpu(x) else None
             self.stats["input_copies"] += 1
 
-    def _output(self, atom, leaves):
-        cp = self.cupy
-        kind = self.plan.output_kind(atom)
-        if kind == "literal":
-            return cp.asarray(np.asarray(atom.value))
-        if kind == "const":
-            return cp.asarray(self.plan.graph.consts[atom])
-        if kind == "input":
-            return _to_cupy(cp, leaves[self.plan.graph.inputs.index(atom)], atom.dtype).copy()
-        return self._view(atom).copy()
+    def _outputs(self, leaves: list) -> list:
+        """Fresh copies of the outputs, in one allocation, on stream 0."""
+        cp, s0 = self.cupy, self.streams[0]
+        atoms = self.plan.graph.outputs
+        buffers = [a for a in atoms if self.plan.output_kind(a) == "buffer"]
+        offsets, total = {}, 0
+        for a in buffers:
+            offsets.setdefault(a, total)
+            total = offsets[a] + -(-a.nbytes // 256) * 256
+        block = cp.empty(max(total, 1), dtype=np.uint8)
+        for a in offsets:
+            if a.nbytes:
+                cp.cuda.runtime.memcpyAsync(block.data.ptr + offsets[a], self.base + self.plan.offset(a),
+                                            a.nbytes, D2D, s0.ptr)
+        outs = []
+        for a in atoms:
+            kind = self.plan.output_kind(a)
+            if kind == "buffer":
+                outs.append(Out(block[offsets[a]: offsets[a] + a.nbytes], a.shape, a.dtype))
+            elif kind == "input":
+                outs.append(leaves[self.plan.graph.inputs.index(a)])
+            elif kind == "literal":
+                outs.append(np.asarray(a.value))
+            else:
+                outs.append(np.asarray(self.plan.graph.consts[a]))
+        return outs
 
-    def _wrap(self, arr):
+    def _call(self, leaves: list) -> list:
+        s0 = self.streams[0]
+        with s0:
+            self._bind_inputs(leaves)
+            if self.graph is not None:
+                self.graph.launch(s0)
+                self.stats["graph_launches"] += 1
+            else:
+                self._launch_all()
+            outs = self._outputs(leaves)
+        s0.synchronize()  # outputs are complete before anyone else reads them
+        self.stats["calls"] += 1
+        return [self._wrap(o) for o in outs]
+
+    def _wrap(self, out):
+        if isinstance(out, Out):
+            return out.to(self.output)
+        if self.output == "jax":
+            import jax.numpy as jnp
+
+            return jnp.asarray(out)
         if self.output == "cupy":
+            return self.cupy.asarray(out)
+        return np.asarray(out)
+
+
+D2D, H2D = 3, 1  # cudaMemcpyKind
+
+
+class Out:
+    """Raw output bytes in a fresh device buffer, turned into the requested array type."""
+
+    def __init__(self, raw, shape, dtype) -> None:
+        self.raw, self.shape, self.dtype = raw, shape, np.dtype(dtype)
+
+    def to(self, kind: str):
+        import cupy
+
+        arr = self.raw.view(cupy_dtype(self.dtype)).reshape(self.shape)
+        if kind == "cupy":
+            if cupy_dtype(self.dtype) != self.dtype:
+                raise TypeError(f"output='cupy' cannot return {self.dtype}: CuPy has no such "
+                                f"dtype; use output='jax'")
             return arr
-        if self.output == "numpy":
-            return self.cupy.asnumpy(arr)
-        return to_jax(arr)
+        if kind == "numpy":
+            return cupy.asnumpy(arr).view(self.dtype)
+        out = to_jax(arr)
+        if out.dtype != self.dtype:  # bfloat16 travels as its uint16 bits
+            import jax
+
+            out = jax.lax.bitcast_convert_type(out, self.dtype)
+        return out
 
 
-def _immutable(x) -> bool:
+def cupy_dtype(dtype) -> np.dtype:
+    """The dtype cupy holds `dtype`'s bytes in (bfloat16 as uint16)."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.uint16) if dtype.name == "bfloat16" else dtype
+
+
+def _on_gpu(x) -> bool:
     import jax
 
-    return isinstance(x, jax.Array)
+    return isinstance(x, jax.Array) and next(iter(x.devices())).platform == "gpu"
 
 
-def _to_cupy(cp, x, dtype):
+def copy_in(cp, stream, dst: int, var, x) -> None:
+    """Copy argument `x` into the arena at `dst`, ordered after its producer."""
     import jax
 
-    if isinstance(x, jax.Array):
-        # from_dlpack makes our stream wait for XLA's producer on the device.
-        return cp.from_dlpack(x)
-    if hasattr(x, "__cuda_array_interface__"):
-        return cp.asarray(x, dtype=dtype)
-    return cp.asarray(np.asarray(x, dtype=dtype))
+    if _on_gpu(x):
+        if np.dtype(x.dtype) != np.dtype(var.dtype):
+            x = x.astype(var.dtype)
+        # The DLPack handshake makes `stream` wait, on the device, for XLA's producer.
+        x.__dlpack__(stream=stream.ptr)
+        cp.cuda.runtime.memcpyAsync(dst, x.unsafe_buffer_pointer(), var.nbytes, D2D, stream.ptr)
+    elif hasattr(x, "__cuda_array_interface__"):
+        arr = cp.ascontiguousarray(cp.asarray(x))
+        if arr.dtype != cupy_dtype(var.dtype):
+            arr = arr.astype(var.dtype)
+        ready = cp.cuda.Event(disable_timing=True)
+        ready.record(cp.cuda.get_current_stream())
+        stream.wait_event(ready)
+        cp.cuda.runtime.memcpyAsync(dst, arr.data.ptr, var.nbytes, D2D, stream.ptr)
+    else:
+        host = np.ascontiguousarray(np.asarray(x if not isinstance(x, jax.Array) else np.asarray(x),
+                                               dtype=var.dtype))
+        cp.cuda.runtime.memcpyAsync(dst, host.ctypes.data, var.nbytes, H2D, stream.ptr)
+        stream.synchronize()  # pageable host memory must outlive the copy
 
 
 def to_jax(arr):
@@ -210,14 +291,14 @@ def to_jax(arr):
     import jax
     import jax.numpy as jnp
 
+    out = jnp.asarray(arr)
+    if out.unsafe_buffer_pointer() != arr.data.ptr:
+        return out  # JAX made its own copy
     try:
-        out = jnp.asarray(arr)
-        if out.unsafe_buffer_pointer() == arr.data.ptr:
-            weakref.finalize(out, _keep, arr)
-            return out
-    except TypeError:
-        pass
-    return jax.dlpack.from_dlpack(arr)
+        weakref.finalize(out, _keep, arr)
+        return out
+    except TypeError:  # not weak-referenceable: let DLPack own the lifetime instead
+        return jax.dlpack.from_dlpack(arr)
 
 
 def _keep(_arr) -> None:

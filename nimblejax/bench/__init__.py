@@ -1,0 +1,1 @@
+"""Benchmarks of nimble.jit against jax.jit (see BENCHMARKS.md)."""

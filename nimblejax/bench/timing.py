@@ -1,0 +1,79 @@
+"""Timing helpers: medians of end-to-end wall time, and GPU time from CUDA events."""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Optional
+
+import jax
+
+
+def e2e_us(fn: Callable, args: tuple, calls: int = 300, warmup: int = 5) -> float:
+    """Median µs of one call including block_until_ready."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def throughput_us(fn: Callable, args: tuple, calls: int = 200, repeats: int = 5) -> float:
+    """µs per call when calls are issued back to back (median over `repeats` batches).
+    For jax.jit this is its GPU time whenever dispatch keeps ahead of the GPU."""
+    jax.block_until_ready(fn(*args))
+    per = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per.append((time.perf_counter() - t0) / calls)
+    return statistics.median(per) * 1e6
+
+
+def cuda_event_us(launch: Callable[[], None], stream, calls: int = 200, repeats: int = 5) -> float:
+    """GPU µs per launch from CUDA events around back-to-back launches on `stream`."""
+    import cupy
+
+    launch()
+    stream.synchronize()
+    per = []
+    for _ in range(repeats):
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record(stream)
+        for _ in range(calls):
+            launch()
+        stop.record(stream)
+        stop.synchronize()
+        per.append(cupy.cuda.get_elapsed_time(start, stop) * 1e3 / calls)
+    return statistics.median(per)
+
+
+def nimble_gpu_us(nimble_fn, calls: int = 200) -> Optional[float]:
+    """GPU time of the compiled plan alone: its graph (or its eager launches)."""
+    exes = nimble_fn.executables()
+    if not exes:
+        return None
+    exe = exes[-1]
+    s0 = exe.streams[0]
+    if exe.graph is not None:
+        return cuda_event_us(lambda: exe.graph.launch(s0), s0, calls)
+    return cuda_event_us(exe._launch_all, s0, max(20, calls // 10))
+
+
+def concurrent_jax(fn: Callable, args: tuple) -> Optional[Callable]:
+    """jax.jit compiled with XLA's opt-in concurrent command-buffer scheduling, or None
+    where the installed XLA does not accept the option."""
+    for mode in ("CONCURRENT", "CONCURRENT_REGIONS"):
+        try:
+            compiled = jax.jit(fn).lower(*args).compile(
+                compiler_options={"xla_gpu_command_buffer_scheduling_mode": mode})
+            jax.block_until_ready(compiled(*args))
+            return compiled
+        except Exception:
+            continue
+    return None
