@@ -127,9 +127,7 @@ def test_syncs_are_reduction_edges_minus_matching(seed):
     assert sorted(a.stream.values()) and set(a.stream.values()) == set(range(a.num_streams))
 
 
-@settings(max_examples=120, deadline=None)
-@given(small_dags())
-def test_brute_force_minimum_syncs_and_streams(dag):
+def check_against_brute_force(dag):
     a = assign_streams(dag)
     costs = [(required_syncs(dag, p), len(p)) for p in chain_partitions(dag)]
     fewest_syncs = min(c for c, _ in costs)
@@ -138,6 +136,26 @@ def test_brute_force_minimum_syncs_and_streams(dag):
     assert a.num_streams == min(k for c, k in costs if c == fewest_syncs)
     # ...and width is Dilworth's minimum over all chain assignments.
     assert a.width == min(k for _, k in costs) == dilworth_width(dag)
+
+
+@settings(max_examples=150, deadline=None)
+@given(small_dags())
+def test_brute_force_minimum_syncs_and_streams(dag):
+    check_against_brute_force(dag)
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_brute_force_on_seeded_small_dags(seed):
+    rng = random.Random(seed)
+    check_against_brute_force(windowed_dag(rng.randint(3, 8), rng, preds=rng.randint(1, 3), hi=rng.randint(2, 5)))
+
+
+def test_brute_force_needs_a_chain_merge():
+    # M pairs a-x-z; y and b are left alone although y reaches b: merging
+    # them is what brings 3 chains down to the width, 2.
+    dag = nx.DiGraph([("a", "x"), ("y", "x"), ("x", "b"), ("x", "z")])
+    check_against_brute_force(dag)
+    assert assign_streams(dag).num_streams == 2
 
 
 # The smallest DAG we found where minimum syncs and minimum streams conflict.

@@ -75,7 +75,7 @@ def assign_streams(dag: nx.DiGraph, max_streams: int | None = None) -> StreamAss
     mate_l = _reduction_matching(poset.reduced, n)
     cover_l, cover_r = _konig_cover(poset.reduced, mate_l, n)
     mate_r = _inverse(mate_l, n)
-    _kuhn(n, mate_l, mate_r, lambda a, u: _bits(poset.desc[a], u))
+    _merge_chains(poset, mate_l, mate_r, cover_l, cover_r)
     chains = _chains(mate_l, mate_r)
     width = n - _closure_matching_size(poset, list(mate_l), list(mate_r))
     order = sorted(range(n), key=lambda i: (poset.level[i], i))
