@@ -101,10 +101,14 @@ class NimbleFunction:
         self._cache: dict[Any, Compiled] = {}
         self._lock = threading.Lock()
         self._jax_fn: Optional[Callable] = None
+        self._resolved_backend: Optional[str] = backend
+        # The last call's (treedef, leaves, signatures): leaves that are the very same
+        # objects as last time (model parameters) keep their signature without a look.
+        self._last: Optional[tuple] = None
 
     # ---- public -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        backend = self.backend or default_backend()
+        backend = self._resolved_backend or self._resolve_backend()
         if backend == "jax":
             return self._jax()(*args, **kwargs)
         leaves, key, in_tree, statics = self._flatten(args, kwargs)
@@ -130,6 +134,10 @@ class NimbleFunction:
         return [c.run for c in self._cache.values()]
 
     # ---- internals --------------------------------------------------------------
+    def _resolve_backend(self) -> str:
+        self._resolved_backend = default_backend()
+        return self._resolved_backend
+
     def _jax(self) -> Callable:
         if self._jax_fn is None:
             self._jax_fn = jax.jit(self.fun, static_argnums=self.static_argnums,
@@ -138,22 +146,39 @@ class NimbleFunction:
         return self._jax_fn
 
     def _flatten(self, args: tuple, kwargs: dict):
-        statics = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
-        statics += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
-        dyn_args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        with_path, in_tree = jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))
-        leaves = []
-        for path, leaf in with_path:
-            leaves.append(_check_leaf(path, leaf, self.fun))
+        if self.static_argnums or self.static_argnames:
+            statics = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
+            statics += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
+            args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+            kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+            self._check_hashable(statics)
+        else:
+            statics = ()
+        leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
+        last = self._last
+        if last is not None and last[0] == in_tree and len(last[1]) == len(leaves):
+            sigs = [sig if a is b else None for a, b, sig in zip(leaves, last[1], last[2])]
+        else:
+            sigs = [None] * len(leaves)
+        for i, sig in enumerate(sigs):
+            if sig is None:
+                if not _is_array_like(leaves[i]):
+                    self._raise_bad_leaf(args, kwargs)
+                sigs[i] = _signature(leaves[i])
+        self._last = (in_tree, leaves, sigs)
+        return leaves, (in_tree, tuple(sigs), statics), in_tree, statics
+
+    def _raise_bad_leaf(self, args, kwargs) -> None:
+        for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
+            _check_leaf(path, leaf, self.fun)
+
+    def _check_hashable(self, statics) -> None:
         for _, v in statics:
             try:
                 hash(v)
             except TypeError:
                 raise TypeError(f"static argument {v!r} of {self.fun.__name__} must be "
                                 f"hashable (it is part of the cache key)") from None
-        key = (in_tree, tuple(_signature(x) for x in leaves), statics)
-        return leaves, key, in_tree, statics
 
     def _trace(self, leaves, in_tree, statics):
         out_tree_box = []

@@ -80,6 +80,8 @@ rec("round", lambda x: lax.round(x, lax.RoundingMethod.AWAY_FROM_ZERO), f32(40, 
 rec("round", lambda x: lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN), f32(40, lo=-5, hi=5),
     label="even")
 rec("copy", lambda x: lax.copy_p.bind(x), f32(6))
+# jax >= 0.11 only (the tanh derivative); older versions emit sub/mul instead.
+rec("one_minus_square", jax.grad(lambda x: jnp.sum(jnp.tanh(x))), f32(8), label="since-0.11")
 # ---- unary int / bool ------------------------------------------------------------
 rec("neg", lax.neg, i32(9), label="i32")
 rec("abs", lax.abs, i32(9), label="i32")

@@ -20,6 +20,8 @@ UNARY_FLOAT = {
     "acosh": "acoshf({a})", "atanh": "atanhf({a})", "logistic": "(1.0f / (1.0f + expf(-{a})))",
     "erf": "erff({a})", "erfc": "erfcf({a})", "erf_inv": "erfinvf({a})", "lgamma": "lgammaf({a})",
     "square": "({a} * {a})", "is_finite": "isfinite({a})", "copy": "{a}",
+    # jax >= 0.11 emits this for the derivative of tanh.
+    "one_minus_square": "(1.0f - {a} * {a})",
 }
 UNARY_INT = {
     "neg": "(-{a})", "abs": "({a} < 0 ? -{a} : {a})", "sign": "(({a} > 0) - ({a} < 0))",
