@@ -217,9 +217,9 @@ class NimbleFunction:
         """Flat indices of leaves that belong to donated positional arguments."""
         if not self.donate_argnums:
             return frozenset()
-        dyn_positions = [i for i in range(in_tree.children()[0].num_children + len(self.static_argnums))
-                         if i not in self.static_argnums]
         args_tree = in_tree.children()[0]
+        n_args = len(args_tree.children()) + len(self.static_argnums)
+        dyn_positions = [i for i in range(n_args) if i not in self.static_argnums]
         donated, start = set(), 0
         for pos, child in zip(dyn_positions, args_tree.children()):
             if pos in self.donate_argnums:

@@ -7,6 +7,7 @@ plan interpreter relies on that).
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
@@ -30,7 +31,7 @@ class Var:
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

@@ -123,6 +123,7 @@ def test_donated_arguments():
     g = {"w": rand(np.random.default_rng(1), 16)}
     want = p["w"] - 0.1 * g["w"]
     np.testing.assert_allclose(f(p, g)["w"], want, rtol=1e-6)
+    assert p["w"].is_deleted() and not g["w"].is_deleted()  # as under jax.jit
 
 
 def test_exception_during_capture_leaves_the_stream_usable(monkeypatch):

@@ -32,16 +32,18 @@ def make_executable(plan: Plan, output: str = "jax", eager: Optional[bool] = Non
                     donate: frozenset = frozenset()) -> Callable[[list], list]:
     if eager is None:
         eager = os.environ.get("NIMBLE_EAGER", "") not in ("", "0")
-    return Executable(plan, output=output, eager=eager)
+    return Executable(plan, output=output, eager=eager, donate=donate)
 
 
 class Executable:
-    def __init__(self, plan: Plan, output: str = "jax", eager: bool = False) -> None:
+    def __init__(self, plan: Plan, output: str = "jax", eager: bool = False,
+                 donate: frozenset = frozenset()) -> None:
         import cupy
 
         from nimblejax.runtime.compile import compile_kernels
 
         self.plan, self.output, self.eager = plan, output, eager
+        self.donate = sorted(donate)
         self.cupy = cupy
         self.lock = threading.Lock()
         self.stats = {"calls": 0, "graph_launches": 0, "task_launches": 0, "input_copies": 0}
@@ -253,8 +255,18 @@ class Executable:
             self._launch_all()
         outs = self._outputs(leaves)
         s0.synchronize()  # outputs are complete before anyone else reads them
+        self._release_donated(leaves)
         self.stats["calls"] += 1
         return [self._wrap(o) for o in outs]
+
+    def _release_donated(self, leaves: list) -> None:
+        """Donated jax.Arrays are consumed, as under jax.jit: their memory goes back to
+        JAX's pool for reuse (their bytes were already copied into the arena)."""
+        for i in self.donate:
+            x = leaves[i]
+            if _on_gpu(x) and not x.is_deleted():
+                self.last_inputs[i] = None
+                x.delete()
 
     def _wrap(self, out):
         if isinstance(out, Out):
@@ -321,7 +333,8 @@ def cupy_dtype(dtype) -> np.dtype:
 def _on_gpu(x) -> bool:
     import jax
 
-    return isinstance(x, jax.Array) and next(iter(x.devices())).platform == "gpu"
+    # CUDA devices report platform "gpu" or "cuda" depending on the JAX version.
+    return isinstance(x, jax.Array) and next(iter(x.devices())).platform != "cpu"
 
 
 def copy_in(cp, stream, dst: int, var, x) -> None:

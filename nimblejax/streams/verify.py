@@ -3,7 +3,8 @@ must be ordered by the schedule's happens-before.
 
 This is checked independently of how the memory plan was made, so it also
 catches a missing event on a plain producer -> consumer edge (the same
-buffer, two tasks).  A sweep over byte intervals visits only buffer pairs
+buffer, two tasks).  One task touching two *different* buffers that overlap,
+one written, is reported too: kernels are not written to work in place.  A sweep over byte intervals visits only buffer pairs
 that actually overlap instead of all task pairs.
 """
 from __future__ import annotations
@@ -31,6 +32,10 @@ class Violation:
     stop: int
 
     def __str__(self) -> str:
+        if self.task_a == self.task_b:
+            return (f"aliasing: task {self.task_a!r} {self.access_a}s {self.buffer_a!r} and "
+                    f"{self.access_b}s {self.buffer_b!r}, which overlap in bytes "
+                    f"[{self.start}, {self.stop})")
         return (f"race: task {self.task_a!r} {self.access_a}s {self.buffer_a!r} and task "
                 f"{self.task_b!r} {self.access_b}s {self.buffer_b!r}; bytes "
                 f"[{self.start}, {self.stop}) overlap and neither task happens-before the other")
@@ -83,7 +88,9 @@ def _spans(offsets: Mapping, sizes: Mapping, reads: Mapping, writes: Mapping) ->
 def _races(schedule: Schedule, a: _Span, b: _Span) -> Iterator[Violation]:
     lo, hi = max(a.start, b.start), min(a.stop, b.stop)
     for (t1, m1), (t2, m2) in _conflicting_pairs(a, b):
-        if t1 != t2 and not (schedule.happens_before(t1, t2) or schedule.happens_before(t2, t1)):
+        if t1 == t2 and a is b:
+            continue  # one task touching one buffer twice
+        if not (schedule.happens_before(t1, t2) or schedule.happens_before(t2, t1)):
             yield Violation(t1, a.buf, m1, t2, b.buf, m2, lo, hi)
 
 
