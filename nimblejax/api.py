@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import threading
 import warnings
 from dataclasses import dataclass
@@ -105,6 +106,7 @@ class NimbleFunction:
         # The last call's (treedef, leaves, signatures): leaves that are the very same
         # objects as last time (model parameters) keep their signature without a look.
         self._last: Optional[tuple] = None
+        self._hit: Optional[tuple] = None  # (key, Compiled) of the last call
 
     # ---- public -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -112,10 +114,13 @@ class NimbleFunction:
         if backend == "jax":
             return self._jax()(*args, **kwargs)
         leaves, key, in_tree, statics = self._flatten(args, kwargs)
-        compiled = self._cache.get(key)
+        hit = self._hit
+        # Same key object as last call (every leaf identical): skip hashing the key.
+        compiled = hit[1] if hit is not None and hit[0] is key else self._cache.get(key)
         if compiled is None:
             with self._lock:
                 compiled = self._cache.get(key) or self._compile(key, leaves, in_tree, statics, backend)
+        self._hit = (key, compiled)
         outs = compiled.run(leaves)
         return jax.tree_util.tree_unflatten(compiled.out_tree, outs)
 
@@ -157,6 +162,8 @@ class NimbleFunction:
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         last = self._last
         if last is not None and last[0] == in_tree and len(last[1]) == len(leaves):
+            if last[4] == statics and all(map(operator.is_, leaves, last[1])):
+                return leaves, last[3], in_tree, statics
             sigs = [sig if a is b else None for a, b, sig in zip(leaves, last[1], last[2])]
         else:
             sigs = [None] * len(leaves)
@@ -165,8 +172,9 @@ class NimbleFunction:
                 if not _is_array_like(leaves[i]):
                     self._raise_bad_leaf(args, kwargs)
                 sigs[i] = _signature(leaves[i])
-        self._last = (in_tree, leaves, sigs)
-        return leaves, (in_tree, tuple(sigs), statics), in_tree, statics
+        key = (in_tree, tuple(sigs), statics)
+        self._last = (in_tree, leaves, sigs, key, statics)
+        return leaves, key, in_tree, statics
 
     def _raise_bad_leaf(self, args, kwargs) -> None:
         for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:

@@ -149,20 +149,6 @@ class Executable:
         with self.lock:  # one arena per plan: calls on one plan are serialized
             return self._call(leaves)
 
-    def _call(self, leaves: list) -> list:
-        s0 = self.streams[0]
-        with s0:
-            self._bind_inputs(leaves)
-            if self.graph is not None:
-                self.graph.launch(s0)
-                self.stats["graph_launches"] += 1
-            else:
-                self._launch_all()
-            outs = [self._output(a, leaves) for a in self.plan.graph.outputs]
-        s0.synchronize()  # outputs are complete before anyone else reads them
-        self.stats["calls"] += 1
-        return [self._wrap(o) for o in outs]
-
     def _bind_inputs(self, leaves: list) -> None:
         s0, last = self.streams[0], self.last_inputs
         for i, var, dst in self.input_slots:
@@ -185,58 +171,6 @@ class Executable:
         for kind, a, off in atoms:
             if kind == "buffer":
                 outs.append(Out(block[off: off + a.nbytes], a.shape, a.dtype))
-            elif kind == "input":
-                outs.append(leaves[self.plan.graph.inputs.index(a)])
-            elif kind == "literal":
-                outs.append(np.asarray(a.value))
-            else:
-                outs.append(np.asarray(self.plan.graph.consts[a]))
-        return outs
-
-    def _call(self, leaves: list) -> list:
-        s0 = self.streams[0]
-        with s0:
-            self._bind_inputs(leaves)
-            if self.graph is not None:
-                self.graph.launch(s0)
-                self.stats["graph_launches"] += 1
-            else:
-                self._launch_all()
-            outs = [self._output(a, leaves) for a in self.plan.graph.outputs]
-        s0.synchronize()  # outputs are complete before anyone else reads them
-        self.stats["calls"] += 1
-        return [self._wrap(o) for o in outs]
-
-    def _bind_inputs(self, leaves: list) -> None:
-        s0 = self.streams[0]
-        for i, (var, x) in enumerate(zip(self.plan.graph.inputs, leaves)):
-            if var not in self.plan.memory.offsets or var.nbytes == 0:
-                continue
-            if x is self.last_inputs[i] and _on_gpu(x):
-                continue  # the same immutable jax.Array as last call: already in place
-            copy_in(self.cupy, s0, self.base + self.plan.offset(var), var, x)
-            self.last_inputs[i] = x if _on_gpu(x) else None
-            self.stats["input_copies"] += 1
-
-    def _outputs(self, leaves: list) -> list:
-        """Fresh copies of the outputs, in one allocation, on stream 0."""
-        cp, s0 = self.cupy, self.streams[0]
-        atoms = self.plan.graph.outputs
-        buffers = [a for a in atoms if self.plan.output_kind(a) == "buffer"]
-        offsets, total = {}, 0
-        for a in buffers:
-            offsets.setdefault(a, total)
-            total = offsets[a] + -(-a.nbytes // 256) * 256
-        block = cp.empty(max(total, 1), dtype=np.uint8)
-        for a in offsets:
-            if a.nbytes:
-                cp.cuda.runtime.memcpyAsync(block.data.ptr + offsets[a], self.base + self.plan.offset(a),
-                                            a.nbytes, D2D, s0.ptr)
-        outs = []
-        for a in atoms:
-            kind = self.plan.output_kind(a)
-            if kind == "buffer":
-                outs.append(Out(block[offsets[a]: offsets[a] + a.nbytes], a.shape, a.dtype))
             elif kind == "input":
                 outs.append(leaves[self.plan.graph.inputs.index(a)])
             elif kind == "literal":
