@@ -59,6 +59,31 @@ def main() -> None:
         [jnp.asarray(l) if i == len(leaves) - 1 else l for i, l in enumerate(leaves)])
     for name, fn in rows.items():
         print(f"{name:36s} {med_us(fn):8.1f} µs")
+    # The trivial function: one input, one output.
+    x = jnp.asarray(np.random.default_rng(1).standard_normal(256), jnp.float32)
+    g = nimble.jit(lambda a: a * 2.0 + 1.0, backend="cuda")
+    jax.block_until_ready(g(x))
+    (ge,) = g.executables()
+    gs0 = ge.streams[0]
+    outs = ge._outputs([x])
+    gs0.synchronize()
+    trivial = {
+        "trivial: whole call + block": lambda: jax.block_until_ready(g(x)),
+        "trivial: whole call, output=cupy": None,
+        "trivial: _flatten": lambda: g._flatten((x,), {}),
+        "trivial: bind": lambda: ge._bind_inputs([x]),
+        "trivial: graph.launch": lambda: ge.graph.launch(gs0),
+        "trivial: _outputs": lambda: ge._outputs([x]),
+        "trivial: synchronize": lambda: gs0.synchronize(),
+        "trivial: Out.to('jax')": lambda: outs[0].to("jax"),
+        "trivial: Out.to('cupy')": lambda: outs[0].to("cupy"),
+        "trivial: executable call": lambda: ge([x]),
+    }
+    gc = nimble.jit(lambda a: a * 2.0 + 1.0, backend="cuda", output="cupy")
+    gc(x)
+    trivial["trivial: whole call, output=cupy"] = lambda: gc(x).data.ptr
+    for name, fn in trivial.items():
+        print(f"{name:36s} {med_us(fn):8.1f} µs")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(300):
