@@ -78,7 +78,13 @@ def main() -> None:
         "trivial: Out.to('jax')": lambda: outs[0].to("jax"),
         "trivial: Out.to('cupy')": lambda: outs[0].to("cupy"),
         "trivial: executable call": lambda: ge([x]),
+        "trivial: whole call, no block": lambda: g(x),
     }
+    y = g(x)
+    trivial["block_until_ready(nimble output)"] = lambda: y.block_until_ready()
+    z = jax.jit(lambda a: a + 1)(x)
+    trivial["block_until_ready(XLA output)"] = lambda: z.block_until_ready()
+    trivial["weakref.finalize"] = lambda: __import__("weakref").finalize(y, print)
     gc = nimble.jit(lambda a: a * 2.0 + 1.0, backend="cuda", output="cupy")
     gc(x)
     trivial["trivial: whole call, output=cupy"] = lambda: gc(x).data.ptr
