@@ -43,7 +43,6 @@ def cai(arr, stream=None):
 
 ways = {
     "cai direct": lambda: cai(fresh()),
-    "cai direct, stream=s0": lambda: cai(fresh(), s.ptr),
     "jnp.asarray(cupy)": lambda: jnp.asarray(fresh()),
     "jax.dlpack.from_dlpack(cupy)": lambda: jax.dlpack.from_dlpack(fresh()),
     "device_put(numpy) (reference)": lambda: jax.device_put(np.ones(1024, np.float32)),
