@@ -51,9 +51,11 @@ def measure(fn, args) -> dict:
     if conc is not None:
         rows["jax.jit concurrent"] = (e2e_us(conc, args), throughput_us(conc, args))
     for label, opts in (("nimble eager", dict(eager=True)), ("nimble 1-stream", dict(max_streams=1)),
-                        ("nimble multi-stream", dict())):
+                        ("nimble multi-stream", dict()),
+                        ("nimble multi-stream, output=cupy", dict(output="cupy"))):
         f = nimble.jit(fn, backend="cuda", **opts)
-        got = np.asarray(f(*args))
+        got = f(*args)
+        got = got.get() if hasattr(got, "get") else np.asarray(got)
         err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
         rows[label] = (e2e_us(f, args), nimble_gpu_us(f), err)
     return rows
