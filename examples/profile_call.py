@@ -76,8 +76,7 @@ def main() -> None:
         "trivial: graph.launch": lambda: ge.graph.launch(gs0),
         "trivial: _outputs": lambda: ge._outputs([x]),
         "trivial: synchronize": lambda: gs0.synchronize(),
-        "trivial: Out.to('jax')": lambda: outs[0].to("jax"),
-        "trivial: Out.to('cupy')": lambda: outs[0].to("cupy"),
+        "trivial: wrap as jax": lambda: ge._wrap(outs[0], np.float32),
         "trivial: executable call": lambda: ge([x]),
         "trivial: whole call, no block": lambda: g(x),
     }
