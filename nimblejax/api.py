@@ -125,8 +125,9 @@ class NimbleFunction:
         return jax.tree_util.tree_unflatten(compiled.out_tree, outs)
 
     def plan(self, *args, **kwargs) -> Plan:
-        """The launch plan for these arguments (traced and planned, not compiled)."""
-        leaves, _key, in_tree, statics = self._flatten(args, kwargs)
+        """The launch plan for these arguments (traced and planned, not compiled).
+        Arguments may be jax.ShapeDtypeStruct: planning needs no data."""
+        leaves, _key, in_tree, statics = self._flatten(args, kwargs, abstract_ok=True)
         return self._trace(leaves, in_tree, statics)[0]
 
     @property
@@ -150,7 +151,7 @@ class NimbleFunction:
                                    donate_argnums=self.donate_argnums)
         return self._jax_fn
 
-    def _flatten(self, args: tuple, kwargs: dict):
+    def _flatten(self, args: tuple, kwargs: dict, abstract_ok: bool = False):
         if self.static_argnums or self.static_argnames:
             statics = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
             statics += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
@@ -169,7 +170,8 @@ class NimbleFunction:
             sigs = [None] * len(leaves)
         for i, sig in enumerate(sigs):
             if sig is None:
-                if not _is_array_like(leaves[i]):
+                if not (_is_array_like(leaves[i]) or
+                        (abstract_ok and isinstance(leaves[i], jax.ShapeDtypeStruct))):
                     self._raise_bad_leaf(args, kwargs)
                 sigs[i] = _signature(leaves[i])
         key = (in_tree, tuple(sigs), statics)
@@ -287,7 +289,7 @@ def _signature(x: Any) -> tuple:
     if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
         dtype = jnp.asarray(x).dtype  # Python scalars are weakly typed, as in jax.jit
         return (), np.dtype(dtype), True
-    if isinstance(x, jax.Array):
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
         return tuple(x.shape), np.dtype(x.dtype), bool(getattr(x, "weak_type", False))
     dtype = np.dtype(x.dtype)
     if dtype == np.float64 and not jax.config.jax_enable_x64:
