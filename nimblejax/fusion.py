@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nimblejax.ir import Graph, Node, Var
+from nimblejax.lowering.conv import rewrite_conv
 from nimblejax.lowering.gemm import canonicalize_dot
 from nimblejax.lowering.registry import check_supported, rule_for
 
@@ -37,9 +38,13 @@ class Group:
 
 
 def canonicalize(graph: Graph) -> Graph:
+    """Rewrite convolutions into im2col + GEMM and put every GEMM operand in a layout
+    cuBLAS takes (inserting transposes that fusion then folds into producers)."""
     nodes: list[Node] = []
     for node in graph.nodes:
-        nodes.extend(canonicalize_dot(node) if node.name == "dot_general" else [node])
+        parts = rewrite_conv(node) if node.name == "conv_general_dilated" else [node]
+        for part in parts:
+            nodes.extend(canonicalize_dot(part) if part.name == "dot_general" else [part])
     return Graph(graph.inputs, graph.outputs, tuple(nodes), graph.consts)
 
 
@@ -69,7 +74,7 @@ def fuse(graph: Graph) -> list[Group]:
     for node in graph.nodes:
         for gid in owner.get(node, ()):
             members[gid].append(node)
-    groups = [_make_group(roots[gid], members[gid], outputs) for gid in sorted(roots, reverse=True)]
+    groups = [_make_group(roots[gid], members[gid]) for gid in sorted(roots, reverse=True)]
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(groups, key=lambda g: order[g.root])
 
@@ -91,7 +96,7 @@ def _inline_target(node: Node, consumers, outputs, owner) -> frozenset[int] | No
     return frozenset(groups) if len(groups) <= MAX_DUPLICATION else None
 
 
-def _make_group(root: Node, nodes: list[Node], outputs: set[Var]) -> Group:
+def _make_group(root: Node, nodes: list[Node]) -> Group:
     produced = {v for n in nodes for v in n.outputs}
     inputs: list[Var] = []
     for n in nodes:
@@ -100,8 +105,10 @@ def _make_group(root: Node, nodes: list[Node], outputs: set[Var]) -> Group:
                 inputs.append(a)
     kind = rule_for(root).kind
     kind = {"elementwise": "fused"}.get(kind, kind)
-    # A reshape of a buffer is a view; but a graph output must be a fresh buffer.
-    if kind == "fused" and all(n.name in VIEW_PRIMS for n in nodes) and root.outputs[0] not in outputs:
+    # A reshape of a row-major buffer is a view of the same bytes (outputs are copied
+    # out of the arena on every call, so a view may even be an output).
+    if kind == "fused" and all(n.name in VIEW_PRIMS and n.params.get("dimensions") is None
+                               for n in nodes):
         kind = "view"
     return Group(kind, root, tuple(nodes), tuple(inputs))
 

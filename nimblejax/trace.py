@@ -48,7 +48,7 @@ def open_jaxpr(j: Any) -> tuple[Any, list]:
 
 def jaxpr_to_graph(closed: Any) -> Graph:
     jaxpr, consts = open_jaxpr(closed)
-    builder = _Builder()
+    builder = GraphBuilder()
     inputs = tuple(builder.new_var(v.aval) for v in jaxpr.invars)
     const_vars = [builder.const(c) for c in consts]
     outs = builder.inline(jaxpr, list(const_vars) + list(inputs))
@@ -57,7 +57,7 @@ def jaxpr_to_graph(closed: Any) -> Graph:
     return drop_dead_code(common_subexpressions(graph))
 
 
-class _Builder:
+class GraphBuilder:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
         self.consts: dict[Var, np.ndarray] = {}

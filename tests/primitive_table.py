@@ -175,3 +175,48 @@ rec("dot_general", lambda a, b: lax.dot(a, b, precision=lax.Precision.HIGHEST), 
     label="highest")
 rec("dot_general", lambda a, b: a @ b, dt(jnp.bfloat16, 6, 8), dt(jnp.bfloat16, 8, 4), label="bf16")
 rec("dot_general", lambda a, b: a @ b, i32(4, 5, lo=-5, hi=5), i32(5, 3, lo=-5, hi=5), label="i32")
+# ---- convolutions and pooling -------------------------------------------------------
+NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def conv(x, w, strides=(1, 1), padding="SAME", **kw):
+    return lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=kw.pop("dn", NHWC), **kw)
+
+
+rec("conv_general_dilated", lambda x, w: conv(x, w, (2, 2)), f32(2, 9, 9, 3), f32(3, 3, 3, 5), label="nhwc")
+rec("conv_general_dilated", lambda x, w: conv(x, w, (1, 1), ((1, 0), (2, 1)), rhs_dilation=(2, 1),
+                                              dn=("NCHW", "OIHW", "NCHW")),
+    f32(2, 3, 9, 7), f32(5, 3, 3, 2), label="nchw-dilated")
+rec("conv_general_dilated", lambda x, w: conv(x, w, padding="VALID"), f32(2, 5, 5, 8), f32(1, 1, 8, 6),
+    label="1x1")
+rec("conv_general_dilated", lambda x, w: conv(x, w, feature_group_count=2), f32(2, 6, 6, 4),
+    f32(3, 3, 2, 6), label="grouped")
+rec("conv_general_dilated", lambda x, w: conv(x, w, (2, 2), feature_group_count=4), f32(2, 7, 7, 4),
+    f32(3, 3, 1, 8), label="depthwise")
+rec("conv_general_dilated", lambda x, w: conv(x, w, padding=((2, 1), (2, 1)), lhs_dilation=(2, 2)),
+    f32(2, 4, 4, 3), f32(3, 3, 3, 2), label="lhs-dilation")
+rec("conv_general_dilated", lambda x, w: conv(x, w, (1, 1), "SAME"),
+    dt(jnp.bfloat16, 2, 6, 6, 4), dt(jnp.bfloat16, 3, 3, 4, 4), label="bf16")
+rec("conv_general_dilated", jax.grad(lambda x, w: jnp.sum(conv(x, w, (2, 2)) ** 2), argnums=(0, 1)),
+    f32(2, 8, 8, 3), f32(3, 3, 3, 4), label="grad")
+rec("conv_general_dilated", jax.grad(lambda x, w: jnp.sum(conv(x, w, feature_group_count=4) ** 2),
+                                     argnums=(0, 1)),
+    f32(2, 6, 6, 4), f32(3, 3, 1, 4), label="grad-depthwise")
+rec("conv_general_dilated", lambda x, w: lax.conv_general_dilated(
+        x, w, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC")), f32(2, 10, 3), f32(3, 3, 4),
+    label="1d")
+# nimble_im2col is nimblejax's own primitive: the GEMM path of a convolution emits it.
+rec("nimble_im2col", lambda x, w: conv(x, w, (2, 1)), f32(1, 7, 6, 2), f32(2, 3, 2, 3), label="internal")
+rec("reduce_window_max", lambda x: lax.reduce_window(x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1),
+                                                     "SAME"), f32(2, 9, 9, 3))
+rec("reduce_window_min", lambda x: lax.reduce_window(x, jnp.inf, lax.min, (1, 2, 2, 1), (1, 2, 2, 1),
+                                                     "VALID"), f32(2, 8, 8, 3))
+rec("reduce_window_sum", lambda x: lax.reduce_window(x, 0.0, lax.add, (1, 3, 3, 1), (1, 1, 1, 1),
+                                                     "SAME") / 9.0, f32(2, 7, 7, 3))
+rec("reduce_window_sum", jax.grad(lambda x: jnp.sum(lax.reduce_window(x, 0.0, lax.add, (1, 3, 3, 1),
+                                                                      (1, 2, 2, 1), "SAME") ** 2)),
+    f32(2, 8, 8, 3), label="grad")
+rec("select_and_scatter_add", jax.grad(lambda x: jnp.sum(lax.reduce_window(
+    x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME") ** 2)), f32(2, 9, 9, 3))
+rec("select_and_scatter_add", jax.grad(lambda x: jnp.sum(lax.reduce_window(
+    x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") * 3.0)), f32(2, 8, 8, 3), label="2x2")

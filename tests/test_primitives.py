@@ -33,6 +33,8 @@ def test_every_record_emits_its_primitive():
         walk(jax.make_jaxpr(r.fn)(*a).jaxpr)
         if r.label.startswith("since-") and r.primitive not in names:
             continue  # a primitive of newer JAX versions; the record still runs
+        if r.label == "internal":
+            continue  # nimblejax's own primitive, emitted by a rewrite, not by JAX
         assert r.primitive in names, f"{r.id} does not emit {r.primitive}: {sorted(names)}"
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nimblejax.lowering import gemm, rules_elementwise, rules_kernels, rules_reduce  # noqa: F401 (registration)
+from nimblejax.lowering import (conv, gemm, rules_elementwise, rules_kernels,  # noqa: F401
+                                rules_reduce, rules_window)  # (registration)
 from nimblejax.lowering.codegen import elementwise_kernel, reduction_kernel
 from nimblejax.lowering.registry import RULES, rule_for
 from nimblejax.lowering.task import GemmCall, Kernel, Task

@@ -125,11 +125,17 @@ def broadcast_in_dim(b: KernelBuilder, node: Node, idx: Index) -> str:
 
 @register("reshape", kind="elementwise")
 def reshape(b: KernelBuilder, node: Node, idx: Index) -> str:
-    if node.params.get("dimensions") is not None:
-        raise NotImplementedError(f"reshape with dimensions= is not supported (from {node.source})")
     x, out = node.inputs[0], node.outputs[0]
     flat = b.tmp("long long", linear(idx, out.shape) if idx else "0")
-    return b.value(x, b.index_vars(flat, x.shape, "r"))
+    perm = node.params.get("dimensions")
+    if perm is None:
+        return b.value(x, b.index_vars(flat, x.shape, "r"))
+    # reshape(x, dimensions=perm) reads x in the order of transpose(x, perm).
+    t_idx = b.index_vars(flat, [x.shape[p] for p in perm], "r")
+    src = [""] * x.ndim
+    for d, p in enumerate(perm):
+        src[p] = t_idx[d]
+    return b.value(x, tuple(src))
 
 
 @register("squeeze", kind="elementwise")

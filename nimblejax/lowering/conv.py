@@ -1,0 +1,241 @@
+"""Convolutions: conv_general_dilated as im2col + one (batched) cuBLAS GEMM, or as a
+direct generated kernel for depthwise-like convolutions.
+
+The GEMM path is a graph rewrite done before fusion: transpose to (N, spatial..., C),
+gather patches with `nimble_im2col` (a primitive of ours, so the CPU interpreter can
+evaluate it), multiply by the reshaped filter, transpose back to the output layout.
+Every layout, stride, padding, lhs/rhs dilation, feature_group_count and
+batch_group_count that JAX emits (gradients included) maps onto that one scheme.
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+
+from nimblejax.ir import Node
+from nimblejax.lowering import dtypes
+from nimblejax.lowering.codegen import Index, KernelBuilder
+from nimblejax.lowering.registry import register
+from nimblejax.lowering.task import Kernel
+
+# ---- the im2col primitive ------------------------------------------------------------
+im2col_p = Primitive("nimble_im2col")
+
+
+def _out_spatial(size: int, k: int, stride: int, pad: tuple[int, int], lhs_dil: int, rhs_dil: int) -> int:
+    dilated_in = (size - 1) * lhs_dil + 1 + pad[0] + pad[1]
+    dilated_k = (k - 1) * rhs_dil + 1
+    return max(0, (dilated_in - dilated_k) // stride + 1)
+
+
+def _im2col_shape(x_shape, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode):
+    n, *spatial, c = x_shape
+    out_sp = [_out_spatial(s, k, st, p, ld, rd) for s, k, st, p, ld, rd in
+              zip(spatial, kernel, strides, padding, lhs_dilation, rhs_dilation)]
+    nb = n // groups if mode == "batch" else n
+    cg = c // groups if mode == "feature" else c
+    return (groups, nb * math.prod(out_sp), math.prod(kernel) * cg), out_sp
+
+
+@im2col_p.def_abstract_eval
+def _im2col_abstract(x, *, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode):
+    shape, _ = _im2col_shape(x.shape, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode)
+    return jax.core.ShapedArray(shape, x.dtype)
+
+
+@im2col_p.def_impl
+def _im2col_impl(x, *, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode):
+    """Reference semantics (used by the CPU interpreter): pad/dilate, then one strided
+    slice per kernel offset."""
+    x = jnp.asarray(x)
+    n, *spatial, c = x.shape
+    cfg = [(0, 0, 0)] + [(lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation)] + [(0, 0, 0)]
+    xp = lax.pad(x, jnp.zeros((), x.dtype), cfg)
+    _, out_sp = _im2col_shape(x.shape, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode)
+    cols = []
+    for offs in np.ndindex(*kernel):
+        start = [0] + [o * rd for o, rd in zip(offs, rhs_dilation)] + [0]
+        limit = [n] + [s + (os - 1) * st + 1 for s, os, st in zip(start[1:-1], out_sp, strides)] + [c]
+        cols.append(lax.slice(xp, start, limit, [1] + list(strides) + [1]))
+    p = jnp.stack(cols, axis=-2)  # (N, OS..., KS, C)
+    ks = math.prod(kernel)
+    if mode == "feature":
+        p = p.reshape(n, -1, ks, groups, c // groups).transpose(3, 0, 1, 2, 4)
+        return p.reshape(groups, -1, ks * (c // groups))
+    p = p.reshape(groups, n // groups, -1, ks, c)
+    return p.reshape(groups, -1, ks * c)
+
+
+@register("nimble_im2col", kind="kernel")
+def im2col_kernel(node: Node) -> Kernel:
+    """One thread per patch element; zeros where the window falls on padding or on the
+    holes of lhs dilation."""
+    x, out = node.inputs[0], node.outputs[0]
+    p = node.params
+    n, *spatial, c = x.shape
+    groups, mode = p["groups"], p["mode"]
+    _, out_sp = _im2col_shape(x.shape, p["kernel"], p["strides"], p["padding"], p["lhs_dilation"],
+                              p["rhs_dilation"], groups, mode)
+    nb = n // groups if mode == "batch" else n
+    cg = c // groups if mode == "feature" else c
+    from nimblejax.lowering.rules_kernels import loop_kernel
+
+    def body(b: KernelBuilder, idx: Index) -> str:
+        g, m, k = idx
+        mi = b.index_vars(m, [nb] + list(out_sp), "m")
+        ki = b.index_vars(k, list(p["kernel"]) + [cg], "k")
+        batch = mi[0] if mode == "feature" else f"({g} * {nb} + {mi[0]})"
+        chan = f"({g} * {cg} + {ki[-1]})" if mode == "feature" else ki[-1]
+        conds, src = [], [batch]
+        for j, size in enumerate(spatial):
+            st, (lo, _hi), ld, rd = p["strides"][j], p["padding"][j], p["lhs_dilation"][j], p["rhs_dilation"][j]
+            pos = b.tmp("int", f"{mi[1 + j]} * {st} + {ki[j]} * {rd} - ({lo})")
+            conds.append(f"{pos} >= 0")
+            if ld > 1:
+                conds.append(f"{pos} % {ld} == 0")
+                pos = f"({pos} / {ld})"
+            conds.append(f"{pos} < {size}")
+            src.append(pos)
+        src.append(chan)
+        zero = dtypes.literal(0, x.dtype)
+        return b.tmp(dtypes.compute_type(x.dtype),
+                     f"({' && '.join(conds) or 'true'}) ? {b.load(x, tuple(src))} : {zero}")
+
+    return loop_kernel("im2col", out, ["im2col"], body)
+
+
+# ---- the rewrite -----------------------------------------------------------------------
+def _specs(node: Node):
+    dn = node.params["dimension_numbers"]
+    return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
+
+
+def conv_path(node: Node) -> str:
+    """'direct' for depthwise-like convolutions (1 input channel per group: a GEMM per
+    group would be a batch of tiny matrices), else 'gemm'."""
+    lhs_spec, rhs_spec, _ = _specs(node)
+    w = node.inputs[1]
+    cg = w.shape[rhs_spec[1]]
+    if node.params["feature_group_count"] > 1 and cg == 1:
+        return "direct"
+    return "gemm"
+
+
+def rewrite_conv(node: Node) -> list[Node]:
+    """conv_general_dilated → [transposes, im2col, dot_general, transposes] (or [node])."""
+    if conv_path(node) == "direct":
+        return [node]
+    from nimblejax.trace import GraphBuilder
+
+    x, w = node.inputs
+    out = node.outputs[0]
+    fn = lambda a, b: _decomposed(a, b, node.params, out.shape)  # noqa: E731
+    closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                jax.ShapeDtypeStruct(w.shape, w.dtype))
+    builder = GraphBuilder()
+    (result,) = builder.inline(closed.jaxpr, [x, w], outer=node.source)
+    nodes = builder.nodes
+    last = nodes[-1]
+    assert last.outputs[0] is result, "the decomposition must end in the result"
+    nodes[-1] = Node(last.primitive, last.inputs, (out,), last.params, node.source)
+    return [Node(n.primitive, n.inputs, n.outputs, n.params, node.source) for n in nodes[:-1]] + [nodes[-1]]
+
+
+def _decomposed(x, w, params, out_shape: Sequence[int]):
+    dn = params["dimension_numbers"]
+    lhs_spec, rhs_spec, out_spec = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
+    k = len(lhs_spec) - 2
+    x = _transpose(x, (lhs_spec[0],) + lhs_spec[2:] + (lhs_spec[1],))      # N, S..., C
+    w = _transpose(w, rhs_spec[2:] + (rhs_spec[1], rhs_spec[0]))           # KS..., Cg, O
+    fg, bg = params["feature_group_count"], params["batch_group_count"]
+    groups, mode = (fg, "feature") if fg > 1 else (bg, "batch")
+    kernel = tuple(w.shape[:k])
+    n, c, o = x.shape[0], x.shape[-1], w.shape[-1]
+    simple = (groups == 1 and all(s == 1 for s in kernel) and all(s == 1 for s in params["window_strides"])
+              and all(p == (0, 0) for p in params["padding"]) and all(d == 1 for d in params["lhs_dilation"]))
+    if simple:  # 1x1 convolution: the input already is the patch matrix
+        patches = x.reshape(1, -1, c)
+    else:
+        patches = im2col_p.bind(x, kernel=kernel, strides=tuple(params["window_strides"]),
+                                padding=tuple(tuple(p) for p in params["padding"]),
+                                lhs_dilation=tuple(params["lhs_dilation"]),
+                                rhs_dilation=tuple(params["rhs_dilation"]), groups=groups, mode=mode)
+    og = o // groups
+    kg = patches.shape[-1]
+    wm = w.reshape(kg, groups, og).transpose(1, 0, 2) if groups > 1 else w.reshape(1, kg, o)
+    y = lax.dot_general(patches, wm, (((2,), (1,)), ((0,), (0,))), precision=params["precision"],
+                        preferred_element_type=params["preferred_element_type"])  # G, M, Og
+    out_batch = n // groups if mode == "batch" else n
+    nsc_spatial = [out_shape[d] for d in out_spec[2:]]
+    y = y.transpose(1, 0, 2) if groups > 1 else y
+    y = y.reshape(out_batch, *nsc_spatial, o)
+    perm = [0] * (k + 2)
+    perm[out_spec[0]] = 0
+    perm[out_spec[1]] = k + 1
+    for j, d in enumerate(out_spec[2:]):
+        perm[d] = 1 + j
+    return _transpose(y, tuple(perm))
+
+
+def _transpose(x, perm: tuple[int, ...]):
+    return x if tuple(perm) == tuple(range(x.ndim)) else lax.transpose(x, tuple(perm))
+
+
+# ---- the direct kernel (depthwise) -----------------------------------------------------
+@register("conv_general_dilated", kind="kernel")
+def direct_conv(node: Node) -> Kernel:
+    """One thread per output element, a loop over the window and the group's channels."""
+    x, w = node.inputs
+    out = node.outputs[0]
+    p = node.params
+    lhs_spec, rhs_spec, out_spec = _specs(node)
+    k = len(lhs_spec) - 2
+    fg, bg = p["feature_group_count"], p["batch_group_count"]
+    cg = w.shape[rhs_spec[1]]
+    o_total = out.shape[out_spec[1]]
+    og_f = o_total // fg
+    og_b = o_total // bg
+    kernel = [w.shape[d] for d in rhs_spec[2:]]
+    acc_t = "float" if dtypes.is_float(out.dtype) else dtypes.compute_type(out.dtype)
+    from nimblejax.lowering.rules_kernels import loop_kernel
+
+    def body(b: KernelBuilder, idx: Index) -> str:
+        nb_, of = idx[out_spec[0]], idx[out_spec[1]]
+        osp = [idx[d] for d in out_spec[2:]]
+        g = b.tmp("int", f"{of} / {og_f}") if fg > 1 else "0"
+        bgi = b.tmp("int", f"{of} / {og_b}") if bg > 1 else "0"
+        nbatch = out.shape[out_spec[0]]
+        b.emit(f"{acc_t} acc = 0;")
+        loops = [("ci", cg)] + [(f"k{j}", kernel[j]) for j in range(k)]
+        for var, size in loops:
+            b.open(f"for (int {var} = 0; {var} < {size}; ++{var})")
+        conds, xs = [], [""] * (k + 2)
+        xs[lhs_spec[0]] = f"({bgi} * {nbatch} + {nb_})" if bg > 1 else nb_
+        xs[lhs_spec[1]] = f"({g} * {cg} + ci)" if fg > 1 else "ci"
+        for j in range(k):
+            st, (lo, _), ld, rd = p["window_strides"][j], p["padding"][j], p["lhs_dilation"][j], p["rhs_dilation"][j]
+            pos = f"({osp[j]} * {st} + k{j} * {rd} - ({lo}))"
+            conds.append(f"{pos} >= 0")
+            if ld > 1:
+                conds.append(f"{pos} % {ld} == 0")
+                pos = f"({pos} / {ld})"
+            conds.append(f"{pos} < {x.shape[lhs_spec[2 + j]]}")
+            xs[lhs_spec[2 + j]] = pos
+        ws = [""] * (k + 2)
+        ws[rhs_spec[0]] = of
+        ws[rhs_spec[1]] = "ci"
+        for j in range(k):
+            ws[rhs_spec[2 + j]] = f"k{j}"
+        b.emit(f"if (!({' && '.join(conds) or 'true'})) continue;")
+        b.emit(f"acc += ({acc_t}){b.load(x, tuple(xs))} * ({acc_t}){b.load(w, tuple(ws))};")
+        for _ in loops:
+            b.close()
+        return "acc"
+
+    return loop_kernel("conv", out, ["conv"], body)
