@@ -253,7 +253,7 @@ def swish(x):
 
 
 def max_pool(x, window: int, stride: int, padding: Padding = "VALID"):
-    init = jnp.array(-jnp.inf, x.dtype)
+    init = np.array(-np.inf, x.dtype)  # a concrete identity: lax picks reduce_window_max
     return lax.reduce_window(x, init, lax.max, (1, window, window, 1), (1, stride, stride, 1),
                              _window_padding(padding))
 
@@ -261,7 +261,7 @@ def max_pool(x, window: int, stride: int, padding: Padding = "VALID"):
 def avg_pool(x, window: int, stride: int, padding: Padding = "VALID", count_include_pad: bool = True):
     """Average pooling. With padding, `count_include_pad=True` divides by the full window
     (PyTorch's default); False divides by the in-bounds count (TensorFlow's SAME pool)."""
-    zero = jnp.array(0, x.dtype)
+    zero = np.array(0, x.dtype)  # concrete: reduce_window_sum
     pad = _window_padding(padding, x.shape, window, stride)
     total = lax.reduce_window(x, zero, lax.add, (1, window, window, 1), (1, stride, stride, 1), pad)
     if count_include_pad or pad == "VALID":
