@@ -170,3 +170,12 @@ def test_out_of_memory_names_the_bytes():
 
     with pytest.raises(OutOfMemoryError, match=r"needs \d+ bytes"):
         _allocate(1 << 50, "a test buffer")
+
+
+@pytest.mark.parametrize("path", ["cudnn", "im2col"])
+@pytest.mark.parametrize("record", [r for r in RECORDS if r.primitive == "conv_general_dilated"],
+                         ids=lambda r: r.id)
+def test_conv_paths_on_gpu(record, path, monkeypatch):
+    monkeypatch.setenv("NIMBLE_CONV", path)
+    a = record.args(np.random.default_rng(2))
+    assert_tree_close(nimble.jit(record.fn, backend="cuda")(*a), jax.jit(record.fn)(*a))

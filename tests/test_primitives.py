@@ -43,3 +43,20 @@ def test_matches_jax(record):
     a = record.args(np.random.default_rng(1))
     f = nimble.jit(record.fn, backend="interpret")
     assert_tree_close(f(*a), jax.jit(record.fn)(*a))
+
+
+CONV_RECORDS = [r for r in RECORDS if r.primitive == "conv_general_dilated"]
+
+
+@pytest.mark.parametrize("path", ["cudnn", "im2col"])
+@pytest.mark.parametrize("record", CONV_RECORDS, ids=lambda r: r.id)
+def test_conv_paths_match_jax(record, path, monkeypatch):
+    """Both convolution rewrites (the cuDNN one and im2col + GEMM) are planned and
+    interpreted on the CPU, whichever one this machine would pick."""
+    monkeypatch.setenv("NIMBLE_CONV", path)
+    a = record.args(np.random.default_rng(1))
+    f = nimble.jit(record.fn, backend="interpret")
+    assert_tree_close(f(*a), jax.jit(record.fn)(*a))
+    kinds = {t.kind for t in f.plan(*a).tasks}
+    if path == "im2col":
+        assert "cudnn" not in kinds

@@ -25,6 +25,10 @@ def lower_group(group: Group) -> Task:
     elif group.kind == "reduction":
         reducer = rule_for(root).fn(root.inputs[0].dtype)
         kernel = reduction_kernel(root, inlined, reducer.combine, reducer.init, reducer.acc_type)
+    elif group.kind == "cudnn":
+        call = rule_for(root).fn(root)
+        name = f"cudnn_conv_{call.x.shape[1]}x{call.x.shape[2]}x{call.x.shape[3]}_k{call.w.shape[1]}"
+        return Task(name, "cudnn", group.inputs, group.outputs, group.nodes, cudnn=call)
     elif group.kind == "gemm":
         made = rule_for(root).fn(root)
         if isinstance(made, GemmCall):

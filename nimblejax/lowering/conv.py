@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 
-from nimblejax.ir import Node
+from nimblejax.ir import Node, Var
 from nimblejax.lowering import dtypes
 from nimblejax.lowering.codegen import Index, KernelBuilder
 from nimblejax.lowering.registry import register
@@ -118,24 +118,75 @@ def _specs(node: Node):
 
 def conv_path(node: Node) -> str:
     """'direct' for depthwise-like convolutions (1 input channel per group: a GEMM per
-    group would be a batch of tiny matrices), else 'gemm'."""
+    group would be a batch of tiny matrices); 'cudnn' for the 2-D convolutions cuDNN's
+    forward API takes, where cuDNN is installed (NIMBLE_CONV=cudnn|im2col overrides);
+    else 'gemm' (im2col + cuBLAS)."""
     lhs_spec, rhs_spec, _ = _specs(node)
-    w = node.inputs[1]
+    x, w = node.inputs
     cg = w.shape[rhs_spec[1]]
     if node.params["feature_group_count"] > 1 and cg == 1:
         return "direct"
+    if _is_plain_1x1(node):
+        return "gemm"  # already a GEMM, no im2col: measured faster than XLA's cuDNN call
+    if _cudnn_eligible(node) and _use_cudnn():
+        return "cudnn"
     return "gemm"
 
 
+def _is_plain_1x1(node: Node) -> bool:
+    p = node.params
+    _, rhs_spec, _ = _specs(node)
+    w = node.inputs[1]
+    return (all(w.shape[d] == 1 for d in rhs_spec[2:]) and all(s == 1 for s in p["window_strides"])
+            and all(tuple(q) == (0, 0) for q in p["padding"]) and all(d == 1 for d in p["lhs_dilation"])
+            and p["feature_group_count"] == 1 and p["batch_group_count"] == 1)
+
+
+def _cudnn_eligible(node: Node) -> bool:
+    x, w = node.inputs
+    out = node.outputs[0]
+    p = node.params
+    floats = ("float32", "float16", "bfloat16")
+    return (x.ndim == 4 and all(d == 1 for d in p["lhs_dilation"]) and p["batch_group_count"] == 1
+            and dtypes.name(x.dtype) in floats and dtypes.name(x.dtype) == dtypes.name(w.dtype)
+            and dtypes.name(out.dtype) in floats and all(lo >= 0 and hi >= 0 for lo, hi in p["padding"]))
+
+
+def _use_cudnn() -> bool:
+    import os
+
+    mode = os.environ.get("NIMBLE_CONV", "auto")
+    if mode in ("cudnn", "im2col"):
+        return mode == "cudnn"
+    global _CUDNN_FOUND
+    if _CUDNN_FOUND is None:
+        try:
+            from nimblejax.runtime.cudnn import find_libcudnn
+
+            find_libcudnn()
+            _CUDNN_FOUND = True
+        except Exception:
+            _CUDNN_FOUND = False
+    return _CUDNN_FOUND
+
+
+_CUDNN_FOUND = None
+
+
 def rewrite_conv(node: Node) -> list[Node]:
-    """conv_general_dilated → [transposes, im2col, dot_general, transposes] (or [node])."""
-    if conv_path(node) == "direct":
+    """conv_general_dilated → [transposes, im2col, dot_general, transposes], or
+    [transposes, nimble_cudnn_conv, transpose], or [node] (direct kernel)."""
+    path = conv_path(node)
+    if path == "direct":
         return [node]
     from nimblejax.trace import GraphBuilder
 
     x, w = node.inputs
     out = node.outputs[0]
-    fn = lambda a, b: _decomposed(a, b, node.params, out.shape)  # noqa: E731
+    if path == "cudnn":
+        fn = lambda a, b: _via_cudnn(a, b, node, out)  # noqa: E731
+    else:
+        fn = lambda a, b: _decomposed(a, b, node.params, out.shape)  # noqa: E731
     closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, x.dtype),
                                 jax.ShapeDtypeStruct(w.shape, w.dtype))
     builder = GraphBuilder()
@@ -185,6 +236,64 @@ def _decomposed(x, w, params, out_shape: Sequence[int]):
 
 def _transpose(x, perm: tuple[int, ...]):
     return x if tuple(perm) == tuple(range(x.ndim)) else lax.transpose(x, tuple(perm))
+
+
+# ---- the cuDNN path ----------------------------------------------------------------------
+cudnn_conv_p = Primitive("nimble_cudnn_conv")
+
+
+def _cudnn_out_shape(x_shape, w_shape, padding, strides, dilation):
+    n, h, w_, _c = x_shape
+    k, r, s, _ = w_shape
+    oh = _out_spatial(h, r, strides[0], (padding[0], padding[0]), 1, dilation[0])
+    ow = _out_spatial(w_, s, strides[1], (padding[1], padding[1]), 1, dilation[1])
+    return (n, oh, ow, k)
+
+
+@cudnn_conv_p.def_abstract_eval
+def _cudnn_abstract(x, w, *, padding, strides, dilation, groups, math, out_dtype):
+    return jax.core.ShapedArray(_cudnn_out_shape(x.shape, w.shape, padding, strides, dilation), out_dtype)
+
+
+@cudnn_conv_p.def_impl
+def _cudnn_impl(x, w, *, padding, strides, dilation, groups, math, out_dtype):
+    """Reference semantics for the CPU interpreter."""
+    return lax.conv_general_dilated(
+        jnp.asarray(x), jnp.asarray(w), strides, [(p, p) for p in padding], rhs_dilation=dilation,
+        dimension_numbers=("NHWC", "OHWI", "NHWC"), feature_group_count=groups,
+        preferred_element_type=out_dtype,
+        precision=lax.Precision.HIGHEST if math == "f32" else None)
+
+
+@register("nimble_cudnn_conv", kind="cudnn")
+def cudnn_conv(node: Node):
+    from nimblejax.lowering.task import CudnnConv
+
+    p = node.params
+    x, w = node.inputs
+    return CudnnConv(tuple(p["padding"]), tuple(p["strides"]), tuple(p["dilation"]), p["groups"],
+                     p["math"], x, w, node.outputs[0])
+
+
+def _via_cudnn(x, w, node: Node, out: Var):
+    from nimblejax.lowering.gemm import compute_mode
+
+    p = node.params
+    lhs_spec, rhs_spec, out_spec = _specs(node)
+    x = _transpose(x, (lhs_spec[0], lhs_spec[2], lhs_spec[3], lhs_spec[1]))   # NHWC
+    w = _transpose(w, (rhs_spec[0], rhs_spec[2], rhs_spec[3], rhs_spec[1]))   # KRSC
+    # cuDNN pads symmetrically: the asymmetric remainder is an explicit pad.
+    sym = tuple(min(lo, hi) for lo, hi in p["padding"])
+    extra = [(lo - m, hi - m) for (lo, hi), m in zip(p["padding"], sym)]
+    if any(e != (0, 0) for e in extra):
+        x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] + [(a, b, 0) for a, b in extra] + [(0, 0, 0)])
+    math = "half" if dtypes.is_half(node.inputs[0].dtype) else compute_mode(node)
+    y = cudnn_conv_p.bind(x, w, padding=sym, strides=tuple(p["window_strides"]),
+                          dilation=tuple(p["rhs_dilation"]), groups=p["feature_group_count"],
+                          math=math, out_dtype=np.dtype(out.dtype))
+    perm = [0] * 4
+    perm[out_spec[0]], perm[out_spec[1]], perm[out_spec[2]], perm[out_spec[3]] = 0, 3, 1, 2
+    return _transpose(y, tuple(perm))
 
 
 # ---- the direct kernel (depthwise) -----------------------------------------------------

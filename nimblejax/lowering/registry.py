@@ -7,6 +7,7 @@ Rule kinds:
 - "reduction": `fn(dtype) -> Reducer`; producers are fused into the reduction's loop.
 - "kernel": a standalone generated kernel; `fn(node, builder) -> KernelPlan`.
 - "gemm": `fn(node) -> GemmCall` (cuBLAS on the GPU).
+- "cudnn": `fn(node) -> CudnnConv` (a cuDNN convolution on the GPU).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class Rule:
 
 
 RULES: dict[str, Rule] = {}
-KINDS = ("elementwise", "reduction", "kernel", "gemm")
+KINDS = ("elementwise", "reduction", "kernel", "gemm", "cudnn")
 
 
 def register(*names: str, kind: str) -> Callable:

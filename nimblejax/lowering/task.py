@@ -40,18 +40,33 @@ class GemmCall:
         return 2 * self.batch * self.m * self.n * self.k
 
 
+@dataclass(frozen=True)
+class CudnnConv:
+    """y (N,OH,OW,K) = conv(x (N,H,W,C), w (K,R,S,C/G)), NHWC/KRSC, symmetric padding."""
+
+    padding: tuple[int, int]
+    strides: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+    math: str  # 'tf32' | 'f32' | 'half'
+    x: Var
+    w: Var
+    y: Var
+
+
 @dataclass(frozen=True, eq=False)
 class Task:
     """What a unit of work reads and writes, how it launches, and the equations it
     stands for (so the CPU plan interpreter can run it with JAX)."""
 
     name: str
-    kind: str  # 'kernel' | 'gemm' | 'view'
+    kind: str  # 'kernel' | 'gemm' | 'cudnn' | 'view'
     inputs: tuple[Var, ...]
     outputs: tuple[Var, ...]
     eqns: tuple[Node, ...]
     kernel: Optional[Kernel] = None
     gemm: Optional[GemmCall] = None
+    cudnn: Optional[CudnnConv] = None
 
     @property
     def source(self) -> str:

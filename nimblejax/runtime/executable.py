@@ -55,6 +55,7 @@ class Executable:
                         for _ in range(max(1, plan.schedule.num_streams))]
         self.events = {u: cupy.cuda.Event(disable_timing=True) for u, _ in plan.schedule.syncs}
         self.handles, self.workspaces = self._cublas_handles()
+        self.convs, self.cudnn_handles, self.cudnn_workspaces = self._cudnn_convs()
 
         self._upload_consts()
         self.last_inputs: list = [None] * len(plan.graph.inputs)
@@ -80,6 +81,28 @@ class Executable:
                    for s, w in zip(self.streams, workspaces)]
         return handles, workspaces
 
+    def _cudnn_convs(self):
+        """Per cuDNN task its descriptors and measured algorithm; per stream a handle and
+        a workspace as large as its convolutions need (set before capture)."""
+        tasks = [t for t in self.plan.tasks if t.kind == "cudnn"]
+        if not tasks:
+            return {}, {}, {}
+        from nimblejax.runtime import cudnn
+
+        stream_of = self.plan.schedule.stream
+        handles = {s: cudnn.Handle(self.streams[s].ptr) for s in {stream_of[t] for t in tasks}}
+        convs = {}
+        for t in tasks:
+            c = t.cudnn
+            spec = cudnn.ConvSpec(c.x.shape, c.w.shape, c.y.shape, c.padding, c.strides, c.dilation,
+                                  c.groups, np.dtype(c.x.dtype).name, np.dtype(c.y.dtype).name, c.math)
+            convs[t] = cudnn.Conv(spec, handles[stream_of[t]])
+        need: dict[int, int] = {}
+        for t, conv in convs.items():
+            need[stream_of[t]] = max(need.get(stream_of[t], 0), conv.workspace)
+        workspaces = {s: _allocate(n, "a cuDNN workspace") for s, n in need.items()}
+        return convs, handles, workspaces
+
     def _upload_consts(self) -> None:
         for var, value in self.plan.graph.consts.items():
             if var in self.plan.memory.offsets:
@@ -94,6 +117,8 @@ class Executable:
     def _args(self, task: Task) -> tuple:
         if task.kind == "kernel":
             return tuple(np.uint64(self.base + self.plan.offset(v)) for v in task.kernel.params)
+        if task.kind == "cudnn":
+            return tuple(self.base + self.plan.offset(v) for v in (task.cudnn.x, task.cudnn.w, task.cudnn.y))
         g = task.gemm
         from nimblejax.runtime.cublas import GemmSpec
 
@@ -111,6 +136,9 @@ class Executable:
                 self.functions[k.name](k.grid, k.block, self.args[task], stream=stream)
             except Exception as e:
                 raise KernelLaunchError(f"launching {k.name} (from {task.source}) failed: {e}") from e
+        elif task.kind == "cudnn":
+            ws = self.cudnn_workspaces[s]
+            self.convs[task].forward(self.cudnn_handles[s], *self.args[task], ws.data.ptr, ws.nbytes)
         else:
             from nimblejax.runtime.cublas import gemm_strided_batched
 
