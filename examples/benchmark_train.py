@@ -75,7 +75,7 @@ def conv_rows(n=32):
         f(x, w)
         gpu = nimble_gpu_us(f, calls=50)
         xla = throughput_us(jax.jit(conv), (x, w), calls=50)
-        path = "+".join(t.name.split("_")[1] if t.kind == "kernel" else "gemm" for t in f.plan(x, w).tasks)
+        path = "+".join(t.name.split("_")[1] if t.kind == "kernel" else t.kind for t in f.plan(x, w).tasks)
         rows.append(dict(shape=f"{size}x{size}x{cin}->{cout} k{k} s{s}", nimble_us=gpu, xla_us=xla,
                          ratio=gpu / xla, path=path))
         print(f"| {rows[-1]['shape']} | {path} | {gpu:.0f} | {xla:.0f} | {gpu / xla:.2f} |", flush=True)

@@ -147,7 +147,12 @@ def _cudnn_eligible(node: Node) -> bool:
     out = node.outputs[0]
     p = node.params
     floats = ("float32", "float16", "bfloat16")
-    return (x.ndim == 4 and all(d == 1 for d in p["lhs_dilation"]) and p["batch_group_count"] == 1
+    _, rhs_spec, _ = _specs(node)
+    # Filter-gradient convolutions have the whole output gradient as their "filter";
+    # cuDNN's forward algorithms are slow there, im2col + GEMM is not (measured).
+    small_filter = all(w.shape[d] <= MAX_CUDNN_FILTER for d in rhs_spec[2:])
+    return (x.ndim == 4 and small_filter and all(d == 1 for d in p["lhs_dilation"])
+            and p["batch_group_count"] == 1
             and dtypes.name(x.dtype) in floats and dtypes.name(x.dtype) == dtypes.name(w.dtype)
             and dtypes.name(out.dtype) in floats and all(lo >= 0 and hi >= 0 for lo, hi in p["padding"]))
 
@@ -171,6 +176,7 @@ def _use_cudnn() -> bool:
 
 
 _CUDNN_FOUND = None
+MAX_CUDNN_FILTER = 11
 
 
 def rewrite_conv(node: Node) -> list[Node]:
