@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from nimblejax.ir import Graph, Node, Var
 from nimblejax.lowering.conv import rewrite_conv
 from nimblejax.lowering.gemm import canonicalize_dot
+from nimblejax.lowering.split import split_reduction
 from nimblejax.lowering.registry import check_supported, rule_for
 
 # A node feeding more than this many kernels is materialized rather than recomputed.
@@ -42,7 +43,12 @@ def canonicalize(graph: Graph) -> Graph:
     cuBLAS takes (inserting transposes that fusion then folds into producers)."""
     nodes: list[Node] = []
     for node in graph.nodes:
-        parts = rewrite_conv(node) if node.name == "conv_general_dilated" else [node]
+        if node.name == "conv_general_dilated":
+            parts = rewrite_conv(node)
+        elif node.name.startswith("reduce_"):
+            parts = split_reduction(node)
+        else:
+            parts = [node]
         for part in parts:
             nodes.extend(canonicalize_dot(part) if part.name == "dot_general" else [part])
     return Graph(graph.inputs, graph.outputs, tuple(nodes), graph.consts)

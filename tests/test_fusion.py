@@ -55,3 +55,20 @@ def test_reshape_of_a_buffer_is_a_view():
 def test_generated_kernel_names_are_readable():
     ks, _ = kernels(lambda x: jnp.tanh(x) + 1.0, rand(r, 4))
     assert ks[0].name.startswith("nimble_fused_tanh_add_f32_")
+
+
+def test_long_column_reduction_is_split_in_two_stages():
+    x = rand(r, 64, 32, 32, 16)  # batch-norm statistics: 65536 elements into 16 outputs
+    f = lambda a: jnp.mean(jnp.square(a - 1.0), axis=(0, 1, 2))  # noqa: E731
+    plan = nimble.jit(f, backend="interpret").plan(x)
+    reductions = [t for t in plan.tasks if t.name.startswith("nimble_reduce")]
+    assert len(reductions) == 2
+    np.testing.assert_allclose(nimble.jit(f, backend="interpret")(x), f(x), rtol=1e-5)
+
+
+def test_long_row_reduction_is_split_in_two_stages():
+    x = rand(r, 4, 65536)
+    plan = nimble.jit(lambda a: jnp.max(a, axis=-1), backend="interpret").plan(x)
+    assert sum(t.name.startswith("nimble_reduce") for t in plan.tasks) == 2
+    np.testing.assert_array_equal(nimble.jit(lambda a: jnp.max(a, axis=-1), backend="interpret")(x),
+                                  jnp.max(x, axis=-1))

@@ -180,10 +180,15 @@ def elementwise_kernel(root: Var, inlined: Mapping[Var, Node]) -> Kernel:
 
 def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init: str,
                      acc_type: str) -> Kernel:
-    """One warp (or one 256-thread block, for long rows) per output element."""
+    """Row reductions (the innermost axis is reduced): one warp, or one 256-thread block
+    for long rows, per output. Column reductions (the innermost axis is kept, as in
+    batch-norm statistics over N, H, W): one thread per output and a serial loop, so
+    neighbouring threads read neighbouring elements."""
     x = node.inputs[0]
-    out = node.outputs[0]
     axes = tuple(sorted(node.params["axes"]))
+    if x.ndim and (x.ndim - 1) not in axes:
+        return column_reduction_kernel(node, inlined, combine, init, acc_type)
+    out = node.outputs[0]
     kept = [d for d in range(x.ndim) if d not in axes]
     red_shape = [x.shape[a] for a in axes]
     n_out, n_red = out.size, max(1, _prod(red_shape))
@@ -221,6 +226,35 @@ def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init
     b.close()
     b.ops.append(node.name)
     return b.finish("reduce", out, blocks_for(n_out * per_out), BLOCK)
+
+
+def column_reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init: str,
+                            acc_type: str) -> Kernel:
+    x, out = node.inputs[0], node.outputs[0]
+    axes = tuple(sorted(node.params["axes"]))
+    kept = [d for d in range(x.ndim) if d not in axes]
+    red_shape = [x.shape[a] for a in axes]
+    n_out, n_red = out.size, max(1, _prod(red_shape))
+    b = KernelBuilder(inlined)
+    b.open(f"for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < {n_out}; "
+           f"o += (long long)gridDim.x * blockDim.x)")
+    out_idx = b.index_vars("o", [x.shape[d] for d in kept], "o")
+    b.emit(f"{acc_type} acc = {init};")
+    b.open(f"for (long long r = 0; r < {n_red}; ++r)")
+    red_idx = b.index_vars("r", red_shape, "r")
+    full = [""] * x.ndim
+    for d, i in zip(kept, out_idx):
+        full[d] = i
+    for d, i in zip(axes, red_idx):
+        full[d] = i
+    v = b.value(x, tuple(full))
+    b.emit(f"acc = {combine.format(a='acc', b=v)};")
+    b.close()
+    b.forget()
+    b.store(out, "o", _cast_acc(acc_type, out.dtype))
+    b.close()
+    b.ops.append(node.name)
+    return b.finish("reduce", out, blocks_for(n_out), BLOCK)
 
 
 def _cast_acc(acc_type: str, dtype) -> str:

@@ -1,0 +1,68 @@
+"""Split long reductions with few outputs into two reductions, so that enough threads
+work on them (a batch-norm statistic reduces 100k+ elements into a few dozen outputs).
+
+A graph rewrite before fusion, in JAX primitives (a reshape and two reductions), so
+the CPU interpreter runs it like any other plan and the producers still fuse into
+the first reduction.
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from nimblejax.ir import Node
+from nimblejax.lowering import dtypes
+
+SPLITTABLE = {"reduce_sum": jnp.sum, "reduce_max": jnp.max, "reduce_min": jnp.min}
+MIN_REDUCED = 16384      # shorter reductions are fine in one kernel
+TARGET_THREADS = 32768   # column reductions: outputs of the first stage
+TARGET_ROWS = 2048       # row reductions: rows of the first stage
+
+
+def split_reduction(node: Node) -> list[Node]:
+    if node.name not in SPLITTABLE or dtypes.name(node.inputs[0].dtype) not in ("float32", "int32"):
+        return [node]
+    x, out = node.inputs[0], node.outputs[0]
+    axes = tuple(sorted(int(a) for a in node.params["axes"]))
+    k = len(axes)
+    reduced = math.prod(x.shape[a] for a in axes)
+    if k == 0 or reduced < MIN_REDUCED:
+        return [node]
+    kept = x.shape[k:] if axes == tuple(range(k)) else x.shape[: x.ndim - k]
+    n_out = max(1, math.prod(kept))
+    if axes == tuple(range(k)):  # column: reduced axes lead, kept axes are innermost
+        chunk = _divisor_near(reduced, max(8, reduced * n_out // TARGET_THREADS))
+        shape, first, second = (reduced // chunk, chunk) + tuple(kept), 1, 0
+    elif axes == tuple(range(x.ndim - k, x.ndim)) and n_out < TARGET_ROWS:  # row
+        chunk = _divisor_near(reduced, max(1024, reduced * n_out // TARGET_ROWS))
+        shape, first, second = tuple(kept) + (reduced // chunk, chunk), len(kept) + 1, len(kept)
+    else:
+        return [node]
+    if chunk in (1, reduced):
+        return [node]
+    op = SPLITTABLE[node.name]
+    fn = lambda a: op(op(a.reshape(shape), axis=first), axis=second)  # noqa: E731
+    from nimblejax.trace import GraphBuilder
+
+    closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, x.dtype))
+    builder = GraphBuilder()
+    (result,) = builder.inline(closed.jaxpr, [x], outer=node.source)
+    nodes = builder.nodes
+    last = nodes[-1]
+    if last.outputs[0] is not result or result.shape != out.shape or result.dtype != out.dtype:
+        return [node]
+    nodes[-1] = Node(last.primitive, last.inputs, (out,), last.params, node.source)
+    return [Node(n.primitive, n.inputs, n.outputs, n.params, node.source) for n in nodes]
+
+
+def _divisor_near(n: int, target: int) -> int:
+    """The divisor of n closest to target (n itself when none is within 4x)."""
+    best = n
+    for d in range(1, int(math.isqrt(n)) + 1):
+        if n % d == 0:
+            for c in (d, n // d):
+                if abs(math.log(c / target)) < abs(math.log(best / target)):
+                    best = c
+    return best if best / target < 4 and target / best < 4 else n
