@@ -186,7 +186,7 @@ def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init
     neighbouring threads read neighbouring elements."""
     x = node.inputs[0]
     axes = tuple(sorted(node.params["axes"]))
-    if x.ndim and (x.ndim - 1) not in axes:
+    if x.ndim and (x.ndim - 1) not in axes and node.outputs[0].size >= COLUMN_MIN_OUTPUTS:
         return column_reduction_kernel(node, inlined, combine, init, acc_type)
     out = node.outputs[0]
     kept = [d for d in range(x.ndim) if d not in axes]
@@ -226,6 +226,12 @@ def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init
     b.close()
     b.ops.append(node.name)
     return b.finish("reduce", out, blocks_for(n_out * per_out), BLOCK)
+
+
+# Below this many outputs a thread per output leaves the GPU idle: a warp per output
+# (strided reads, but many of them in flight) is faster; split.py adds a first stage
+# that brings long column reductions above it.
+COLUMN_MIN_OUTPUTS = 4096
 
 
 def column_reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init: str,

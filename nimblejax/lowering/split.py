@@ -16,7 +16,8 @@ from nimblejax.ir import Node
 from nimblejax.lowering import dtypes
 
 SPLITTABLE = {"reduce_sum": jnp.sum, "reduce_max": jnp.max, "reduce_min": jnp.min}
-MIN_REDUCED = 16384      # shorter reductions are fine in one kernel
+MIN_REDUCED = 16384      # shorter rows are fine in one kernel
+MIN_COLUMN = 1024        # shorter columns too
 TARGET_THREADS = 32768   # column reductions: outputs of the first stage
 TARGET_ROWS = 2048       # row reductions: rows of the first stage
 
@@ -28,14 +29,16 @@ def split_reduction(node: Node) -> list[Node]:
     axes = tuple(sorted(int(a) for a in node.params["axes"]))
     k = len(axes)
     reduced = math.prod(x.shape[a] for a in axes)
-    if k == 0 or reduced < MIN_REDUCED:
-        return [node]
     kept = x.shape[k:] if axes == tuple(range(k)) else x.shape[: x.ndim - k]
     n_out = max(1, math.prod(kept))
+    if k == 0 or n_out >= TARGET_THREADS:
+        return [node]
     if axes == tuple(range(k)):  # column: reduced axes lead, kept axes are innermost
+        if reduced < MIN_COLUMN:
+            return [node]
         chunk = _divisor_near(reduced, max(8, reduced * n_out // TARGET_THREADS))
         shape, first, second = (reduced // chunk, chunk) + tuple(kept), 1, 0
-    elif axes == tuple(range(x.ndim - k, x.ndim)) and n_out < TARGET_ROWS:  # row
+    elif axes == tuple(range(x.ndim - k, x.ndim)) and n_out < TARGET_ROWS and reduced >= MIN_REDUCED:
         chunk = _divisor_near(reduced, max(1024, reduced * n_out // TARGET_ROWS))
         shape, first, second = tuple(kept) + (reduced // chunk, chunk), len(kept) + 1, len(kept)
     else:
