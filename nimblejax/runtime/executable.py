@@ -349,28 +349,38 @@ def _device_wait(x, stream) -> None:
 class XlaUnpacker:
     """Hands a call's outputs to JAX with one XLA call instead of one import each.
 
-    A zero-copy jax.Array views the whole arena; a jitted function slices each output
-    out of it (bitcasting bytes to the dtype), so XLA allocates the fresh output
-    buffers and copies into them on its own stream. The next call's graph waits on the
-    device for that copy before it overwrites the arena.
+    Zero-copy jax.Arrays view the arena (one view per storage dtype); a jitted function
+    slices each output out of them, so XLA allocates the fresh output buffers and
+    copies into them on its own stream (plain slices of one operand, which XLA fuses
+    horizontally into few kernels). The next call's graph waits on the device for that
+    copy before it overwrites the arena.
     """
 
-    def __init__(self, plan: Plan, arena_view, slots: list) -> None:
+    def __init__(self, plan: Plan, views: dict, slots: list) -> None:
         import jax
 
-        self.arena_view = arena_view
+        self.dtypes = sorted(views)
+        self.views = [views[d] for d in self.dtypes]
         self.slots = slots  # per output: ('buffer', index) | ('input', leaf) | ('value', array)
-        specs = [(plan.offset(a), a.shape, np.dtype(a.dtype)) for a in _distinct_buffers(plan)]
-        self.fn = jax.jit(lambda arena: tuple(_unpack(arena, *spec) for spec in specs))
+        where = {d: i for i, d in enumerate(self.dtypes)}
+        specs = [(where[cupy_dtype(a.dtype).str], plan.offset(a), a.shape, np.dtype(a.dtype))
+                 for a in _distinct_buffers(plan)]
+        self.fn = jax.jit(lambda *vs: tuple(_unpack(vs[i], off, shape, dt) for i, off, shape, dt in specs))
 
     @classmethod
     def create(cls, plan: Plan, arena) -> Optional["XlaUnpacker"]:
         buffers = _distinct_buffers(plan)
         if len(buffers) < UNPACK_MIN_OUTPUTS:
             return None
-        view = to_jax(arena)
-        if view.unsafe_buffer_pointer() != arena.data.ptr:
-            return None  # JAX copied instead of viewing: the view would go stale
+        views = {}
+        for a in buffers:
+            dt = cupy_dtype(a.dtype)
+            if dt.str not in views:
+                usable = arena.nbytes // dt.itemsize * dt.itemsize
+                view = to_jax(arena[:usable].view(dt))
+                if view.unsafe_buffer_pointer() != arena.data.ptr:
+                    return None  # JAX copied instead of viewing: the view would go stale
+                views[dt.str] = view
         index = {a: i for i, a in enumerate(buffers)}
         slots = []
         for a in plan.graph.outputs:
@@ -382,12 +392,12 @@ class XlaUnpacker:
             else:
                 value = a.value if kind == "literal" else plan.graph.consts[a]
                 slots.append(("value", np.asarray(value)))
-        return cls(plan, view, slots)
+        return cls(plan, views, slots)
 
     def __call__(self, leaves: list) -> list:
         import jax.numpy as jnp
 
-        made = self.fn(self.arena_view)
+        made = self.fn(*self.views)
         return [made[x] if k == "buffer" else leaves[x] if k == "input" else jnp.asarray(x)
                 for k, x in self.slots]
 
@@ -407,19 +417,22 @@ def _distinct_buffers(plan: Plan) -> list:
     return list(seen)
 
 
-def _unpack(arena, offset: int, shape, dtype: np.dtype):
+def _unpack(view, offset: int, shape, dtype: np.dtype):
+    """Output `shape`/`dtype` at byte `offset` of the arena, from its view of the
+    matching storage dtype."""
     import jax.numpy as jnp
     from jax import lax
 
-    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    n = int(np.prod(shape, dtype=np.int64))
     if n == 0:
         return jnp.zeros(shape, dtype)
-    raw = lax.slice(arena, (offset,), (offset + n,))
+    start = offset // view.dtype.itemsize
+    out = lax.slice(view, (start,), (start + n,)).reshape(shape)
     if dtype == np.bool_:
-        return (raw != 0).reshape(shape)
-    if dtype.itemsize == 1:
-        return lax.bitcast_convert_type(raw, dtype).reshape(shape)
-    return lax.bitcast_convert_type(raw.reshape(tuple(shape) + (dtype.itemsize,)), dtype)
+        return out != 0
+    if out.dtype != dtype:  # bfloat16 stored as uint16
+        return lax.bitcast_convert_type(out, dtype)
+    return out
 
 
 def _output_layout(plan: Plan) -> list[tuple]:
