@@ -24,6 +24,7 @@ FORMAT_NHWC = 1
 CROSS_CORRELATION = 1
 DEFAULT_MATH, TENSOR_OP_MATH, FMA_MATH = 0, 1, 3
 WORKSPACE_LIMIT = 256 << 20
+GEMM_ALGOS = (0, 1, 2)  # cudnnConvolutionFwdAlgo_t: IMPLICIT_GEMM, IMPLICIT_PRECOMP_GEMM, GEMM
 
 
 class CudnnError(RuntimeError):
@@ -142,7 +143,10 @@ class Conv:
                                                          ctypes.byref(count), perf),
               "cudnnFindConvolutionForwardAlgorithm")
         for p in perf[: count.value]:
-            if p.status == 0 and p.memory <= WORKSPACE_LIMIT:
+            # FFT and Winograd algorithms lose too much precision on half types (seen
+            # failing jax.jit comparisons for bfloat16): implicit GEMMs only there.
+            accurate = self.spec.dtype == "float32" or p.algo in GEMM_ALGOS
+            if p.status == 0 and p.memory <= WORKSPACE_LIMIT and accurate:
                 _algo_cache[self.spec] = (p.algo, p.memory)
                 return p.algo, p.memory
         raise CudnnError(f"no cuDNN algorithm runs {self.spec}")
