@@ -23,7 +23,7 @@ DATA_TYPE = {"float32": 0, "float16": 2, "bfloat16": 9}
 FORMAT_NHWC = 1
 CROSS_CORRELATION = 1
 DEFAULT_MATH, TENSOR_OP_MATH, FMA_MATH = 0, 1, 3
-WORKSPACE_LIMIT = 256 << 20
+WORKSPACE_LIMIT = 64 << 20
 GEMM_ALGOS = (0, 1, 2)  # cudnnConvolutionFwdAlgo_t: IMPLICIT_GEMM, IMPLICIT_PRECOMP_GEMM, GEMM
 
 
@@ -108,6 +108,11 @@ class Handle:
         self.raw = ctypes.c_void_p()
         check(lib().cudnnCreate(ctypes.byref(self.raw)), "cudnnCreate")
         check(lib().cudnnSetStream(self.raw, ctypes.c_void_p(stream_ptr)), "cudnnSetStream")
+
+    def destroy(self) -> None:
+        if self.raw:
+            lib().cudnnDestroy(self.raw)
+            self.raw = ctypes.c_void_p()
 
 
 class Conv:

@@ -17,7 +17,12 @@ import numpy as np
 from nimblejax.lowering.task import Task
 from nimblejax.runtime.plan import Plan
 
-WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace per stream (a shared one would race)
+# cuBLAS workspace per stream (a shared one would race). NVIDIA recommends 32 MiB on
+# Hopper; side streams run the small GEMMs of parallel branches and get 4 MiB, so a
+# plan of 20+ streams does not hold most of a GiB (seen exhausting GPU memory beside
+# JAX's preallocation in the model suite).
+WORKSPACE_BYTES = 32 << 20
+SIDE_WORKSPACE_BYTES = 4 << 20
 
 
 class OutOfMemoryError(MemoryError):
@@ -54,8 +59,10 @@ class Executable:
         self.streams = [cupy.cuda.Stream(non_blocking=True)
                         for _ in range(max(1, plan.schedule.num_streams))]
         self.events = {u: cupy.cuda.Event(disable_timing=True) for u, _ in plan.schedule.syncs}
-        self.handles, self.workspaces = self._cublas_handles()
-        self.convs, self.cudnn_handles, self.cudnn_workspaces = self._cudnn_convs()
+        # Library handles allocate outside CuPy's pool: when the device looks full, give
+        # CuPy's cached free blocks back and try once more.
+        self.handles, self.workspaces = _retry_after_freeing(self._cublas_handles)
+        self.convs, self.cudnn_handles, self.cudnn_workspaces = _retry_after_freeing(self._cudnn_convs)
 
         self._upload_consts()
         self.last_inputs: list = [None] * len(plan.graph.inputs)
@@ -79,9 +86,11 @@ class Executable:
             return [], []
         from nimblejax.runtime.cublas import CublasHandle
 
-        workspaces = [_allocate(WORKSPACE_BYTES, "a cuBLAS workspace") for _ in self.streams]
-        handles = [CublasHandle(s.ptr, w.data.ptr, WORKSPACE_BYTES)
-                   for s, w in zip(self.streams, workspaces)]
+        used = {self.plan.schedule.stream[t] for t in self.plan.tasks if t.kind == "gemm"}
+        sizes = [WORKSPACE_BYTES if i == 0 else SIDE_WORKSPACE_BYTES for i in range(len(self.streams))]
+        workspaces = [_allocate(n, "a cuBLAS workspace") if i in used else None for i, n in enumerate(sizes)]
+        handles = [CublasHandle(s.ptr, w.data.ptr, n) if w is not None else None
+                   for s, w, n in zip(self.streams, workspaces, sizes)]
         return handles, workspaces
 
     def _cudnn_convs(self):
@@ -179,6 +188,22 @@ class Executable:
         finally:
             graph = s0.end_capture()  # ends capture even on error, so s0 stays usable
         self.graph = graph
+
+    def close(self) -> None:
+        """Give back the library handles (their device memory is not CuPy's)."""
+        for h in getattr(self, "handles", []) or []:
+            if h is not None:
+                h.destroy()
+        self.handles = []
+        for h in (getattr(self, "cudnn_handles", None) or {}).values():
+            h.destroy()
+        self.cudnn_handles = {}
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the libraries may be gone already
+            pass
 
     # ---- calling ----------------------------------------------------------------
     def __call__(self, leaves: list) -> list:
@@ -505,11 +530,25 @@ def _keep(_arr) -> None:
     """Holds a reference until the jax.Array that views it is collected."""
 
 
+def _retry_after_freeing(make: Callable):
+    try:
+        return make()
+    except Exception:
+        import cupy
+
+        cupy.get_default_memory_pool().free_all_blocks()
+        return make()
+
+
 def _allocate(nbytes: int, what: str):
     import cupy
 
     try:
-        return cupy.empty(max(nbytes, 1), dtype=np.uint8)
+        try:
+            return cupy.empty(max(nbytes, 1), dtype=np.uint8)
+        except cupy.cuda.memory.OutOfMemoryError:
+            cupy.get_default_memory_pool().free_all_blocks()  # cached blocks of dead plans
+            return cupy.empty(max(nbytes, 1), dtype=np.uint8)
     except cupy.cuda.memory.OutOfMemoryError as e:
         free, total = cupy.cuda.runtime.memGetInfo()
         raise OutOfMemoryError(
