@@ -159,6 +159,28 @@ def linear(idx: Index, shape: Sequence[int]) -> str:
     return " + ".join(f"(long long){t}" if wide else t for t in reversed(terms))
 
 
+def interleave(ndim: int, kept, kept_idx: Index, axes, red_idx: Index) -> Index:
+    """The operand index of a reduction from its kept and its reduced indices."""
+    full = [""] * ndim
+    for d, i in zip(kept, kept_idx):
+        full[d] = i
+    for d, i in zip(axes, red_idx):
+        full[d] = i
+    return tuple(full)
+
+
+def dilated_source(pos: str, dilation: int, size: int) -> tuple[str, list[str]]:
+    """Index into an operand of `size` elements of position `pos` in its padded,
+    `dilation`-dilated form, and the conditions for it to be a real element (not
+    padding, not a hole between dilated elements)."""
+    conds = [f"{pos} >= 0"]
+    if dilation > 1:
+        conds.append(f"{pos} % {dilation} == 0")
+        pos = f"({pos} / {dilation})"
+    conds.append(f"{pos} < {size}")
+    return pos, conds
+
+
 def blocks_for(n: int, block: int = BLOCK) -> int:
     return max(1, min((n + block - 1) // block, MAX_BLOCKS))
 
@@ -202,12 +224,7 @@ def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init
     b.emit(f"{acc_type} acc = {init};")
     b.open(f"for (long long r = lane; r < {n_red}; r += {per_out})")
     red_idx = b.index_vars("r", red_shape, "r")
-    full = [""] * x.ndim
-    for d, i in zip(kept, out_idx):
-        full[d] = i
-    for d, i in zip(axes, red_idx):
-        full[d] = i
-    v = b.value(x, tuple(full))
+    v = b.value(x, interleave(x.ndim, kept, out_idx, axes, red_idx))
     b.emit(f"acc = {combine.format(a='acc', b=v)};")
     b.close()
     b.forget()
@@ -248,12 +265,7 @@ def column_reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: st
     b.emit(f"{acc_type} acc = {init};")
     b.open(f"for (long long r = 0; r < {n_red}; ++r)")
     red_idx = b.index_vars("r", red_shape, "r")
-    full = [""] * x.ndim
-    for d, i in zip(kept, out_idx):
-        full[d] = i
-    for d, i in zip(axes, red_idx):
-        full[d] = i
-    v = b.value(x, tuple(full))
+    v = b.value(x, interleave(x.ndim, kept, out_idx, axes, red_idx))
     b.emit(f"acc = {combine.format(a='acc', b=v)};")
     b.close()
     b.forget()

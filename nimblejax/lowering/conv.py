@@ -20,7 +20,7 @@ from jax.extend.core import Primitive
 
 from nimblejax.ir import Node, Var
 from nimblejax.lowering import dtypes
-from nimblejax.lowering.codegen import Index, KernelBuilder
+from nimblejax.lowering.codegen import Index, KernelBuilder, dilated_source
 from nimblejax.lowering.registry import register
 from nimblejax.lowering.task import Kernel
 
@@ -95,12 +95,8 @@ def im2col_kernel(node: Node) -> Kernel:
         conds, src = [], [batch]
         for j, size in enumerate(spatial):
             st, (lo, _hi), ld, rd = p["strides"][j], p["padding"][j], p["lhs_dilation"][j], p["rhs_dilation"][j]
-            pos = b.tmp("int", f"{mi[1 + j]} * {st} + {ki[j]} * {rd} - ({lo})")
-            conds.append(f"{pos} >= 0")
-            if ld > 1:
-                conds.append(f"{pos} % {ld} == 0")
-                pos = f"({pos} / {ld})"
-            conds.append(f"{pos} < {size}")
+            pos, ok = dilated_source(b.tmp("int", f"{mi[1 + j]} * {st} + {ki[j]} * {rd} - ({lo})"), ld, size)
+            conds += ok
             src.append(pos)
         src.append(chan)
         zero = dtypes.literal(0, x.dtype)
@@ -335,12 +331,8 @@ def direct_conv(node: Node) -> Kernel:
         xs[lhs_spec[1]] = f"({g} * {cg} + ci)" if fg > 1 else "ci"
         for j in range(k):
             st, (lo, _), ld, rd = p["window_strides"][j], p["padding"][j], p["lhs_dilation"][j], p["rhs_dilation"][j]
-            pos = f"({osp[j]} * {st} + k{j} * {rd} - ({lo}))"
-            conds.append(f"{pos} >= 0")
-            if ld > 1:
-                conds.append(f"{pos} % {ld} == 0")
-                pos = f"({pos} / {ld})"
-            conds.append(f"{pos} < {x.shape[lhs_spec[2 + j]]}")
+            pos, ok = dilated_source(f"({osp[j]} * {st} + k{j} * {rd} - ({lo}))", ld, x.shape[lhs_spec[2 + j]])
+            conds += ok
             xs[lhs_spec[2 + j]] = pos
         ws = [""] * (k + 2)
         ws[rhs_spec[0]] = of

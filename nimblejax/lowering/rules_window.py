@@ -5,7 +5,7 @@ import itertools
 
 from nimblejax.ir import Node
 from nimblejax.lowering import dtypes
-from nimblejax.lowering.codegen import Index, KernelBuilder
+from nimblejax.lowering.codegen import Index, KernelBuilder, dilated_source
 from nimblejax.lowering.elementwise import _FMAX, _FMIN
 from nimblejax.lowering.registry import register
 from nimblejax.lowering.rules_kernels import loop_kernel
@@ -28,12 +28,8 @@ def _window_positions(b: KernelBuilder, idx: Index, x_shape, p, offsets) -> tupl
         if (st, lo, bd, wd, p["window_dimensions"][d]) == (1, 0, 1, 1, 1):
             src.append(i)
             continue
-        pos = f"({i} * {st} + {off * wd} - ({lo}))"
-        conds.append(f"{pos} >= 0")
-        if bd > 1:
-            conds.append(f"{pos} % {bd} == 0")
-            pos = f"({pos} / {bd})"
-        conds.append(f"{pos} < {x_shape[d]}")
+        pos, ok = dilated_source(f"({i} * {st} + {off * wd} - ({lo}))", bd, x_shape[d])
+        conds += ok
         src.append(pos)
     return src, conds
 
