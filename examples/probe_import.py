@@ -1,7 +1,5 @@
 """Micro-benchmark: ways to hand a CuPy buffer to JAX, timed with block_until_ready
 on the fresh array (what a caller pays). Run on the GPU machine."""
-import statistics
-import time
 import weakref
 
 import cupy
@@ -11,16 +9,9 @@ import numpy as np
 from jax._src import xla_bridge
 from jax._src.lib import _jax
 
+from nimblejax.bench.timing import median_us
 
-def med(fn, n=400):
-    for _ in range(20):
-        fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e6
+
 
 
 backend = xla_bridge.get_backend("gpu")
@@ -48,4 +39,4 @@ ways = {
     "device_put(numpy) (reference)": lambda: jax.device_put(np.ones(1024, np.float32)),
 }
 for name, make in ways.items():
-    print(f"{name:32s} import {med(make):7.1f} µs   import+block {med(lambda: make().block_until_ready()):7.1f} µs")
+    print(f"{name:32s} import {median_us(make):7.1f} µs   import+block {median_us(lambda: make().block_until_ready()):7.1f} µs")

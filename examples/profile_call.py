@@ -7,9 +7,7 @@ from __future__ import annotations
 import cProfile
 import os
 import pstats
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -17,18 +15,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import nimblejax as nimble  # noqa: E402
+from nimblejax.bench.timing import median_us  # noqa: E402
 from models import branchy_args, branchy_mlp  # noqa: E402
 
 
-def med_us(fn, n=500) -> float:
-    for _ in range(10):
-        fn()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e6
 
 
 def main() -> None:
@@ -59,7 +49,7 @@ def main() -> None:
     rows["copy_in one changed input"] = lambda: exe._bind_inputs(
         [jnp.asarray(l) if i == len(leaves) - 1 else l for i, l in enumerate(leaves)])
     for name, fn in rows.items():
-        print(f"{name:36s} {med_us(fn):8.1f} µs")
+        print(f"{name:36s} {median_us(fn):8.1f} µs")
     # The trivial function: one input, one output.
     x = jnp.asarray(np.random.default_rng(1).standard_normal(256), jnp.float32)
     g = nimble.jit(lambda a: a * 2.0 + 1.0, backend="cuda")
@@ -89,7 +79,7 @@ def main() -> None:
     gc(x)
     trivial["trivial: whole call, output=cupy"] = lambda: gc(x).data.ptr
     for name, fn in trivial.items():
-        print(f"{name:36s} {med_us(fn):8.1f} µs")
+        print(f"{name:36s} {median_us(fn):8.1f} µs")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(300):

@@ -2,15 +2,14 @@
 import cProfile
 import os
 import pstats
-import statistics
 import sys
-import time
 
 import jax
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import nimblejax as nimble  # noqa: E402
+from nimblejax.bench.timing import median_us  # noqa: E402
 from train_models import TRAIN_MODELS, batch, make_train_step  # noqa: E402
 
 init, apply = TRAIN_MODELS["resnet"]
@@ -29,13 +28,6 @@ jax.block_until_ready(state)
 s0 = exe.streams[0]
 
 
-def med(fn, n=50):
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e6
 
 
 def loop():
@@ -45,11 +37,11 @@ def loop():
     jax.block_until_ready(loss)
 
 
-print("train step e2e (fed back)", med(loop))
-print("graph.launch + sync", med(lambda: (exe.graph.launch(s0), s0.synchronize())))
+print("train step e2e (fed back)", median_us(loop))
+print("graph.launch + sync", median_us(lambda: (exe.graph.launch(s0), s0.synchronize())))
 leaves = jax.tree_util.tree_leaves((state, x, labels))
-print("unpacker call + block", med(lambda: jax.block_until_ready(exe.unpacker(leaves))))
-print("flatten", med(lambda: f._flatten((*state, x, labels), {})))
+print("unpacker call + block", median_us(lambda: jax.block_until_ready(exe.unpacker(leaves))))
+print("flatten", median_us(lambda: f._flatten((*state, x, labels), {})))
 prof = cProfile.Profile()
 prof.enable()
 for _ in range(50):

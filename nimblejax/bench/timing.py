@@ -8,6 +8,18 @@ from typing import Callable, Optional
 import jax
 
 
+def median_us(fn: Callable[[], object], calls: int = 500, warmup: int = 10) -> float:
+    """Median µs of `fn()` (host wall time; no synchronization added)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
 def e2e_us(fn: Callable, args: tuple, calls: int = 300, warmup: int = 5) -> float:
     """Median µs of one call including block_until_ready."""
     for _ in range(warmup):
