@@ -176,7 +176,9 @@ def plan_row(spec, batch: int, dtype, tiny: bool, max_streams: Optional[int] = N
 
 def plan_stats(plan) -> dict:
     kinds = [t.kind for t in plan.tasks]
+    counts = {k: kinds.count(k) for k in sorted(set(kinds))}
     return {"tasks": len(kinds), "kernels": kinds.count("kernel"), "gemms": kinds.count("gemm"),
+            "task_kinds": counts,
             "streams": int(plan.schedule.num_streams), "events": int(plan.num_events),
             "arena_bytes": int(plan.memory.arena_bytes),
             "arena_input_bytes": int(sum(v.nbytes for v in plan.graph.inputs if v in plan.memory.offsets)),

@@ -53,7 +53,14 @@ def _tasks(row: dict) -> str:
         return "-"
     if row.get("kernels") is None or row.get("gemms") is None:
         return str(row["tasks"])
-    return f"{row['tasks']} ({row['kernels']}+{row['gemms']})"
+    parts = f"{row['kernels']}+{row['gemms']}"
+    for kind, n in sorted((row.get("task_kinds") or {}).items()):
+        if kind not in ("kernel", "gemm") and n:
+            parts += f"+{n} {kind}"
+    return f"{row['tasks']} ({parts})"
+
+
+_NO_WRAP = ("model", "config", "tasks (kern+gemm)", "arena MB (inputs)")
 
 
 def _console(console=None):
@@ -78,7 +85,7 @@ def gpu_table(rows: Iterable[dict], title: Optional[str] = None):
                          ("streams", "right"), ("events", "right"), ("arena MB (inputs)", "right"),
                          ("XLA temp MB", "right"), ("compile cold s", "right"),
                          ("compile warm s", "right"), ("max rel err", "right"), ("note", "left")):
-        t.add_column(col, justify=justify, overflow="fold")
+        t.add_column(col, justify=justify, overflow="fold", no_wrap=col in _NO_WRAP)
     last = None
     for r in rows:
         key = (r.get("model"), r.get("batch"))
@@ -104,7 +111,7 @@ def plan_table(rows: Iterable[dict], title: Optional[str] = None):
                          ("tasks", "right"), ("kernels", "right"), ("gemms", "right"),
                          ("streams", "right"), ("events", "right"), ("arena MB (inputs)", "right"),
                          ("plan s", "right"), ("note", "left")):
-        t.add_column(col, justify=justify, overflow="fold")
+        t.add_column(col, justify=justify, overflow="fold", no_wrap=col in _NO_WRAP)
     for r in rows:
         params = r.get("params")
         t.add_row(str(r.get("model")), str(r.get("batch")),
@@ -174,7 +181,7 @@ def plot_speedups(results: dict, path: str) -> Optional[str]:
         return "no timings to plot (nothing ran on a GPU)"
     n = len(series)
     width = 0.8 / max(n, 1)
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(labels) + 2), 4.5))
+    fig, ax = plt.subplots(figsize=(max(7.0, 1.2 * len(labels) + 4), 4.5))
     for i, (config, vals) in enumerate(series.items()):
         xs = [g + (i - (n - 1) / 2) * width for g in range(len(labels))]
         ax.bar(xs, [v if v is not None else 0.0 for v in vals], width, label=config)
@@ -184,7 +191,7 @@ def plot_speedups(results: dict, path: str) -> Optional[str]:
     ax.set_ylabel("speedup over best jax.jit (end-to-end)")
     gpu = results.get("meta", {}).get("gpu")
     ax.set_title(f"nimble.jit vs jax.jit{' on ' + gpu if gpu else ''}")
-    ax.legend(fontsize="small")
+    ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
