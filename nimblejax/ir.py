@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence, Union
+from typing import Any, Mapping, Union
 
 import numpy as np
 
@@ -103,9 +103,6 @@ class Graph:
                     uses.setdefault(a, []).append(node)
         return uses
 
-    def producers(self) -> dict[Var, Node]:
-        return {v: n for n in self.nodes for v in n.outputs}
-
     def pretty(self) -> str:
         lines = [f"graph ({', '.join(map(repr, self.inputs))}) consts ({len(self.consts)})"]
         lines += [f"  {n!r}    # {n.source}" for n in self.nodes]
@@ -120,7 +117,3 @@ def short_dtype(dtype: Any) -> str:
     return {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32": "i32",
             "uint32": "u32", "bool": "bool", "int8": "i8", "uint8": "u8",
             "int64": "i64", "float64": "f64"}.get(name, name)
-
-
-def atoms_vars(atoms: Sequence[Atom]) -> list[Var]:
-    return [a for a in atoms if isinstance(a, Var)]

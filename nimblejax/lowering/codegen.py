@@ -7,7 +7,7 @@ arguments are buffer pointers, which makes it trivial to freeze into a CUDA grap
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from nimblejax.ir import Atom, Literal, Node, Var, short_dtype
 from nimblejax.lowering import dtypes
@@ -186,18 +186,24 @@ def blocks_for(n: int, block: int = BLOCK) -> int:
 
 
 # ---- templates ----------------------------------------------------------------------
-def elementwise_kernel(root: Var, inlined: Mapping[Var, Node]) -> Kernel:
-    """One thread per element of `root`; every inlined producer is recomputed there."""
+def loop_kernel(kind: str, out: Var, ops: Sequence[str], body: Callable[[KernelBuilder, Index], str],
+                inlined: Mapping[Var, Node] = {}) -> Kernel:
+    """One thread per output element (a grid-stride loop); `body` returns its value."""
     b = KernelBuilder(inlined)
-    n = root.size
+    b.ops = list(ops)
+    n = out.size
     itype = "long long" if n >= 2 ** 31 else "int"
     b.open(f"for ({itype} i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}; "
            f"i += (long long)gridDim.x * blockDim.x)")
-    idx = b.index_vars("i", root.shape, "i")
-    value = b.value(root, idx)
-    b.store(root, "i", value)
+    idx = b.index_vars("i", out.shape, "i")
+    b.store(out, "i", body(b, idx))
     b.close()
-    return b.finish("fused", root, blocks_for(n), BLOCK)
+    return b.finish(kind, out, blocks_for(n), BLOCK)
+
+
+def elementwise_kernel(root: Var, inlined: Mapping[Var, Node]) -> Kernel:
+    """One thread per element of `root`; every inlined producer is recomputed there."""
+    return loop_kernel("fused", root, [], lambda b, idx: b.value(root, idx), inlined)
 
 
 def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init: str,

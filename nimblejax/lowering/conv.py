@@ -20,7 +20,7 @@ from jax.extend.core import Primitive
 
 from nimblejax.ir import Node, Var
 from nimblejax.lowering import dtypes
-from nimblejax.lowering.codegen import Index, KernelBuilder, dilated_source
+from nimblejax.lowering.codegen import Index, KernelBuilder, dilated_source, loop_kernel
 from nimblejax.lowering.registry import register
 from nimblejax.lowering.task import Kernel
 
@@ -84,8 +84,7 @@ def im2col_kernel(node: Node) -> Kernel:
                               p["rhs_dilation"], groups, mode)
     nb = n // groups if mode == "batch" else n
     cg = c // groups if mode == "feature" else c
-    from nimblejax.lowering.rules_kernels import loop_kernel
-
+    
     def body(b: KernelBuilder, idx: Index) -> str:
         g, m, k = idx
         mi = b.index_vars(m, [nb] + list(out_sp), "m")
@@ -314,8 +313,7 @@ def direct_conv(node: Node) -> Kernel:
     og_b = o_total // bg
     kernel = [w.shape[d] for d in rhs_spec[2:]]
     acc_t = "float" if dtypes.is_float(out.dtype) else dtypes.compute_type(out.dtype)
-    from nimblejax.lowering.rules_kernels import loop_kernel
-
+    
     def body(b: KernelBuilder, idx: Index) -> str:
         nb_, of = idx[out_spec[0]], idx[out_spec[1]]
         osp = [idx[d] for d in out_spec[2:]]

@@ -10,9 +10,6 @@ import math
 
 import numpy as np
 
-import jax.numpy as jnp
-
-BF16 = np.dtype(jnp.bfloat16)
 
 STORAGE = {
     "float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
@@ -49,10 +46,6 @@ def is_float(dtype) -> bool:
 
 def is_half(dtype) -> bool:
     return name(dtype) in ("float16", "bfloat16")
-
-
-def is_signed_int(dtype) -> bool:
-    return name(dtype) in ("int32", "int8", "int16")
 
 
 def is_unsigned_int(dtype) -> bool:

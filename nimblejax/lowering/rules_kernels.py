@@ -3,29 +3,13 @@ other elements (concatenate, pad, dynamic slices, scans, argmax). Their inputs a
 always materialized buffers."""
 from __future__ import annotations
 
-from typing import Callable
 
-from nimblejax.ir import Node, Var
+from nimblejax.ir import Node
 from nimblejax.lowering import dtypes
-from nimblejax.lowering.codegen import BLOCK, Index, KernelBuilder, blocks_for
+from nimblejax.lowering.codegen import BLOCK, Index, KernelBuilder, blocks_for, loop_kernel
 from nimblejax.lowering.registry import register
 from nimblejax.lowering.task import Kernel
 from nimblejax.lowering.elementwise import _FMAX, _FMIN
-
-
-def loop_kernel(kind: str, out: Var, ops: list[str],
-                body: Callable[[KernelBuilder, Index], str]) -> Kernel:
-    """One thread per output element; `body` returns the element's value."""
-    b = KernelBuilder()
-    b.ops = list(ops)
-    n = out.size
-    itype = "long long" if n >= 2 ** 31 else "int"
-    b.open(f"for ({itype} i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}; "
-           f"i += (long long)gridDim.x * blockDim.x)")
-    idx = b.index_vars("i", out.shape, "i")
-    b.store(out, "i", body(b, idx))
-    b.close()
-    return b.finish(kind, out, blocks_for(n), BLOCK)
 
 
 @register("concatenate", kind="kernel")

@@ -32,22 +32,24 @@ def reduce_prod(dtype) -> Reducer:
     return Reducer("({a} * {b})", dtypes.literal(1, dtype), _acc_type(dtype))
 
 
+def _extremum(dtype, largest: bool) -> Reducer:
+    if dtypes.is_float(dtype):  # NaN-propagating, as XLA's max/min
+        return Reducer(_FMAX if largest else _FMIN, (dtypes.lowest if largest else dtypes.highest)(dtype),
+                       "float")
+    if dtypes.name(dtype) == "bool":
+        return Reducer("({a} || {b})", "0", "int") if largest else Reducer("({a} && {b})", "1", "int")
+    return Reducer("max({a}, {b})" if largest else "min({a}, {b})",
+                   (dtypes.lowest if largest else dtypes.highest)(dtype), _acc_type(dtype))
+
+
 @register("reduce_max", kind="reduction")
 def reduce_max(dtype) -> Reducer:
-    if dtypes.is_float(dtype):
-        return Reducer(_FMAX, dtypes.lowest(dtype), "float")
-    if dtypes.name(dtype) == "bool":
-        return Reducer("({a} || {b})", "0", "int")
-    return Reducer("max({a}, {b})", dtypes.lowest(dtype), _acc_type(dtype))
+    return _extremum(dtype, largest=True)
 
 
 @register("reduce_min", kind="reduction")
 def reduce_min(dtype) -> Reducer:
-    if dtypes.is_float(dtype):
-        return Reducer(_FMIN, dtypes.highest(dtype), "float")
-    if dtypes.name(dtype) == "bool":
-        return Reducer("({a} && {b})", "1", "int")
-    return Reducer("min({a}, {b})", dtypes.highest(dtype), _acc_type(dtype))
+    return _extremum(dtype, largest=False)
 
 
 @register("reduce_or", kind="reduction")

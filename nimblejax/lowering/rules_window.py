@@ -5,10 +5,9 @@ import itertools
 
 from nimblejax.ir import Node
 from nimblejax.lowering import dtypes
-from nimblejax.lowering.codegen import Index, KernelBuilder, dilated_source
+from nimblejax.lowering.codegen import Index, KernelBuilder, dilated_source, loop_kernel
 from nimblejax.lowering.elementwise import _FMAX, _FMIN
 from nimblejax.lowering.registry import register
-from nimblejax.lowering.rules_kernels import loop_kernel
 from nimblejax.lowering.task import Kernel
 
 WINDOW_REDUCERS = {

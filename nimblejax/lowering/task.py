@@ -35,10 +35,6 @@ class GemmCall:
     b: Var
     c: Var
 
-    @property
-    def flops(self) -> int:
-        return 2 * self.batch * self.m * self.n * self.k
-
 
 @dataclass(frozen=True)
 class CudnnConv:

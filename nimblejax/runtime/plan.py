@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import networkx as nx
-import numpy as np
 
 from nimblejax.fusion import Group, fuse
 from nimblejax.ir import Graph, Literal, Var
@@ -90,7 +89,3 @@ def _sizes(graph: Graph, reads, writes) -> dict[Var, int]:
         for b in bufs:
             sizes[b] = b.nbytes
     return sizes
-
-
-def literal_array(atom: Literal) -> np.ndarray:
-    return np.asarray(atom.value)
