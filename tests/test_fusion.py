@@ -66,6 +66,19 @@ def test_long_column_reduction_is_split_in_two_stages():
     np.testing.assert_allclose(nimble.jit(f, backend="interpret")(x), f(x), rtol=1e-5)
 
 
+def test_global_average_pool_is_split_over_its_middle_axes():
+    x = rand(r, 2, 56, 56, 24)  # NHWC mean over H, W: the channels stay innermost
+    f = lambda a: jnp.mean(a * 0.5 + 1.0, axis=(1, 2))  # noqa: E731
+    plan = nimble.jit(f, backend="interpret").plan(x)
+    reductions = [t for t in plan.tasks if t.name.startswith("nimble_reduce")]
+    assert len(reductions) == 2
+    first = reductions[0].outputs[0].shape
+    assert first[0] == 2 and first[-1] == 24 and first[1] > 1  # [N, chunks, C]
+    # Both stages read whole warps of neighbouring channels.
+    assert all("tx = threadIdx.x % 32" in t.kernel.source for t in reductions)
+    np.testing.assert_allclose(nimble.jit(f, backend="interpret")(x), f(x), rtol=1e-5)
+
+
 def test_long_row_reduction_is_split_in_two_stages():
     x = rand(r, 4, 65536)
     plan = nimble.jit(lambda a: jnp.max(a, axis=-1), backend="interpret").plan(x)

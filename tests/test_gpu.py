@@ -179,3 +179,15 @@ def test_conv_paths_on_gpu(record, path, monkeypatch):
     monkeypatch.setenv("NIMBLE_CONV", path)
     a = record.args(np.random.default_rng(2))
     assert_tree_close(nimble.jit(record.fn, backend="cuda")(*a), jax.jit(record.fn)(*a))
+
+
+@pytest.mark.parametrize("shape,axes", [((2, 56, 56, 24), (1, 2)), ((3, 7, 5), (1,)), ((1000, 3), (0,)),
+                                        ((4, 33, 65), (0, 1)), ((8, 4096, 40), (1,)), ((2, 9, 9, 1152), (1, 2))])
+@pytest.mark.parametrize("op", ["sum", "max", "mean_bf16", "sum_int"])
+def test_column_reductions_match_jax(shape, axes, op):
+    """Reductions that keep the innermost axis (the tiled column kernel, split or not)."""
+    x = rand(np.random.default_rng(3), *shape)
+    fn = {"sum": lambda a: jnp.sum(jnp.tanh(a), axis=axes), "max": lambda a: jnp.max(a, axis=axes),
+          "mean_bf16": lambda a: jnp.mean(a.astype(jnp.bfloat16), axis=axes),
+          "sum_int": lambda a: jnp.sum((a * 10).astype(jnp.int32), axis=axes)}[op]
+    assert_tree_close(nimble.jit(fn, backend="cuda")(x), jax.jit(fn)(x))

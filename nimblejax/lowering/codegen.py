@@ -32,6 +32,9 @@ class KernelBuilder:
         self.count = 0
         self.depth = 1
         self.ops: list[str] = []
+        # (index, shape) -> the C name of its row-major linear offset, where one is
+        # known: a reshape of the loop's own index then reads `in[i]`, with no divisions.
+        self.flat: dict[tuple[Index, tuple[int, ...]], str] = {}
 
     # ---- parameters and lines ---------------------------------------------------
     def input(self, var: Var) -> str:
@@ -64,6 +67,7 @@ class KernelBuilder:
     def forget(self) -> None:
         """Drop memoized values (they were defined in a scope that just closed)."""
         self.memo.clear()
+        self.flat.clear()
 
     # ---- values -----------------------------------------------------------------
     def value(self, atom: Atom, idx: Index) -> str:
@@ -87,7 +91,11 @@ class KernelBuilder:
         return name
 
     def load(self, var: Var, idx: Index) -> str:
-        return dtypes.load(var.dtype, f"{self.input(var)}[{linear(idx, var.shape)}]")
+        return dtypes.load(var.dtype, f"{self.input(var)}[{self.linear(idx, var.shape)}]")
+
+    def linear(self, idx: Index, shape: Sequence[int]) -> str:
+        """Row-major offset of `idx` in `shape`: a known name, or the sum of strides."""
+        return self.flat.get((tuple(idx), tuple(shape))) or linear(idx, shape)
 
     def store(self, var: Var, offset: str, value: str) -> None:
         self.emit(f"{self.output(var)}[{offset}] = {dtypes.store(var.dtype, value)};")
@@ -109,6 +117,7 @@ class KernelBuilder:
             if d > 0:
                 expr = f"({expr} % {size})"
             idx.append(self.tmp("int", expr) if expr != linear_name else f"(int){linear_name}")
+        self.flat[(tuple(idx), tuple(shape))] = linear_name
         return tuple(idx)
 
     # ---- kernel text ------------------------------------------------------------
@@ -210,11 +219,10 @@ def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init
                      acc_type: str) -> Kernel:
     """Row reductions (the innermost axis is reduced): one warp, or one 256-thread block
     for long rows, per output. Column reductions (the innermost axis is kept, as in
-    batch-norm statistics over N, H, W): one thread per output and a serial loop, so
-    neighbouring threads read neighbouring elements."""
+    batch-norm statistics or a global average pool over H, W): column_reduction_kernel."""
     x = node.inputs[0]
     axes = tuple(sorted(node.params["axes"]))
-    if x.ndim and (x.ndim - 1) not in axes and node.outputs[0].size >= COLUMN_MIN_OUTPUTS:
+    if x.ndim and (x.ndim - 1) not in axes:
         return column_reduction_kernel(node, inlined, combine, init, acc_type)
     out = node.outputs[0]
     kept = [d for d in range(x.ndim) if d not in axes]
@@ -251,34 +259,43 @@ def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init
     return b.finish("reduce", out, blocks_for(n_out * per_out), BLOCK)
 
 
-# Below this many outputs a thread per output leaves the GPU idle: a warp per output
-# (strided reads, but many of them in flight) is faster; split.py adds a first stage
-# that brings long column reductions above it.
-COLUMN_MIN_OUTPUTS = 4096
-
-
 def column_reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init: str,
                             acc_type: str) -> Kernel:
+    """A block per 32 neighbouring outputs (they differ in the innermost axis, so a warp
+    reads 32 neighbouring elements): its 8 warps share the reduced elements, then add
+    up through shared memory. split.py first cuts long columns into a first stage with
+    enough outputs to fill the GPU."""
     x, out = node.inputs[0], node.outputs[0]
     axes = tuple(sorted(node.params["axes"]))
     kept = [d for d in range(x.ndim) if d not in axes]
     red_shape = [x.shape[a] for a in axes]
     n_out, n_red = out.size, max(1, _prod(red_shape))
+    tx = min(32, 1 << max(0, (n_out - 1).bit_length()))
+    ty = BLOCK // tx
     b = KernelBuilder(inlined)
-    b.open(f"for (long long o = blockIdx.x * (long long)blockDim.x + threadIdx.x; o < {n_out}; "
-           f"o += (long long)gridDim.x * blockDim.x)")
-    out_idx = b.index_vars("o", [x.shape[d] for d in kept], "o")
+    b.emit(f"const int tx = threadIdx.x % {tx}, ty = threadIdx.x / {tx};")
+    b.emit(f"const long long o = (long long)blockIdx.x * {tx} + tx;")
     b.emit(f"{acc_type} acc = {init};")
-    b.open(f"for (long long r = 0; r < {n_red}; ++r)")
+    # No early return: every thread reaches the __syncthreads below.
+    b.open(f"if (o < {n_out})")
+    out_idx = b.index_vars("o", [x.shape[d] for d in kept], "o")
+    b.open(f"for (long long r = ty; r < {n_red}; r += {ty})")
     red_idx = b.index_vars("r", red_shape, "r")
     v = b.value(x, interleave(x.ndim, kept, out_idx, axes, red_idx))
     b.emit(f"acc = {combine.format(a='acc', b=v)};")
     b.close()
+    b.close()
     b.forget()
+    b.emit(f"__shared__ {acc_type} partial[{ty}][{tx + 1}];")
+    b.emit("partial[ty][tx] = acc;")
+    b.emit("__syncthreads();")
+    b.open(f"if (ty == 0 && o < {n_out})")
+    b.emit(f"for (int w = 1; w < {ty}; ++w) {{ {acc_type} other = partial[w][tx]; "
+           f"acc = {combine.format(a='acc', b='other')}; }}")
     b.store(out, "o", _cast_acc(acc_type, out.dtype))
     b.close()
     b.ops.append(node.name)
-    return b.finish("reduce", out, blocks_for(n_out), BLOCK)
+    return b.finish("reduce", out, -(-n_out // tx), BLOCK)
 
 
 def _cast_acc(acc_type: str, dtype) -> str:

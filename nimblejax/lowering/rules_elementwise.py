@@ -126,7 +126,9 @@ def broadcast_in_dim(b: KernelBuilder, node: Node, idx: Index) -> str:
 @register("reshape", kind="elementwise")
 def reshape(b: KernelBuilder, node: Node, idx: Index) -> str:
     x, out = node.inputs[0], node.outputs[0]
-    flat = b.tmp("long long", linear(idx, out.shape) if idx else "0")
+    offset = b.linear(idx, out.shape) if idx else "0"
+    flat = offset if offset.isidentifier() else b.tmp(
+        "long long" if out.size >= 2 ** 31 else "int", offset)
     perm = node.params.get("dimensions")
     if perm is None:
         return b.value(x, b.index_vars(flat, x.shape, "r"))

@@ -28,23 +28,25 @@ def split_reduction(node: Node) -> list[Node]:
     x, out = node.inputs[0], node.outputs[0]
     axes = tuple(sorted(int(a) for a in node.params["axes"]))
     k = len(axes)
-    reduced = math.prod(x.shape[a] for a in axes)
-    kept = x.shape[k:] if axes == tuple(range(k)) else x.shape[: x.ndim - k]
-    n_out = max(1, math.prod(kept))
-    if k == 0 or n_out >= TARGET_THREADS:
+    if k == 0 or axes != tuple(range(axes[0], axes[0] + k)):
         return [node]
-    if axes == tuple(range(k)):  # column: reduced axes lead, kept axes are innermost
+    lead, reduced, tail = x.shape[: axes[0]], math.prod(x.shape[a] for a in axes), x.shape[axes[-1] + 1:]
+    n_out = max(1, math.prod(lead) * math.prod(tail))
+    if n_out >= TARGET_THREADS:
+        return [node]
+    if tail:  # column (the innermost axis is kept): [lead, reduced, tail]
         if reduced < MIN_COLUMN:
             return [node]
         chunk = _divisor_near(reduced, max(8, reduced * n_out // TARGET_THREADS))
-        shape, first, second = (reduced // chunk, chunk) + tuple(kept), 1, 0
-    elif axes == tuple(range(x.ndim - k, x.ndim)) and n_out < TARGET_ROWS and reduced >= MIN_REDUCED:
+    elif n_out < TARGET_ROWS and reduced >= MIN_REDUCED:  # row: the innermost axes go
         chunk = _divisor_near(reduced, max(1024, reduced * n_out // TARGET_ROWS))
-        shape, first, second = tuple(kept) + (reduced // chunk, chunk), len(kept) + 1, len(kept)
     else:
         return [node]
     if chunk in (1, reduced):
         return [node]
+    # Reduce [lead, reduced // chunk, chunk, tail] over the chunk, then over the rest.
+    shape = tuple(lead) + (reduced // chunk, chunk) + tuple(tail)
+    first, second = len(lead) + 1, len(lead)
     op = SPLITTABLE[node.name]
     fn = lambda a: op(op(a.reshape(shape), axis=first), axis=second)  # noqa: E731
     from nimblejax.trace import GraphBuilder
