@@ -8,6 +8,7 @@ from nimblejax.lowering import (conv, gemm, rules_elementwise, rules_kernels,  #
 from nimblejax.lowering.codegen import elementwise_kernel, reduction_kernel
 from nimblejax.lowering.registry import RULES, rule_for
 from nimblejax.lowering.task import GemmCall, Kernel, Task
+from nimblejax.lowering.transpose import transpose_kernel
 
 if TYPE_CHECKING:  # fusion imports lowering rules; avoid the cycle at import time
     from nimblejax.fusion import Group
@@ -21,7 +22,9 @@ def lower_group(group: Group) -> Task:
     if group.kind == "view":
         return Task(f"view_{root.name}", "view", group.inputs, group.outputs, group.nodes)
     if group.kind == "fused":
-        kernel = elementwise_kernel(group.output, {**inlined, group.output: root})
+        fused = {**inlined, group.output: root}
+        # A group that permutes its input's innermost axis: a tiled kernel, coalesced.
+        kernel = transpose_kernel(group.output, fused) or elementwise_kernel(group.output, fused)
     elif group.kind == "reduction":
         reducer = rule_for(root).fn(root.inputs[0].dtype)
         kernel = reduction_kernel(root, inlined, reducer.combine, reducer.init, reducer.acc_type)
