@@ -128,9 +128,11 @@ def _emit(root: Var, inlined: Mapping[Var, Node], x: Var, nodes: tuple[Node, ...
     b = KernelBuilder(inlined)
     out, src = b.output(root), b.input(x)
     batch, at = (f"{n_p}, ", "[p]") if n_p > 1 else ("", "")
-    op = "f" if any(n.name in POINTWISE for n in nodes) else ""
+    read = f"{src}{at}[r][c]"
+    if any(n.name in POINTWISE for n in nodes):
+        read = f"f({read})"
     b.emit(f"// {src} as ({batch}{n_r}, {n_c}) -> {out} as ({batch}{n_c}, {n_r}): "
-           f"{out}{at}[c][r] = {op}({src}{at}[r][c])")
+           f"{out}{at}[c][r] = {read}")
     b.emit(f"__shared__ {dtypes.storage_type(x.dtype)} tile[{TILE}][{TILE + 1}];  "
            f"// +1: column reads hit 32 banks")
     b.emit(f"const int r0 = blockIdx.x * {TILE}, c0 = blockIdx.y * {TILE};")
