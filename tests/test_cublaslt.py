@@ -1,0 +1,585 @@
+"""Tests for nimblejax.runtime.cublaslt.
+
+CPU tests check the ctypes struct layouts, the enum values against cublasLt.h,
+and the row-major -> column-major descriptor math (by emulating cuBLASLt's
+layout semantics in numpy). GPU tests (marked `gpu`) check numerics against
+numpy, the measured algorithm choice, epilogues and CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import math
+import subprocess
+import sys
+import zlib
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from nimblejax.runtime import cublas, cublaslt
+from nimblejax.runtime.cublas import CublasError, GemmSpec
+from nimblejax.runtime.cublaslt import LtLayout, epilogue_code, fastest, lt_layouts
+
+# ---------------------------------------------------------------------------
+# CPU: ABI
+# ---------------------------------------------------------------------------
+
+# Values from cublasLt.h (CUDA 13; unchanged since 11.x, as nvmath-python's
+# bindings generated across 11.0.3..13.1.0 show), cublas_api.h, library_types.h.
+HEADER_VALUES = {
+    "CUBLASLT_MATMUL_DESC_TRANSA": 3,
+    "CUBLASLT_MATMUL_DESC_TRANSB": 4,
+    "CUBLASLT_MATMUL_DESC_EPILOGUE": 7,
+    "CUBLASLT_MATMUL_DESC_BIAS_POINTER": 8,
+    "CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT": 5,
+    "CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET": 6,
+    "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES": 1,
+    "CUBLASLT_EPILOGUE_DEFAULT": 1,
+    "CUBLASLT_EPILOGUE_RELU": 2,
+    "CUBLASLT_EPILOGUE_BIAS": 4,
+    "CUBLASLT_EPILOGUE_GELU": 32,
+    "CUBLAS_STATUS_NOT_SUPPORTED": 15,
+    "SCALE_TYPE": 0,  # CUDA_R_32F
+}
+
+
+@pytest.mark.parametrize("name,value", sorted(HEADER_VALUES.items()))
+def test_enum_values_match_header(name: str, value: int) -> None:
+    assert getattr(cublaslt, name) == value
+
+
+def test_compute_and_data_types_match_header() -> None:
+    # cublasComputeType_t / cudaDataType_t, shared with cublas.py.
+    assert (cublas.CUBLAS_COMPUTE_32F, cublas.CUBLAS_COMPUTE_32F_FAST_TF32) == (68, 77)
+    assert (cublas.CUDA_R_32F, cublas.CUDA_R_16F, cublas.CUDA_R_16BF) == (0, 2, 14)
+    assert (cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_T) == (0, 1)
+
+
+def test_struct_layouts() -> None:
+    algo, res = cublaslt.MatmulAlgo, cublaslt.HeuristicResult
+    assert ctypes.sizeof(algo) == 64
+    # { algo (64); size_t workspaceSize; cublasStatus_t state; float wavesCount; int reserved[4] }
+    assert ctypes.sizeof(res) == 96
+    offsets = {name: getattr(res, name).offset for name, _ in res._fields_}
+    assert offsets == {"algo": 0, "workspaceSize": 64, "state": 72, "wavesCount": 76, "reserved": 80}
+
+
+@pytest.mark.parametrize(
+    "epilogue,bias,code",
+    [("none", False, 1), ("relu", False, 2), ("gelu", False, 32),
+     ("none", True, 4), ("relu", True, 6), ("gelu", True, 36)],  # RELU_BIAS, GELU_BIAS
+)
+def test_epilogue_code(epilogue: str, bias: bool, code: int) -> None:
+    assert epilogue_code(epilogue, bias) == code
+
+
+def test_epilogue_code_rejects_unknown() -> None:
+    with pytest.raises(ValueError, match="silu"):
+        epilogue_code("silu", False)
+
+
+def test_fastest_skips_failed_candidates() -> None:
+    assert fastest([3.0, None, 1.0, 2.0]) == 2
+    with pytest.raises(CublasError, match="CUBLAS_STATUS_NOT_SUPPORTED"):
+        fastest([None, None])
+
+
+def test_lt_path_next_to_libcublas() -> None:
+    assert cublaslt.lt_path_from_cublas("/x/lib/libcublas.so.13") == "/x/lib/libcublasLt.so.13"
+    assert cublaslt.lt_path_from_cublas("libcublas.so.12") == "libcublasLt.so.12"
+
+
+def test_import_loads_nothing() -> None:
+    code = ("import sys, nimblejax.runtime.cublaslt as m; "
+            "assert m._lib is None and 'cupy' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------
+# CPU: descriptor math
+# ---------------------------------------------------------------------------
+
+
+def test_layouts_plain_row_major() -> None:
+    p = lt_layouts(GemmSpec(1, 128, 768, 3072, False, False, "float32", "tf32"))
+    assert (p.trans_a, p.trans_b) == (0, 0)
+    # cuBLASLt's A is our B (3072 x 768 row-major = 768 x 3072 column-major).
+    assert p.a == LtLayout(0, 768, 3072, 768, 1, 3072 * 768)
+    assert p.b == LtLayout(0, 3072, 128, 3072, 1, 128 * 3072)
+    assert p.c == LtLayout(0, 768, 128, 768, 1, 128 * 768)
+
+
+def test_layouts_transposed_batched_mixed_dtype() -> None:
+    p = lt_layouts(GemmSpec(4, 5, 7, 3, True, True, "bfloat16", "f32_from_half",
+                            out_dtype="float32"))
+    assert (p.trans_a, p.trans_b) == (1, 1)
+    # Our B stored (n, k) = (7, 3): column-major 3 x 7, ld 3, op T.
+    assert p.a == LtLayout(14, 3, 7, 3, 4, 21)
+    # Our A stored (k, m) = (3, 5): column-major 5 x 3, ld 5, op T.
+    assert p.b == LtLayout(14, 5, 3, 5, 4, 15)
+    assert p.c == LtLayout(0, 7, 5, 7, 4, 35)
+
+
+def _op(x: np.ndarray, trans) -> np.ndarray:
+    return np.swapaxes(x, -1, -2) if trans else x
+
+
+def _read(buf: np.ndarray, lay: LtLayout) -> np.ndarray:
+    """A batch of column-major matrices, read as cuBLASLt reads the layout."""
+    i, j = np.meshgrid(np.arange(lay.rows), np.arange(lay.cols), indexing="ij")
+    return np.stack([buf[b * lay.stride + i + j * lay.ld] for b in range(lay.batch)])
+
+
+def _emulate(spec: GemmSpec, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """D = op(A_lt) op(B_lt) over our buffers with lt_layouts' descriptors."""
+    p = lt_layouts(spec)
+    d = _op(_read(b.ravel(), p.a), p.trans_a) @ _op(_read(a.ravel(), p.b), p.trans_b)
+    assert d.shape[1:] == (p.c.rows, p.c.cols) and p.c.ld >= p.c.rows
+    c = np.full(spec.batch * spec.m * spec.n, np.nan)
+    i, j = np.meshgrid(np.arange(p.c.rows), np.arange(p.c.cols), indexing="ij")
+    for k in range(spec.batch):
+        c[k * p.c.stride + i + j * p.c.ld] = d[k]
+    return c.reshape(spec.c_shape)
+
+
+@pytest.mark.parametrize("trans_a,trans_b", list(itertools.product([False, True], repeat=2)))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_layouts_emulated_match_row_major_product(trans_a: bool, trans_b: bool, batch: int) -> None:
+    spec = GemmSpec(batch, 5, 7, 4, trans_a, trans_b, "float32", "f32")
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(spec.a_shape), rng.standard_normal(spec.b_shape)
+    np.testing.assert_allclose(_emulate(spec, a, b), _op(a, trans_a) @ _op(b, trans_b), rtol=1e-12)
+
+
+def test_bias_runs_along_n() -> None:
+    # CUBLASLT_EPILOGUE_BIAS adds a vector as long as D's rows to every column
+    # of D; D's rows are our n, so bias[j] lands on every row-major C[i, j].
+    p = lt_layouts(GemmSpec(1, 6, 9, 2, False, False, "float32", "f32"))
+    assert (p.c.rows, p.c.cols) == (9, 6)
+    d_cm = np.zeros((p.c.rows, p.c.cols)) + np.arange(9.0)[:, None]  # bias added per D row
+    c = np.zeros(6 * 9)
+    i, j = np.meshgrid(np.arange(9), np.arange(6), indexing="ij")
+    c[i + j * p.c.ld] = d_cm
+    assert np.array_equal(c.reshape(6, 9), np.tile(np.arange(9.0), (6, 1)))
+
+
+# ---------------------------------------------------------------------------
+# CPU: LtGemm's call sequence against a fake libcublasLt
+# ---------------------------------------------------------------------------
+
+
+class _FakeLt:
+    """Records every cublasLt* call; creates return distinct fake handles and
+    the heuristic returns three candidates (the middle one failing)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self._next = 0x1000
+
+    def __getattr__(self, name: str):
+        def fn(*args):
+            self.calls.append((name, args))
+            if name.endswith("Create"):
+                self._next += 0x100
+                args[0]._obj.value = self._next  # byref(c_void_p) -> the c_void_p
+            if name == "cublasLtMatmulAlgoGetHeuristic":
+                results, count = args[8], args[9]._obj
+                for i in range(3):
+                    results[i].algo.data[0], results[i].workspaceSize = 100 + i, 1024 * i
+                    results[i].state = 15 if i == 1 else 0
+                count.value = 3
+            return 0
+
+        fn.__name__ = name
+        return fn
+
+    def named(self, name: str) -> list[tuple]:
+        return [args for n, args in self.calls if n == name]
+
+
+class _FakeHandle:
+    def __init__(self) -> None:
+        self.lib, self.raw = _FakeLt(), ctypes.c_void_p(0x42)
+
+
+def _attr_values(lib: _FakeLt, name: str) -> dict:
+    # (object, attribute) -> the scalar passed by reference, with its size.
+    return {(args[0].value, args[1]): (args[2]._obj.value, args[3]) for args in lib.named(name)}
+
+
+def test_ltgemm_descriptors_and_run_arguments(monkeypatch) -> None:
+    monkeypatch.setattr(cublaslt, "_ALGO_CACHE", {})
+    h = _FakeHandle()
+    spec = GemmSpec(3, 5, 7, 4, True, False, "bfloat16", "f32_from_half", out_dtype="float32")
+    gemm = cublaslt.LtGemm(h, spec, 4096, epilogue="gelu", bias=True)
+    lib = h.lib
+    (desc_args,) = lib.named("cublasLtMatmulDescCreate")
+    assert desc_args[1:] == (cublas.CUBLAS_COMPUTE_32F, 0)
+    desc = desc_args[0]._obj.value
+    attrs = _attr_values(lib, "cublasLtMatmulDescSetAttribute")
+    assert attrs[(desc, 3)] == (0, 4) and attrs[(desc, 4)] == (1, 4)  # TRANSA N, TRANSB T
+    assert attrs[(desc, 7)] == (36, 4)  # GELU_BIAS, uint32
+    layouts = [(a[0]._obj.value, a[1:]) for a in lib.named("cublasLtMatrixLayoutCreate")]
+    p = lt_layouts(spec)
+    assert [args for _, args in layouts] == [(x.dtype, x.rows, x.cols, x.ld) for x in (p.a, p.b, p.c)]
+    battrs = _attr_values(lib, "cublasLtMatrixLayoutSetAttribute")
+    for (handle, _), lay in zip(layouts, (p.a, p.b, p.c)):
+        assert battrs[(handle, 5)] == (3, 4) and battrs[(handle, 6)] == (lay.stride, 8)
+    (pref_args,) = lib.named("cublasLtMatmulPreferenceSetAttribute")
+    assert (pref_args[1], pref_args[2]._obj.value, pref_args[3]) == (1, 4096, 8)
+    # No buffers: heuristic #0, unmeasured.
+    assert (gemm.algo_index, gemm.workspace_needed, gemm.timings_us) == (0, 0, None)
+
+    gemm.run(h, 0x10000, 0x20000, 0x30000, 0x40000, 4096, 0x77, bias=0x50000)
+    (mm,) = lib.named("cublasLtMatmul")
+    (la, _), (lb, _), (lc, _) = layouts
+    assert mm[0].value == 0x42 and mm[1].value == desc
+    assert (mm[2]._obj.value, mm[7]._obj.value) == (1.0, 0.0)  # host alpha, beta
+    # cuBLASLt's A is our B and its B our A; C and D are both our C.
+    assert (mm[3], mm[5]) == (0x20000, 0x10000)
+    assert (mm[4].value, mm[6].value, mm[9].value, mm[11].value) == (la, lb, lc, lc)
+    assert (mm[8], mm[10]) == (0x30000, 0x30000)
+    assert mm[12]._obj.data[0] == 100 and mm[13:] == (0x40000, 4096, 0x77)
+    assert _attr_values(lib, "cublasLtMatmulDescSetAttribute")[(desc, 8)] == (0x50000, 8)
+
+    gemm.close()
+    destroyed = {n for n, _ in lib.calls if n.endswith("Destroy")}
+    assert destroyed == {"cublasLtMatrixLayoutDestroy", "cublasLtMatmulPreferenceDestroy",
+                         "cublasLtMatmulDescDestroy"}
+    assert len(lib.named("cublasLtMatrixLayoutDestroy")) == 3
+    gemm.close()  # idempotent
+    assert len(lib.named("cublasLtMatrixLayoutDestroy")) == 3
+
+
+def test_ltgemm_measured_choice_is_cached(monkeypatch) -> None:
+    monkeypatch.setattr(cublaslt, "_ALGO_CACHE", {})
+    timed = []
+
+    def fake_time_all(self, handle, results, buffers):
+        timed.append([r.algo.data[0] for r in results])
+        return [5.0, 2.0][: len(results)]
+
+    monkeypatch.setattr(cublaslt.LtGemm, "_time_all", fake_time_all)
+    spec = GemmSpec(1, 8, 8, 8, False, False, "float32", "tf32")
+    bufs = cublaslt.GemmBuffers(0x100, 0x200, 0x300, 0x400)
+    h = _FakeHandle()
+    heuristic_only = cublaslt.LtGemm(h, spec, 4096)  # caches #0, unmeasured
+    first = cublaslt.LtGemm(h, spec, 4096, buffers=bufs)  # measures anyway
+    assert timed == [[100, 102]]  # the failing candidate (state != 0) is never timed
+    assert (heuristic_only.algo_index, first.algo_index) == (0, 1)
+    assert first.workspace_needed == 2048 and first.timings_us == (5.0, 2.0)
+    again = cublaslt.LtGemm(h, spec, 4096, buffers=bufs)
+    plain = cublaslt.LtGemm(h, spec, 4096)
+    assert len(timed) == 1 and again.algo_index == plain.algo_index == 1
+    other_ws = cublaslt.LtGemm(h, spec, 0, buffers=bufs)  # workspace size is in the key
+    assert len(timed) == 2
+    for g in (heuristic_only, first, again, plain, other_ws):
+        g.close()
+
+
+def test_ltgemm_run_validates(monkeypatch) -> None:
+    monkeypatch.setattr(cublaslt, "_ALGO_CACHE", {})
+    h = _FakeHandle()
+    gemm = cublaslt.LtGemm(h, GemmSpec(1, 8, 8, 8, False, False, "float32", "f32"), 4096)
+    with pytest.raises(ValueError, match="aligned"):
+        gemm.run(h, 0x104, 0x200, 0x300, 0x400, 4096, 0)
+    with pytest.raises(ValueError, match="bias"):
+        gemm.run(h, 0x100, 0x200, 0x300, 0x400, 4096, 0, bias=0x500)
+    gemm.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        gemm.run(h, 0x100, 0x200, 0x300, 0x400, 4096, 0)
+
+
+# ---------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------
+
+WORKSPACE_BYTES = 32 * 1024 * 1024
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+# (dtype, compute, out_dtype, tolerance relative to |op(A)| @ |op(B)|)
+CASES = [
+    ("float32", "f32", None, 1e-5),
+    ("float32", "tf32", None, 1e-2),
+    ("bfloat16", "f32_from_half", None, 1e-2),
+    ("float16", "f32_from_half", None, 1e-2),
+    ("bfloat16", "f32_from_half", "float32", 1e-2),
+]
+# (batch, m, n, k, trans_a, trans_b)
+SHAPES = [
+    (1, 1, 2048, 512, False, False),
+    (1, 128, 768, 3072, False, False),
+    (1, 128, 768, 3072, False, True),
+    (1, 401408, 16, 32, False, False),
+    (1, 7, 5, 3, False, False),
+    (1, 7, 5, 3, True, False),
+    (1, 7, 5, 3, True, True),
+    (3, 7, 5, 3, False, True),
+    (4, 64, 48, 32, True, True),
+]
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        from ml_dtypes import bfloat16  # jax depends on ml_dtypes
+
+        return bfloat16
+    return np.dtype(name)
+
+
+def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: str,
+            low: float = 0.5, high: float = 1.5) -> np.ndarray:
+    # Magnitudes in [low, high) with random signs; the cast value is the reference.
+    mag = rng.uniform(low, high, size=shape)
+    return (mag * rng.choice([-1.0, 1.0], size=shape)).astype(_np_dtype(dtype))
+
+
+def _out(spec: GemmSpec) -> str:
+    return spec.out_dtype or spec.dtype
+
+
+@pytest.fixture(scope="module")
+def gpu() -> Iterator[tuple]:
+    cupy = pytest.importorskip("cupy")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    workspace = cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
+    handle = cublaslt.LtHandle()
+    yield cupy, stream, handle, workspace
+    stream.synchronize()
+    handle.destroy()
+
+
+def _upload(cupy, x: np.ndarray):
+    # Raw bytes: cupy has no bfloat16, cuBLASLt only needs the address.
+    return cupy.asarray(np.ascontiguousarray(x).view(np.uint8).ravel())
+
+
+def _empty_out(cupy, spec: GemmSpec):
+    c = cupy.empty(int(np.prod(spec.c_shape)) * ITEMSIZE[_out(spec)], dtype=cupy.uint8)
+    c.fill(0xFF)  # NaN in f32/f16/bf16: unwritten output fails
+    return c
+
+
+def _download(cupy, buf, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    return cupy.asnumpy(buf).view(_np_dtype(dtype)).reshape(shape)
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)))
+
+
+def _gelu_erf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
+ACTIVATIONS = {"none": lambda x: x, "relu": lambda x: np.maximum(x, 0.0), "gelu": _gelu_tanh}
+
+
+def _reference(spec, a, b, bias=None, epilogue="none"):
+    """(pre-activation value, expected output, per-element error scale)."""
+    op_a, op_b = _op(a.astype(np.float64), spec.trans_a), _op(b.astype(np.float64), spec.trans_b)
+    pre = spec.alpha * (op_a @ op_b)
+    scale = abs(spec.alpha) * (np.abs(op_a) @ np.abs(op_b))
+    if bias is not None:
+        pre, scale = pre + bias.astype(np.float64), scale + np.abs(bias.astype(np.float64))
+    return pre, ACTIVATIONS[epilogue](pre), scale
+
+
+def _assert_close(spec, out: np.ndarray, ref: np.ndarray, scale: np.ndarray, tol: float) -> None:
+    assert np.all(np.isfinite(out)), "output holds NaN/Inf (not written?)"
+    worst = float(np.max(np.abs(out.astype(np.float64) - ref) / scale))
+    assert worst <= tol, f"{spec}: max scaled error {worst:.3g} > {tol}"
+
+
+def _tuned(cupy, handle, spec, workspace, a, b, c, **kw) -> cublaslt.LtGemm:
+    buffers = cublaslt.GemmBuffers(a.data.ptr, b.data.ptr, c.data.ptr, workspace.data.ptr,
+                                   bias=kw.pop("bias_ptr", None))
+    return cublaslt.LtGemm(handle, spec, WORKSPACE_BYTES, buffers=buffers, **kw)
+
+
+def _run(gemm, gpu, a, b, c, bias=None) -> None:
+    cupy, stream, handle, workspace = gpu
+    cupy.cuda.Device().synchronize()  # uploads ran on the legacy stream
+    gemm.run(handle, a.data.ptr, b.data.ptr, c.data.ptr, workspace.data.ptr,
+             WORKSPACE_BYTES, stream.ptr, bias=None if bias is None else bias.data.ptr)
+    stream.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,m,n,k,trans_a,trans_b", SHAPES)
+@pytest.mark.parametrize("dtype,compute,out_dtype,tol", CASES)
+def test_gemm_matches_numpy(gpu, dtype, compute, out_dtype, tol, batch, m, n, k,
+                            trans_a, trans_b) -> None:
+    cupy, _, handle, workspace = gpu
+    spec = GemmSpec(batch, m, n, k, trans_a, trans_b, dtype, compute, out_dtype=out_dtype)
+    rng = np.random.default_rng(zlib.crc32(repr(spec).encode()))
+    a, b = _random(rng, spec.a_shape, dtype), _random(rng, spec.b_shape, dtype)
+    a_dev, b_dev, c_dev = _upload(cupy, a), _upload(cupy, b), _empty_out(cupy, spec)
+    gemm = _tuned(cupy, handle, spec, workspace, a_dev, b_dev, c_dev)
+    try:
+        # The measured choice: the fastest candidate that ran.
+        assert gemm.timings_us is not None and 0 <= gemm.algo_index < len(gemm.timings_us)
+        assert gemm.algo_index == fastest(list(gemm.timings_us))
+        assert 0 <= gemm.workspace_needed <= WORKSPACE_BYTES
+        c_dev.fill(0xFF)
+        _run(gemm, gpu, a_dev, b_dev, c_dev)
+    finally:
+        gemm.close()
+    _, ref, scale = _reference(spec, a, b)
+    _assert_close(spec, _download(cupy, c_dev, _out(spec), spec.c_shape), ref, scale, tol)
+
+
+@pytest.mark.gpu
+def test_choice_is_cached(gpu) -> None:
+    cupy, _, handle, workspace = gpu
+    spec = GemmSpec(2, 33, 17, 9, False, True, "float32", "tf32")
+    rng = np.random.default_rng(3)
+    a_dev = _upload(cupy, _random(rng, spec.a_shape, "float32"))
+    b_dev = _upload(cupy, _random(rng, spec.b_shape, "float32"))
+    c_dev = _empty_out(cupy, spec)
+    first = _tuned(cupy, handle, spec, workspace, a_dev, b_dev, c_dev)
+    second = _tuned(cupy, handle, spec, workspace, a_dev, b_dev, c_dev)
+    unmeasured = cublaslt.LtGemm(handle, spec, WORKSPACE_BYTES)  # takes the measured entry
+    try:
+        assert second.timings_us is first.timings_us  # not re-timed
+        assert unmeasured.algo_index == first.algo_index
+    finally:
+        for g in (first, second, unmeasured):
+            g.close()
+
+
+@pytest.mark.gpu
+def test_without_buffers_uses_heuristic_zero_and_alpha_beta(gpu) -> None:
+    cupy, _, handle, _ = gpu
+    # alpha/beta come from the spec; beta != 0 reads C, so no timing on C.
+    spec = GemmSpec(2, 6, 5, 4, False, True, "float32", "f32", alpha=0.5, beta=2.0)
+    rng = np.random.default_rng(7)
+    a, b = _random(rng, spec.a_shape, "float32"), _random(rng, spec.b_shape, "float32")
+    c0 = _random(rng, spec.c_shape, "float32")
+    a_dev, b_dev, c_dev = _upload(cupy, a), _upload(cupy, b), _upload(cupy, c0)
+    gemm = cublaslt.LtGemm(handle, spec, WORKSPACE_BYTES)
+    try:
+        assert gemm.algo_index == 0 and gemm.timings_us is None
+        _run(gemm, gpu, a_dev, b_dev, c_dev)
+    finally:
+        gemm.close()
+    ref = 0.5 * (a.astype(np.float64) @ np.swapaxes(b, -1, -2)) + 2.0 * c0
+    np.testing.assert_allclose(_download(cupy, c_dev, "float32", spec.c_shape), ref,
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("epilogue,bias", [("none", True), ("relu", False), ("relu", True),
+                                           ("gelu", False), ("gelu", True)])
+@pytest.mark.parametrize("dtype,compute,out_dtype,tol", [
+    ("float32", "f32", None, 1e-3),  # 1e-3: cuBLASLt's GELU may use a fast tanh
+    ("bfloat16", "f32_from_half", None, 1e-2),
+    ("bfloat16", "f32_from_half", "float32", 1e-2),
+])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_epilogues(gpu, epilogue, bias, dtype, compute, out_dtype, tol, batch) -> None:
+    cupy, _, handle, workspace = gpu
+    spec = GemmSpec(batch, 96, 40, 64, False, True, dtype, compute, out_dtype=out_dtype)
+    rng = np.random.default_rng(11)
+    # |a|, |b| <= 1 and 0.75: pre-activations spread over about [-4, 4].
+    a = _random(rng, spec.a_shape, dtype, 0.0, 1.0)
+    b = _random(rng, spec.b_shape, dtype, 0.0, 0.75)
+    bias_h = _random(rng, (spec.n,), _out(spec), 0.0, 1.0) if bias else None
+    a_dev, b_dev, c_dev = _upload(cupy, a), _upload(cupy, b), _empty_out(cupy, spec)
+    bias_dev = None if bias_h is None else _upload(cupy, bias_h)
+    gemm = _tuned(cupy, handle, spec, workspace, a_dev, b_dev, c_dev, epilogue=epilogue,
+                  bias=bias, bias_ptr=None if bias_dev is None else bias_dev.data.ptr)
+    try:
+        c_dev.fill(0xFF)
+        _run(gemm, gpu, a_dev, b_dev, c_dev, bias=bias_dev)
+    finally:
+        gemm.close()
+    _, ref, scale = _reference(spec, a, b, bias_h, epilogue)
+    _assert_close(spec, _download(cupy, c_dev, _out(spec), spec.c_shape), ref, scale, tol)
+
+
+@pytest.mark.gpu
+def test_gelu_is_the_tanh_approximation(gpu) -> None:
+    # The two GELU forms differ by up to 4.7e-4 near |x| = 2.7; on average the
+    # output must sit closer to tanh-GELU than to erf-GELU where they differ.
+    cupy, _, handle, workspace = gpu
+    spec = GemmSpec(1, 512, 64, 64, False, False, "float32", "f32")
+    rng = np.random.default_rng(5)
+    a = _random(rng, spec.a_shape, "float32", 0.0, 1.0)
+    b = _random(rng, spec.b_shape, "float32", 0.0, 0.75)
+    a_dev, b_dev, c_dev = _upload(cupy, a), _upload(cupy, b), _empty_out(cupy, spec)
+    gemm = _tuned(cupy, handle, spec, workspace, a_dev, b_dev, c_dev, epilogue="gelu")
+    try:
+        _run(gemm, gpu, a_dev, b_dev, c_dev)
+    finally:
+        gemm.close()
+    pre, _, _ = _reference(spec, a, b)
+    out = _download(cupy, c_dev, "float32", spec.c_shape).astype(np.float64)
+    where = (np.abs(pre) > 1.5) & (np.abs(pre) < 4.0)
+    assert where.sum() > 1000
+    err_tanh = np.abs(out - _gelu_tanh(pre))[where].mean()
+    err_erf = np.abs(out - _gelu_erf(pre))[where].mean()
+    assert err_tanh < err_erf, f"mean error vs tanh-GELU {err_tanh:.3g}, vs erf-GELU {err_erf:.3g}"
+
+
+@pytest.mark.gpu
+def test_run_validates_pointers(gpu) -> None:
+    cupy, stream, handle, workspace = gpu
+    spec = GemmSpec(1, 8, 8, 8, False, False, "float32", "f32")
+    buf = cupy.zeros(1024, dtype=cupy.float32)
+    gemm = cublaslt.LtGemm(handle, spec, WORKSPACE_BYTES, epilogue="relu", bias=True)
+    ptr, ws = buf.data.ptr, workspace.data.ptr
+    try:
+        with pytest.raises(ValueError, match="aligned"):
+            gemm.run(handle, ptr + 4, ptr, ptr, ws, WORKSPACE_BYTES, stream.ptr, bias=ptr)
+        with pytest.raises(ValueError, match="bias"):
+            gemm.run(handle, ptr, ptr, ptr, ws, WORKSPACE_BYTES, stream.ptr)
+    finally:
+        gemm.close()
+
+
+@pytest.mark.gpu
+def test_graph_capture(gpu) -> None:
+    cupy, _, handle, workspace = gpu
+    stream = cupy.cuda.Stream(non_blocking=True)
+    specs = [GemmSpec(1, 128, 768, 3072, False, False, "float32", "tf32"),
+             GemmSpec(3, 7, 5, 3, True, True, "bfloat16", "f32_from_half")]
+    tols = [1e-2, 1e-2]
+    rng = np.random.default_rng(1234)
+
+    def fresh() -> list[tuple[np.ndarray, np.ndarray]]:
+        return [(_random(rng, s.a_shape, s.dtype), _random(rng, s.b_shape, s.dtype)) for s in specs]
+
+    inputs = fresh()
+    devs = [(_upload(cupy, a), _upload(cupy, b), _empty_out(cupy, s))
+            for s, (a, b) in zip(specs, inputs)]
+    gemms = [_tuned(cupy, handle, s, workspace, *d) for s, d in zip(specs, devs)]
+    cupy.cuda.Device().synchronize()
+    # Both GEMMs on one stream share the workspace (stream order serializes them).
+    stream.begin_capture()
+    for g, (a, b, c) in zip(gemms, devs):
+        g.run(handle, a.data.ptr, b.data.ptr, c.data.ptr, workspace.data.ptr,
+              WORKSPACE_BYTES, stream.ptr)
+    graph = stream.end_capture()
+    try:
+        for launch in range(2):
+            if launch:  # same buffers, new contents: the graph reads live memory
+                inputs = fresh()
+                for (a_dev, b_dev, _), (a, b) in zip(devs, inputs):
+                    a_dev.set(np.ascontiguousarray(a).view(np.uint8).ravel())
+                    b_dev.set(np.ascontiguousarray(b).view(np.uint8).ravel())
+            for _, _, c in devs:
+                c.fill(0xFF)
+            cupy.cuda.Device().synchronize()
+            graph.launch(stream)
+            stream.synchronize()
+            for s, (a, b), (_, _, c), tol in zip(specs, inputs, devs, tols):
+                _, ref, scale = _reference(s, a, b)
+                _assert_close(s, _download(cupy, c, _out(s), s.c_shape), ref, scale, tol)
+    finally:
+        del graph
+        for g in gemms:
+            g.close()
