@@ -1,9 +1,10 @@
 """Fusion: partition the graph's nodes into groups, one group per kernel.
 
 Walking the nodes backwards, an elementwise node is *inlined* (recomputed inside its
-consumers' kernels) when all of its consumers are elementwise nodes or reductions and
-its value is not a graph output; otherwise it roots a kernel of its own and its value
-is materialized in a buffer. A reduction roots a kernel into whose loop its operand's
+consumers' kernels) when all of its consumers are elementwise nodes or reductions, its
+value is not a graph output, and recomputing it in several kernels reads no more than
+reading it would (see _worth_writing); otherwise it roots a kernel of its own and its
+value is materialized in a buffer. A reduction roots a kernel into whose loop its operand's
 producers are inlined. This is XLA's loop/input fusion with producer duplication,
 kept deliberately simple.
 """
@@ -19,6 +20,9 @@ from nimblejax.lowering.registry import check_supported, rule_for
 
 # A node feeding more than this many kernels is materialized rather than recomputed.
 MAX_DUPLICATION = 4
+# Below this many elements a kernel costs its launch, not its bytes: recomputing a
+# value in several kernels is free there, and one more kernel is not.
+RECOMPUTE_ANY_BELOW = 1 << 20
 VIEW_PRIMS = frozenset({"reshape", "squeeze"})
 
 
@@ -61,6 +65,7 @@ def fuse(graph: Graph) -> list[Group]:
     outputs = {a for a in graph.outputs if isinstance(a, Var)}
     owner: dict[Node, frozenset[int]] = {}
     roots: dict[int, Node] = {}
+    written = _worth_writing(graph, consumers)
 
     def new_group(node: Node) -> None:
         gid = len(roots)
@@ -71,7 +76,7 @@ def fuse(graph: Graph) -> list[Group]:
         kind = rule_for(node).kind
         if kind == "elementwise":
             groups = _inline_target(node, consumers, outputs, owner)
-            if groups is not None:
+            if groups is not None and (len(groups) == 1 or node not in written):
                 owner[node] = groups
                 continue
         new_group(node)
@@ -83,6 +88,31 @@ def fuse(graph: Graph) -> list[Group]:
     groups = [_make_group(roots[gid], members[gid]) for gid in sorted(roots, reverse=True)]
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(groups, key=lambda g: order[g.root])
+
+
+def _worth_writing(graph: Graph, consumers) -> set[Node]:
+    """Elementwise nodes that are cheaper to write once than to recompute in each of
+    their consumers' kernels: large, used more than once, and reading more than one
+    distinct full-size buffer (broadcast operands are free) with their elementwise
+    producers inlined. A residual `relu(bn(a) + b)` feeding the next block's GEMM and
+    its residual add is one. Small values are always recomputed (RECOMPUTE_ANY_BELOW)."""
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    sources: dict[Node, frozenset] = {}
+    chosen: set[Node] = set()
+    for node in graph.nodes:
+        if rule_for(node).kind != "elementwise":
+            continue
+        out = node.outputs[0]
+        found: set = set()
+        for a in node.inputs:
+            if isinstance(a, Var) and a.size >= out.size:
+                p = producer.get(a)
+                found |= sources[p] if p in sources else {a}
+        if out.size >= RECOMPUTE_ANY_BELOW and len(found) > 1 and len(consumers.get(out, ())) > 1:
+            chosen.add(node)
+            found = {out}  # read back by its consumers
+        sources[node] = frozenset(found)
+    return chosen
 
 
 def _inline_target(node: Node, consumers, outputs, owner) -> frozenset[int] | None:

@@ -1,11 +1,12 @@
 """Fusion targets, asserted on the plan."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 import nimblejax as nimble
-from models import gelu_dense, layer_norm, mlp, mlp_args, rand, softmax
+from models import assert_tree_close, gelu_dense, layer_norm, mlp, mlp_args, rand, softmax
 
 
 def kernels(fn, *args):
@@ -85,3 +86,24 @@ def test_long_row_reduction_is_split_in_two_stages():
     assert sum(t.name.startswith("nimble_reduce") for t in plan.tasks) == 2
     np.testing.assert_array_equal(nimble.jit(lambda a: jnp.max(a, axis=-1), backend="interpret")(x),
                                   jnp.max(x, axis=-1))
+
+
+def test_large_residual_is_written_once_not_recomputed_downstream():
+    """relu(a * s + b) feeding (through a reshape) a GEMM and the next residual add reads
+    two big buffers: recomputing it in the next kernel would read both again, so it is
+    written once and read back (ResNet's bottleneck blocks)."""
+    x, y = rand(r, 64, 16, 1024), rand(r, 64, 16, 1024)
+    w = rand(r, 1024, 1024)
+
+    def block(x, y, w):
+        h = jax.nn.relu(x * 0.5 + y)
+        return jax.nn.relu((h.reshape(-1, 1024) @ w).reshape(h.shape) + h)
+
+    def last_kernel_inputs(*args):
+        plan = nimble.jit(block, backend="interpret").plan(*args)
+        return len([t for t in plan.tasks if t.kind == "kernel"][-1].inputs)
+
+    assert last_kernel_inputs(x, y, w) == 2  # the GEMM's output and h
+    small = (x[:4], y[:4], w)  # below RECOMPUTE_ANY_BELOW: recomputed from x and y
+    assert last_kernel_inputs(*small) == 3
+    assert_tree_close(nimble.jit(block, backend="interpret")(x, y, w), jax.jit(block)(x, y, w))
