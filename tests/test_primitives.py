@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -60,3 +61,24 @@ def test_conv_paths_match_jax(record, path, monkeypatch):
     kinds = {t.kind for t in f.plan(*a).tasks}
     if path == "im2col":
         assert "cudnn" not in kinds
+
+
+def test_small_convolutions_take_im2col_large_ones_cudnn(monkeypatch):
+    """Where cuDNN is available ('auto'), a convolution with few output pixels goes
+    through im2col + GEMM (faster there, measured) and a large one through cuDNN."""
+    from nimblejax.lowering import conv
+
+    monkeypatch.delenv("NIMBLE_CONV", raising=False)
+    monkeypatch.setattr(conv, "_CUDNN_FOUND", True)
+
+    def f(x, w):
+        return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    w = jax.ShapeDtypeStruct((3, 3, 8, 8), jnp.float32)
+    kinds = lambda n, hw: {t.kind for t in nimble.jit(f).plan(  # noqa: E731
+        jax.ShapeDtypeStruct((n, hw, hw, 8), jnp.float32), w).tasks}
+    assert "cudnn" not in kinds(1, 17)          # 289 pixels
+    assert "cudnn" in kinds(32, 56)             # 100,352 pixels
+    monkeypatch.setenv("NIMBLE_CONV", "cudnn")  # forced: every eligible convolution
+    assert "cudnn" in kinds(1, 17)

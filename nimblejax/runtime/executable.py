@@ -76,6 +76,7 @@ class Executable:
         self.returned: dict = {}
         self.copier = BatchCopier(self.cupy)
         self.args = {t: self._args(t) for t in plan.tasks}
+        self.lt_handle, self.lt = self._lt_gemms()
         self.graph = None
         if not eager:
             self._capture()
@@ -92,6 +93,26 @@ class Executable:
         handles = [CublasHandle(s.ptr, w.data.ptr, n) if w is not None else None
                    for s, w, n in zip(self.streams, workspaces, sizes)]
         return handles, workspaces
+
+    def _lt_gemms(self):
+        """Per GEMM task a cuBLASLt matmul whose algorithm was measured on the task's own
+        buffers and workspace (cuBLAS's default choice is several times slower on small
+        and skinny shapes). NIMBLE_GEMM=cublas keeps the plain cuBLAS call."""
+        tasks = [t for t in self.plan.tasks if t.kind == "gemm"]
+        if not tasks or os.environ.get("NIMBLE_GEMM", "lt") == "cublas":
+            return None, {}
+        from nimblejax.runtime import cublaslt
+
+        handle = cublaslt.LtHandle()
+        stream_of = self.plan.schedule.stream
+        gemms = {}
+        for t in tasks:
+            s = stream_of[t]
+            spec, a, b, c = self.args[t]
+            ws = self.workspaces[s]
+            buffers = cublaslt.GemmBuffers(a, b, c, ws.data.ptr, self.streams[s].ptr)
+            gemms[t] = cublaslt.LtGemm(handle, spec, ws.nbytes, buffers=buffers)
+        return handle, gemms
 
     def _cudnn_convs(self):
         """Per cuDNN task its descriptors and measured algorithm; per stream a handle and
@@ -151,6 +172,10 @@ class Executable:
         elif task.kind == "cudnn":
             ws = self.cudnn_workspaces[s]
             self.convs[task].forward(self.cudnn_handles[s], *self.args[task], ws.data.ptr, ws.nbytes)
+        elif task in self.lt:
+            _, a, b, c = self.args[task]
+            ws = self.workspaces[s]
+            self.lt[task].run(self.lt_handle, a, b, c, ws.data.ptr, ws.nbytes, stream.ptr)
         else:
             from nimblejax.runtime.cublas import gemm_strided_batched
 
@@ -195,6 +220,12 @@ class Executable:
             if h is not None:
                 h.destroy()
         self.handles = []
+        for g in (getattr(self, "lt", None) or {}).values():
+            g.close()
+        self.lt = {}
+        if getattr(self, "lt_handle", None) is not None:
+            self.lt_handle.destroy()
+            self.lt_handle = None
         for h in (getattr(self, "cudnn_handles", None) or {}).values():
             h.destroy()
         self.cudnn_handles = {}
