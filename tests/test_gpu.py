@@ -191,3 +191,19 @@ def test_column_reductions_match_jax(shape, axes, op):
           "mean_bf16": lambda a: jnp.mean(a.astype(jnp.bfloat16), axis=axes),
           "sum_int": lambda a: jnp.sum((a * 10).astype(jnp.int32), axis=axes)}[op]
     assert_tree_close(nimble.jit(fn, backend="cuda")(x), jax.jit(fn)(x))
+
+
+@pytest.mark.parametrize("shape", [(3, 70001), (64, 32, 33), (1 << 16,), (256, 1024)])
+def test_large_fused_kernels_with_tails_match_jax(shape):
+    """Fused kernels of ≥ UNROLL_MIN elements compute 4 per thread; sizes that are not
+    multiples of the unrolled step run their tail through the plain loop."""
+    rng = np.random.default_rng(5)
+    x, y = rand(rng, *shape), rand(rng, *shape)
+    bias = rand(rng, shape[-1])
+
+    def f(x, y, bias):
+        z = jnp.tanh(x * 2.0 + bias) - y
+        flipped = jnp.flip(z, axis=-1).reshape(-1)
+        return (flipped * 0.5).reshape(shape), (z > 0).astype(jnp.int32) + 3, z.astype(jnp.bfloat16)
+
+    assert_tree_close(nimble.jit(f, backend="cuda")(x, y, bias), jax.jit(f)(x, y, bias))

@@ -196,23 +196,48 @@ def blocks_for(n: int, block: int = BLOCK) -> int:
 
 # ---- templates ----------------------------------------------------------------------
 def loop_kernel(kind: str, out: Var, ops: Sequence[str], body: Callable[[KernelBuilder, Index], str],
-                inlined: Mapping[Var, Node] = {}) -> Kernel:
-    """One thread per output element (a grid-stride loop); `body` returns its value."""
+                inlined: Mapping[Var, Node] = {}, unroll: int = 1) -> Kernel:
+    """One thread per output element (a grid-stride loop); `body` returns its value.
+    With `unroll` > 1 a thread computes that many elements a block apart before it
+    stores any, so their loads are in flight together (one load per thread at a time
+    leaves an H200 at half its memory bandwidth); a plain loop finishes the tail."""
     b = KernelBuilder(inlined)
     b.ops = list(ops)
     n = out.size
-    itype = "long long" if n >= 2 ** 31 else "int"
-    b.open(f"for ({itype} i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}; "
-           f"i += (long long)gridDim.x * blockDim.x)")
+    itype = "long long" if n >= 2 ** 30 else "int"  # i + a grid's stride stays in range
+    if unroll > 1:
+        step = unroll * BLOCK
+        b.open(f"for ({itype} i0 = ({itype})blockIdx.x * {step} + threadIdx.x; i0 < {n}; "
+               f"i0 += ({itype})gridDim.x * {step})")
+        b.open(f"if (i0 + {(unroll - 1) * BLOCK} < {n})")
+        values = []
+        for k in range(unroll):
+            name = b.tmp(f"const {itype}", f"i0 + {k * BLOCK}" if k else "i0")
+            values.append((name, body(b, b.index_vars(name, out.shape, "i"))))
+        for name, value in values:
+            b.store(out, name, value)
+        b.close()
+        b.forget()
+        b.open("else")
+        b.open(f"for ({itype} i = i0; i < {n}; i += {BLOCK})")
+    else:
+        b.open(f"for ({itype} i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}; "
+               f"i += (long long)gridDim.x * blockDim.x)")
     idx = b.index_vars("i", out.shape, "i")
     b.store(out, "i", body(b, idx))
-    b.close()
-    return b.finish(kind, out, blocks_for(n), BLOCK)
+    while b.depth > 1:
+        b.close()
+    return b.finish(kind, out, blocks_for(-(-n // unroll)), BLOCK)
+
+
+# Fused kernels of at least this many elements compute UNROLL of them per thread.
+UNROLL, UNROLL_MIN = 4, 1 << 16
 
 
 def elementwise_kernel(root: Var, inlined: Mapping[Var, Node]) -> Kernel:
     """One thread per element of `root`; every inlined producer is recomputed there."""
-    return loop_kernel("fused", root, [], lambda b, idx: b.value(root, idx), inlined)
+    unroll = UNROLL if root.size >= UNROLL_MIN else 1
+    return loop_kernel("fused", root, [], lambda b, idx: b.value(root, idx), inlined, unroll)
 
 
 def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init: str,

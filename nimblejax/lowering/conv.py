@@ -115,7 +115,7 @@ def conv_path(node: Node) -> str:
     """'direct' for depthwise-like convolutions (1 input channel per group: a GEMM per
     group would be a batch of tiny matrices); 'cudnn' for the 2-D convolutions cuDNN's
     forward API takes, where cuDNN is installed (NIMBLE_CONV=cudnn|im2col overrides),
-    unless the output has few pixels (CUDNN_MIN_PIXELS); else 'gemm' (im2col + cuBLAS)."""
+    unless the batch is small (CUDNN_MIN_BATCH); else 'gemm' (im2col + cuBLAS)."""
     lhs_spec, rhs_spec, _ = _specs(node)
     x, w = node.inputs
     cg = w.shape[rhs_spec[1]]
@@ -123,22 +123,22 @@ def conv_path(node: Node) -> str:
         return "direct"
     if _is_plain_1x1(node):
         return "gemm"  # already a GEMM, no im2col: measured faster than XLA's cuDNN call
-    if _cudnn_eligible(node) and _use_cudnn() and (_pixels(node) >= CUDNN_MIN_PIXELS or _forced_cudnn()):
+    if _cudnn_eligible(node) and _use_cudnn() and (_batch(node) >= CUDNN_MIN_BATCH or _forced_cudnn()):
         return "cudnn"
     return "gemm"
 
 
-# Below this many output pixels (batch × height × width: the GEMM's rows) im2col +
-# cuBLASLt beat cuDNN's NHWC float32 kernels, measured on an H200: Inception-v3 at
-# batch 1 869 vs 1358 µs of GPU time, ResNet-50 at batch 1 570 vs 704 µs; at batch 32
-# (millions of pixels) cuDNN wins by 2x.
-CUDNN_MIN_PIXELS = 25_000
+# Below this batch size im2col + cuBLASLt beat cuDNN's NHWC float32 kernels, measured
+# on an H200 (GPU time of the whole model): Inception-v3 at batch 1 814-869 vs
+# 1358-2167 µs, ResNet-50 at batch 1 560 vs 704-745 µs. At batch 32 cuDNN wins, also
+# for its 17×17 and 8×8 layers (Inception-v3 4393 µs vs 5356 µs with those on im2col).
+# Only batches 1 and 32 were measured; 8 is a guess between them.
+CUDNN_MIN_BATCH = 8
 
 
-def _pixels(node: Node) -> int:
-    out = node.outputs[0]
+def _batch(node: Node) -> int:
     _, _, out_spec = _specs(node)
-    return out.size // out.shape[out_spec[1]]
+    return node.outputs[0].shape[out_spec[0]]
 
 
 def _forced_cudnn() -> bool:
