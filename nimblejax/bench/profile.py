@@ -47,7 +47,7 @@ def task_times(exe, repeats: int = 5, spin_ms: float = 50.0) -> list[dict]:
     import cupy
 
     sched = exe.plan.schedule
-    order = [t for t in sched.order]
+    order = list(sched.order)
     spin = cupy.RawKernel(SPIN_SOURCE, "nimble_profile_spin")
     clock_khz = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["clockRate"]
     cycles = int(spin_ms * clock_khz)

@@ -245,27 +245,19 @@ def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init
     """Row reductions (the innermost axis is reduced): one warp, or one 256-thread block
     for long rows, per output. Column reductions (the innermost axis is kept, as in
     batch-norm statistics or a global average pool over H, W): column_reduction_kernel."""
-    x = node.inputs[0]
-    axes = tuple(sorted(node.params["axes"]))
+    x, out, axes = node.inputs[0], node.outputs[0], tuple(sorted(node.params["axes"]))
     if x.ndim and (x.ndim - 1) not in axes:
         return column_reduction_kernel(node, inlined, combine, init, acc_type)
-    out = node.outputs[0]
-    kept = [d for d in range(x.ndim) if d not in axes]
-    red_shape = [x.shape[a] for a in axes]
-    n_out, n_red = out.size, max(1, _prod(red_shape))
+    n_out, n_red = out.size, _reduced_size(node)
     per_out = 256 if (n_red >= 4096 and n_out < 2048) else 32
     b = KernelBuilder(inlined)
     b.emit(f"const int lane = threadIdx.x % {per_out};")
     b.emit(f"const long long o = (long long)blockIdx.x * {BLOCK // per_out} + threadIdx.x / {per_out};")
     # Whole warps (or whole blocks) leave together, so the shuffles below stay converged.
     b.emit(f"if (o >= {n_out}) return;")
-    out_idx = b.index_vars("o", [x.shape[d] for d in kept], "o")
+    out_idx = _output_index(b, node)
     b.emit(f"{acc_type} acc = {init};")
-    b.open(f"for (long long r = lane; r < {n_red}; r += {per_out})")
-    red_idx = b.index_vars("r", red_shape, "r")
-    v = b.value(x, interleave(x.ndim, kept, out_idx, axes, red_idx))
-    b.emit(f"acc = {combine.format(a='acc', b=v)};")
-    b.close()
+    _accumulate(b, node, out_idx, combine, "lane", per_out)
     b.forget()
     b.emit(f"for (int off = 16; off > 0; off >>= 1) {{ {acc_type} other = "
            f"__shfl_down_sync(0xffffffffu, acc, off); acc = {combine.format(a='acc', b='other')}; }}")
@@ -290,11 +282,8 @@ def column_reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: st
     reads 32 neighbouring elements): its 8 warps share the reduced elements, then add
     up through shared memory. split.py first cuts long columns into a first stage with
     enough outputs to fill the GPU."""
-    x, out = node.inputs[0], node.outputs[0]
-    axes = tuple(sorted(node.params["axes"]))
-    kept = [d for d in range(x.ndim) if d not in axes]
-    red_shape = [x.shape[a] for a in axes]
-    n_out, n_red = out.size, max(1, _prod(red_shape))
+    out = node.outputs[0]
+    n_out = out.size
     tx = min(32, 1 << max(0, (n_out - 1).bit_length()))
     ty = BLOCK // tx
     b = KernelBuilder(inlined)
@@ -303,12 +292,7 @@ def column_reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: st
     b.emit(f"{acc_type} acc = {init};")
     # No early return: every thread reaches the __syncthreads below.
     b.open(f"if (o < {n_out})")
-    out_idx = b.index_vars("o", [x.shape[d] for d in kept], "o")
-    b.open(f"for (long long r = ty; r < {n_red}; r += {ty})")
-    red_idx = b.index_vars("r", red_shape, "r")
-    v = b.value(x, interleave(x.ndim, kept, out_idx, axes, red_idx))
-    b.emit(f"acc = {combine.format(a='acc', b=v)};")
-    b.close()
+    _accumulate(b, node, _output_index(b, node), combine, "ty", ty)
     b.close()
     b.forget()
     b.emit(f"__shared__ {acc_type} partial[{ty}][{tx + 1}];")
@@ -321,6 +305,36 @@ def column_reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: st
     b.close()
     b.ops.append(node.name)
     return b.finish("reduce", out, -(-n_out // tx), BLOCK)
+
+
+def _reduced_size(node: Node) -> int:
+    x = node.inputs[0]
+    return max(1, _prod(x.shape[a] for a in node.params["axes"]))
+
+
+def _kept_axes(node: Node) -> tuple[tuple[int, ...], list[int]]:
+    x = node.inputs[0]
+    axes = tuple(sorted(node.params["axes"]))
+    return axes, [d for d in range(x.ndim) if d not in axes]
+
+
+def _output_index(b: KernelBuilder, node: Node) -> Index:
+    """The kept axes' indices of output `o` (a name the kernel has declared)."""
+    x = node.inputs[0]
+    return b.index_vars("o", [x.shape[d] for d in _kept_axes(node)[1]], "o")
+
+
+def _accumulate(b: KernelBuilder, node: Node, out_idx: Index, combine: str, start: str,
+                step: int) -> None:
+    """`acc = combine(acc, x[out_idx, r])` for r = start, start + step, … over the
+    reduced elements."""
+    x = node.inputs[0]
+    axes, kept = _kept_axes(node)
+    b.open(f"for (long long r = {start}; r < {_reduced_size(node)}; r += {step})")
+    red_idx = b.index_vars("r", [x.shape[a] for a in axes], "r")
+    v = b.value(x, interleave(x.ndim, kept, out_idx, axes, red_idx))
+    b.emit(f"acc = {combine.format(a='acc', b=v)};")
+    b.close()
 
 
 def _cast_acc(acc_type: str, dtype) -> str:

@@ -123,7 +123,7 @@ def conv_path(node: Node) -> str:
         return "direct"
     if _is_plain_1x1(node):
         return "gemm"  # already a GEMM, no im2col: measured faster than XLA's cuDNN call
-    if _cudnn_eligible(node) and _use_cudnn() and (_batch(node) >= CUDNN_MIN_BATCH or _forced_cudnn()):
+    if _cudnn_eligible(node) and _use_cudnn(node):
         return "cudnn"
     return "gemm"
 
@@ -139,12 +139,6 @@ CUDNN_MIN_BATCH = 8
 def _batch(node: Node) -> int:
     _, _, out_spec = _specs(node)
     return node.outputs[0].shape[out_spec[0]]
-
-
-def _forced_cudnn() -> bool:
-    import os
-
-    return os.environ.get("NIMBLE_CONV") == "cudnn"
 
 
 def _is_plain_1x1(node: Node) -> bool:
@@ -171,12 +165,18 @@ def _cudnn_eligible(node: Node) -> bool:
             and dtypes.name(out.dtype) in floats and all(lo >= 0 and hi >= 0 for lo, hi in p["padding"]))
 
 
-def _use_cudnn() -> bool:
+def _use_cudnn(node: Node) -> bool:
+    """NIMBLE_CONV=cudnn|im2col decides; by default cuDNN where it is installed and
+    the batch is large enough."""
     import os
 
     mode = os.environ.get("NIMBLE_CONV", "auto")
     if mode in ("cudnn", "im2col"):
         return mode == "cudnn"
+    return _batch(node) >= CUDNN_MIN_BATCH and _cudnn_found()
+
+
+def _cudnn_found() -> bool:
     global _CUDNN_FOUND
     if _CUDNN_FOUND is None:
         try:

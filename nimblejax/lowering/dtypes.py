@@ -52,34 +52,26 @@ def is_unsigned_int(dtype) -> bool:
     return name(dtype) in ("uint32", "uint8", "uint16")
 
 
+# Half types are stored as themselves and computed in float: (to float, from float).
+_HALF_CONVERSIONS = {"float16": ("__half2float", "__float2half_rn"),
+                     "bfloat16": ("__bfloat162float", "__float2bfloat16_rn")}
+
+
 def load(dtype, ref: str) -> str:
     """Expression converting a stored element `ref` to the compute type."""
-    n = name(dtype)
-    if n == "float16":
-        return f"__half2float({ref})"
-    if n == "bfloat16":
-        return f"__bfloat162float({ref})"
-    return ref
+    conv = _HALF_CONVERSIONS.get(name(dtype))
+    return f"{conv[0]}({ref})" if conv else ref
 
 
 def store(dtype, value: str) -> str:
     """Expression converting a compute-type value to the storage type."""
-    n = name(dtype)
-    if n == "float16":
-        return f"__float2half_rn({value})"
-    if n == "bfloat16":
-        return f"__float2bfloat16_rn({value})"
-    return value
+    conv = _HALF_CONVERSIONS.get(name(dtype))
+    return f"{conv[1]}({value})" if conv else value
 
 
 def round_to(dtype, value: str) -> str:
     """Round a float compute value to the precision of `dtype` (identity for non-halves)."""
-    n = name(dtype)
-    if n == "float16":
-        return f"__half2float(__float2half_rn({value}))"
-    if n == "bfloat16":
-        return f"__bfloat162float(__float2bfloat16_rn({value}))"
-    return value
+    return load(dtype, store(dtype, value))
 
 
 def literal(value, dtype) -> str:

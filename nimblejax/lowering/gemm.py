@@ -32,21 +32,20 @@ def _dims(node: Node):
 def _layout(node: Node) -> tuple[bool, bool] | None:
     """(trans_a, trans_b) when both operands are already GEMM-ready, else None."""
     lc, rc, lb, rb, lf, rf = _dims(node)
-    ident_l = tuple(range(node.inputs[0].ndim))
-    ident_r = tuple(range(node.inputs[1].ndim))
-    if lb + lf + lc == ident_l:
-        ta = False
-    elif lb + lc + lf == ident_l:
-        ta = True
-    else:
-        return None
-    if rb + rc + rf == ident_r:
-        tb = False
-    elif rb + rf + rc == ident_r:
-        tb = True
-    else:
-        return None
-    return ta, tb
+    ta = _transposed(lb, lf, lc, node.inputs[0].ndim)
+    tb = _transposed(rb, rc, rf, node.inputs[1].ndim)
+    return None if ta is None or tb is None else (ta, tb)
+
+
+def _transposed(batch, rows, cols, ndim: int) -> bool | None:
+    """False when an operand's axes are (batch, rows, cols) in order, True when they
+    are (batch, cols, rows), None otherwise."""
+    ident = tuple(range(ndim))
+    if batch + rows + cols == ident:
+        return False
+    if batch + cols + rows == ident:
+        return True
+    return None
 
 
 def canonicalize_dot(node: Node) -> list[Node]:

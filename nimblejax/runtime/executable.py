@@ -61,6 +61,7 @@ class Executable:
         self.events = {u: cupy.cuda.Event(disable_timing=True) for u, _ in plan.schedule.syncs}
         # Library handles allocate outside CuPy's pool: when the device looks full, give
         # CuPy's cached free blocks back and try once more.
+        self.use_lt = os.environ.get("NIMBLE_GEMM", "lt") != "cublas"
         self.handles, self.workspaces = _retry_after_freeing(self._cublas_handles)
         self.convs, self.cudnn_handles, self.cudnn_workspaces = _retry_after_freeing(self._cudnn_convs)
 
@@ -83,6 +84,8 @@ class Executable:
 
     # ---- setup ------------------------------------------------------------------
     def _cublas_handles(self):
+        """A GEMM workspace per stream that runs GEMMs and, under NIMBLE_GEMM=cublas, a
+        cuBLAS handle bound to it (cuBLASLt takes stream and workspace per call)."""
         if not any(t.kind == "gemm" for t in self.plan.tasks):
             return [], []
         from nimblejax.runtime.cublas import CublasHandle
@@ -90,6 +93,8 @@ class Executable:
         used = {self.plan.schedule.stream[t] for t in self.plan.tasks if t.kind == "gemm"}
         sizes = [WORKSPACE_BYTES if i == 0 else SIDE_WORKSPACE_BYTES for i in range(len(self.streams))]
         workspaces = [_allocate(n, "a cuBLAS workspace") if i in used else None for i, n in enumerate(sizes)]
+        if self.use_lt:
+            return [], workspaces
         handles = [CublasHandle(s.ptr, w.data.ptr, n) if w is not None else None
                    for s, w, n in zip(self.streams, workspaces, sizes)]
         return handles, workspaces
@@ -99,7 +104,7 @@ class Executable:
         buffers and workspace (cuBLAS's default choice is several times slower on small
         and skinny shapes). NIMBLE_GEMM=cublas keeps the plain cuBLAS call."""
         tasks = [t for t in self.plan.tasks if t.kind == "gemm"]
-        if not tasks or os.environ.get("NIMBLE_GEMM", "lt") == "cublas":
+        if not tasks or not self.use_lt:
             return None, {}
         from nimblejax.runtime import cublaslt
 
