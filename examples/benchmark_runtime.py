@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import nimblejax as nimble  # noqa: E402
 from models import branchy_args, branchy_mlp  # noqa: E402
-from nimblejax.runtime import executable  # noqa: E402
+from nimblejax.runtime import io  # noqa: E402
 from nimblejax.bench.timing import (concurrent_jax, e2e_us, nimble_gpu_us,  # noqa: E402
                                     throughput_us)
 
@@ -56,12 +56,12 @@ def measure(fn, args) -> dict:
                         ("nimble multi-stream, output=cupy", dict(output="cupy")),
                         ("nimble multi-stream, XLA unpack", dict(unpack=True))):
         unpack = opts.pop("unpack", False)
-        saved = executable.UNPACK_MIN_OUTPUTS
+        saved = io.UNPACK_MIN_OUTPUTS
         if unpack:  # hand even a single output over through the XLA unpack call
-            executable.UNPACK_MIN_OUTPUTS = 1
+            io.UNPACK_MIN_OUTPUTS = 1
         f = nimble.jit(fn, backend="cuda", **opts)
         f(*args)
-        executable.UNPACK_MIN_OUTPUTS = saved
+        io.UNPACK_MIN_OUTPUTS = saved
         got = f(*args)
         got = got.get() if hasattr(got, "get") else np.asarray(got)
         err = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))

@@ -17,8 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nimblejax.runtime.plan import Plan, build_plan
-from nimblejax.trace import make_graph
+from nimblejax import options as options_mod
+from nimblejax.compiler.pipeline import compile_function
+from nimblejax.compiler.plan import Plan
+from nimblejax.options import Options
 
 BACKENDS = ("cuda", "interpret", "jax")
 OUTPUTS = ("jax", "cupy", "numpy")
@@ -48,22 +50,26 @@ def default_backend() -> str:
 
 def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
-        max_streams: Optional[int] = None, backend: Optional[str] = None,
-        output: str = "jax", eager: Optional[bool] = None) -> Any:
+        backend: Optional[str] = None, output: str = "jax", options: Optional[Options] = None,
+        **option_overrides: Any) -> Any:
     """Compile `fun` into one frozen multi-stream CUDA graph per input signature.
 
     Usable as ``@nimble.jit`` or ``@nimble.jit(static_argnums=...)``. ``backend`` is
     ``"cuda"`` (default where a GPU is visible), ``"interpret"`` (the CPU plan
     interpreter) or ``"jax"`` (plain jax.jit). ``output`` picks the type of returned
-    arrays on the cuda backend: ``"jax"`` (default) or ``"cupy"``. ``eager=True`` (or
-    ``NIMBLE_EAGER=1``) launches tasks one by one instead of the graph.
+    arrays on the cuda backend: ``"jax"`` (default) or ``"cupy"``.
+
+    Compiler and runtime options (``max_streams``, ``eager``, ``conv``, ``gemm``,
+    ``debug``, ``call_path``; see nimblejax.options) come from the environment when
+    the function is decorated, overridden by ``options=Options(...)`` and then by
+    keyword arguments: ``nimble.jit(f, max_streams=1)``.
     """
-    options = dict(static_argnums=static_argnums, static_argnames=static_argnames,
-                   donate_argnums=donate_argnums, max_streams=max_streams, backend=backend,
-                   output=output, eager=eager)
+    kwargs = dict(static_argnums=static_argnums, static_argnames=static_argnames,
+                  donate_argnums=donate_argnums, backend=backend, output=output,
+                  options=options, **option_overrides)
     if fun is None:
-        return functools.partial(jit, **options)
-    return NimbleFunction(fun, **options)
+        return functools.partial(jit, **kwargs)
+    return NimbleFunction(fun, **kwargs)
 
 
 def _as_tuple(x) -> tuple:
@@ -80,25 +86,25 @@ class Compiled:
 
 
 class NimbleFunction:
-    def __init__(self, fun: Callable, *, static_argnums, static_argnames, donate_argnums,
-                 max_streams, backend, output, eager) -> None:
+    def __init__(self, fun: Callable, *, static_argnums=(), static_argnames=(), donate_argnums=(),
+                 backend: Optional[str] = None, output: str = "jax",
+                 options: Optional[Options] = None, **option_overrides: Any) -> None:
         if not callable(fun):
             raise TypeError(f"nimble.jit expects a function, got {type(fun).__name__}")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
-        if max_streams is not None and (not isinstance(max_streams, int) or max_streams < 1):
-            raise ValueError(f"max_streams must be a positive int or None, got {max_streams!r}")
+        if options is not None and not isinstance(options, Options):
+            raise TypeError(f"options must be a nimblejax.Options, got {type(options).__name__}")
+        self.options = options_mod.from_env(options, **option_overrides)
         self.fun = fun
         functools.update_wrapper(self, fun)
         self.static_argnums, self.static_argnames = _static_positions(
             fun, _as_tuple(static_argnums), _as_tuple(static_argnames))
         self.donate_argnums = _as_tuple(donate_argnums)
-        self.max_streams = max_streams
         self.backend = backend
         self.output = output
-        self.eager = eager
         self._cache: dict[Any, Compiled] = {}
         self._lock = threading.Lock()
         self._jax_fn: Optional[Callable] = None
@@ -206,8 +212,7 @@ class NimbleFunction:
             return out_leaves
 
         specs = [jax.ShapeDtypeStruct(*_signature(x)[:2], weak_type=_signature(x)[2]) for x in leaves]
-        graph, _ = make_graph(flat_fun, specs)
-        plan = build_plan(graph, self.max_streams)
+        plan, _ = compile_function(flat_fun, specs, self.options)
         return plan, out_tree_box[-1]
 
     def _compile(self, key, leaves, in_tree, statics, backend) -> Compiled:
@@ -217,8 +222,8 @@ class NimbleFunction:
         else:
             from nimblejax.runtime.executable import make_executable
 
-            run = make_executable(plan, output=self.output, eager=self.eager,
-                                  donate=self._donated_leaves(in_tree))
+            run = make_executable(plan, output=self.output, eager=self.options.eager,
+                                  gemm=self.options.gemm, donate=self._donated_leaves(in_tree))
         compiled = Compiled(plan, out_tree, run)
         self._cache[key] = compiled
         return compiled

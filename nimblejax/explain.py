@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from nimblejax.runtime.plan import Plan
+from nimblejax.compiler.pipeline import Plan
 
 
 def _bytes(n: int) -> str:

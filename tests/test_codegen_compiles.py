@@ -8,7 +8,7 @@ import pytest
 import nimblejax as nimble
 from models import MODELS, model_args
 from primitive_table import RECORDS
-from nimblejax.runtime.nvrtc_check import available_compiler, compile_to_ptx
+from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 
 pytestmark = pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
 

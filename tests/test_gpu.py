@@ -130,7 +130,7 @@ def test_exception_during_capture_leaves_the_stream_usable(monkeypatch):
     from nimblejax.runtime import executable
 
     calls = {"n": 0}
-    original = executable.Executable._launch_all
+    original = executable.Executable.launch_tasks
 
     def flaky(self):
         calls["n"] += 1
@@ -138,11 +138,11 @@ def test_exception_during_capture_leaves_the_stream_usable(monkeypatch):
             raise RuntimeError("injected failure during capture")
         return original(self)
 
-    monkeypatch.setattr(executable.Executable, "_launch_all", flaky)
+    monkeypatch.setattr(executable.Executable, "launch_tasks", flaky)
     x = rand(np.random.default_rng(0), 32)
     with pytest.raises(RuntimeError, match="injected"):
         nimble.jit(lambda a: jnp.exp(a) + 1.0, backend="cuda")(x)
-    monkeypatch.setattr(executable.Executable, "_launch_all", original)
+    monkeypatch.setattr(executable.Executable, "launch_tasks", original)
     np.testing.assert_allclose(nimble.jit(lambda a: jnp.exp(a) + 2.0, backend="cuda")(x),
                                jnp.exp(x) + 2.0, rtol=1e-5)
 
@@ -166,10 +166,10 @@ def test_beside_default_jax_preallocation():
 
 
 def test_out_of_memory_names_the_bytes():
-    from nimblejax.runtime.executable import OutOfMemoryError, _allocate
+    from nimblejax.runtime.io import OutOfMemoryError, allocate
 
     with pytest.raises(OutOfMemoryError, match=r"needs \d+ bytes"):
-        _allocate(1 << 50, "a test buffer")
+        allocate(1 << 50, "a test buffer")
 
 
 @pytest.mark.parametrize("path", ["cudnn", "im2col"])

@@ -6,8 +6,8 @@ import time
 import networkx as nx
 import pytest
 
-from nimblejax.runtime.memory import plan_memory
-from nimblejax.streams import Schedule, make_schedule, verify
+from nimblejax.compiler.memory import plan_memory
+from nimblejax.compiler.streams import Schedule, make_schedule, verify
 
 
 def windowed_dag(n, rng, preds=3, hi=20):

@@ -9,7 +9,7 @@ import pytest
 import nimblejax as nimble
 from models import MODELS, assert_tree_close, model_args
 from nimblejax.runtime import interpret
-from nimblejax.streams import verify
+from nimblejax.compiler.streams import verify
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))

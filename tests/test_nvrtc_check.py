@@ -1,10 +1,10 @@
-"""Compile-only tests for nimblejax.runtime.nvrtc_check; they need no GPU."""
+"""Compile-only tests for nimblejax.testing.nvrtc_check; they need no GPU."""
 
 from __future__ import annotations
 
 import pytest
 
-from nimblejax.runtime.nvrtc_check import (
+from nimblejax.testing.nvrtc_check import (
     KernelCompileError,
     available_compiler,
     available_compilers,

@@ -10,7 +10,7 @@ import numpy as np
 import nimblejax as nimble
 from models import inception_args, inception_block, branchy_args, branchy_mlp
 from nimblejax.runtime import interpret
-from nimblejax.streams import Schedule, verify
+from nimblejax.compiler.streams import Schedule, verify
 
 
 def test_explain_inception_block_shows_4_streams_and_minimum_events():

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from nimblejax.lowering import RULES
+from nimblejax.compiler.lowering import RULES
 from primitive_table import RECORDS
 from models import assert_tree_close
 
@@ -66,19 +66,20 @@ def test_conv_paths_match_jax(record, path, monkeypatch):
 def test_small_batch_convolutions_take_im2col_large_ones_cudnn(monkeypatch):
     """Where cuDNN is available ('auto'), a convolution of a small batch goes through
     im2col + GEMM (faster there, measured) and one of a large batch through cuDNN."""
-    from nimblejax.lowering import conv
-
     monkeypatch.delenv("NIMBLE_CONV", raising=False)
-    monkeypatch.setattr(conv, "_CUDNN_FOUND", True)
 
     def f(x, w):
         return jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
                                             dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
     w = jax.ShapeDtypeStruct((3, 3, 8, 8), jnp.float32)
-    kinds = lambda n, hw: {t.kind for t in nimble.jit(f).plan(  # noqa: E731
+    kinds = lambda n, hw, **opts: {t.kind for t in nimble.jit(f, **opts).plan(  # noqa: E731
         jax.ShapeDtypeStruct((n, hw, hw, 8), jnp.float32), w).tasks}
-    assert "cudnn" not in kinds(1, 56)
-    assert "cudnn" in kinds(32, 8)
-    monkeypatch.setenv("NIMBLE_CONV", "cudnn")  # forced: every eligible convolution
+    assert "cudnn" not in kinds(1, 56, cudnn=True)
+    assert "cudnn" in kinds(32, 8, cudnn=True)
+    assert "cudnn" not in kinds(32, 8, cudnn=False)  # where cuDNN is not found
+    assert "cudnn" in kinds(1, 17, conv="cudnn")  # forced: every eligible convolution
+    monkeypatch.setenv("NIMBLE_CONV", "cudnn")  # the same from the environment
     assert "cudnn" in kinds(1, 17)
+    monkeypatch.setenv("NIMBLE_CONV", "im2col")
+    assert "cudnn" not in kinds(32, 8, cudnn=True)

@@ -6,7 +6,7 @@ import networkx as nx
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from nimblejax.streams import Schedule, assign_streams, critical_path, make_schedule
+from nimblejax.compiler.streams import Schedule, assign_streams, critical_path, make_schedule
 
 
 def windowed_dag(n: int, rng: random.Random, preds: int = 3, lo: int = 1, hi: int = 30) -> nx.DiGraph:

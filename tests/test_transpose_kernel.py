@@ -9,8 +9,8 @@ import pytest
 
 import nimblejax as nimble
 from models import rand
-from nimblejax.lowering.transpose import batched_2d
-from nimblejax.runtime.nvrtc_check import available_compiler, compile_to_ptx
+from nimblejax.compiler.lowering.transpose import batched_2d
+from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 
 HWIO_TO_OHWI = (3, 0, 1, 2)
 NHWC_TO_NCHW = (0, 3, 1, 2)

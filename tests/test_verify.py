@@ -6,8 +6,8 @@ from itertools import combinations
 import networkx as nx
 import pytest
 
-from nimblejax.runtime.memory import plan_memory
-from nimblejax.streams import Schedule, Violation, make_schedule, verify
+from nimblejax.compiler.memory import plan_memory
+from nimblejax.compiler.streams import Schedule, Violation, make_schedule, verify
 
 
 def dataflow(dag):

@@ -29,7 +29,7 @@ def task_family(task) -> str:
     if task.kind == "gemm":
         return "cublas gemm"
     if task.kind == "cudnn":
-        c = task.cudnn
+        c = task.conv
         return "cudnn conv depthwise" if c.groups > 1 and c.groups == c.x.shape[-1] else "cudnn conv"
     name = re.sub(r"_[0-9a-f]{4}$", "", task.kernel.name).removeprefix("nimble_")
     return name
@@ -62,7 +62,7 @@ def task_times(exe, repeats: int = 5, spin_ms: float = 50.0) -> list[dict]:
             stream = exe.streams[sched.stream[task]]
             stream.wait_event(last)
             start.record(stream)
-            exe._launch(task, sched.stream[task])
+            exe.launch_task(task)
             stop.record(stream)
             last = stop
         s0.wait_event(last)
@@ -80,7 +80,7 @@ def task_times(exe, repeats: int = 5, spin_ms: float = 50.0) -> list[dict]:
             g = task.gemm
             row.update(gemm=f"{g.batch}x{g.m}x{g.n}x{g.k}")
         elif task.kind == "cudnn":
-            c = task.cudnn
+            c = task.conv
             row.update(conv=f"x{list(c.x.shape)} w{list(c.w.shape)} s{c.strides[0]} g{c.groups}")
         rows.append(row)
     return rows

@@ -74,7 +74,7 @@ def nimble_gpu_us(nimble_fn, calls: int = 200) -> Optional[float]:
     s0 = exe.streams[0]
     if exe.graph is not None:
         return cuda_event_us(lambda: exe.graph.launch(s0), s0, calls)
-    return cuda_event_us(exe._launch_all, s0, max(20, calls // 10))
+    return cuda_event_us(exe.launch_tasks, s0, max(20, calls // 10))
 
 
 def concurrent_jax(fn: Callable, args: tuple) -> Optional[Callable]:

@@ -1,1 +1,2 @@
-"""Runtime: memory plan, launch plan, CUDA graph executable, CPU plan interpreter."""
+"""Runtime: runs a plan: the CUDA graph executable, launchers, argument/result I/O, the XLA
+FFI call path, the CPU plan interpreter, and the libraries (libs/)."""

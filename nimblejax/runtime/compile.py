@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from typing import Iterable
 
-from nimblejax.lowering.task import Kernel
+from nimblejax.compiler.lowering.task import Kernel
 
 OPTIONS = ("--std=c++17",)
 _modules: dict[str, object] = {}  # source → cupy.RawModule, shared by every plan

@@ -13,10 +13,10 @@ from typing import Optional, Sequence
 import jax
 import numpy as np
 
-from nimblejax.ir import Literal, Var
-from nimblejax.lowering.task import Task
-from nimblejax.runtime.plan import Plan
-from nimblejax.streams import Schedule
+from nimblejax.compiler.ir import Literal, Var
+from nimblejax.compiler.lowering.task import Task
+from nimblejax.compiler.pipeline import Plan
+from nimblejax.compiler.streams import Schedule
 
 NAN_BYTE = 0xFF  # 0xFFFFFFFF is a NaN in float32 and -1 in int32
 

@@ -12,7 +12,7 @@ from typing import Hashable, Iterable, Mapping
 
 import numpy as np
 
-from nimblejax.streams.schedule import Schedule
+from nimblejax.compiler.streams.schedule import Schedule
 
 Buf = Hashable
 Task = Hashable

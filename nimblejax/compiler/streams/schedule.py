@@ -14,7 +14,7 @@ from typing import Hashable, Iterable, Mapping
 import networkx as nx
 import numpy as np
 
-from nimblejax.streams.assign import assign_streams
+from nimblejax.compiler.streams.assign import assign_streams
 
 Task = Hashable
 

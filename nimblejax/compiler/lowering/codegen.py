@@ -9,9 +9,9 @@ from __future__ import annotations
 import hashlib
 from typing import Callable, Mapping, Sequence
 
-from nimblejax.ir import Atom, Literal, Node, Var, short_dtype
-from nimblejax.lowering import dtypes
-from nimblejax.lowering.task import Kernel
+from nimblejax.compiler.ir import Atom, Literal, Node, Var, short_dtype
+from nimblejax.compiler import dtypes
+from nimblejax.compiler.lowering.task import Kernel
 
 PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
 BLOCK = 256
@@ -83,7 +83,7 @@ class KernelBuilder:
         if node is None:
             name = self.tmp(dtypes.compute_type(atom.dtype), self.load(atom, idx))
         else:
-            from nimblejax.lowering.registry import rule_for
+            from nimblejax.compiler.lowering.registry import rule_for
 
             name = rule_for(node).fn(self, node, idx)
             self.ops.append(node.name)  # after its operands: names read in compute order

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import itertools
 
-from nimblejax.ir import Node
-from nimblejax.lowering import dtypes
-from nimblejax.lowering.codegen import Index, KernelBuilder, dilated_source, loop_kernel
-from nimblejax.lowering.elementwise import _FMAX, _FMIN
-from nimblejax.lowering.registry import register
-from nimblejax.lowering.task import Kernel
+from nimblejax.compiler.ir import Node
+from nimblejax.compiler import dtypes
+from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, dilated_source, loop_kernel
+from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
+from nimblejax.compiler.lowering.registry import register
+from nimblejax.compiler.lowering.task import Kernel
 
 WINDOW_REDUCERS = {
     "reduce_window_sum": ("({a} + {b})", lambda d: dtypes.literal(0, d)),
@@ -96,7 +96,7 @@ def select_and_scatter_add(node: Node) -> Kernel:
                 pos = f"({w[d]} * {strides[d]} + {offsets[d]} - ({pads[d][0]}))"
                 conds.append(f"{pos} >= 0 && {pos} < {operand.shape[d]}")
                 src.append(pos)
-            from nimblejax.lowering.codegen import linear
+            from nimblejax.compiler.lowering.codegen import linear
 
             at = linear(tuple(src), operand.shape)
             v = b.load(operand, tuple(src))

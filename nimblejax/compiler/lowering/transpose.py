@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 from typing import Mapping, Optional
 
-from nimblejax.ir import Atom, Literal, Node, Var
-from nimblejax.lowering import dtypes
-from nimblejax.lowering.codegen import PRELUDE, Index, KernelBuilder, kernel_name, linear
-from nimblejax.lowering.elementwise import BINARY_NAMES, UNARY_NAMES
-from nimblejax.lowering.registry import rule_for
-from nimblejax.lowering.task import Kernel
+from nimblejax.compiler.ir import Atom, Literal, Node, Var
+from nimblejax.compiler import dtypes
+from nimblejax.compiler.lowering.codegen import PRELUDE, Index, KernelBuilder, kernel_name, linear
+from nimblejax.compiler.lowering.elementwise import BINARY_NAMES, UNARY_NAMES
+from nimblejax.compiler.lowering.registry import rule_for
+from nimblejax.compiler.lowering.task import Kernel
 
 TILE = 32
 ROWS = 8  # threads per block along y: each thread moves TILE // ROWS elements each way

@@ -70,7 +70,7 @@ BINARY_NAMES = frozenset(set(BINARY_FLOAT) | set(BINARY_INT) | set(BINARY_BOOL) 
 
 
 def operand_class(dtype) -> str:
-    from nimblejax.lowering import dtypes
+    from nimblejax.compiler import dtypes
 
     if dtypes.is_float(dtype):
         return "float"

@@ -1,11 +1,18 @@
-"""Convolutions: conv_general_dilated as im2col + one (batched) cuBLAS GEMM, or as a
-direct generated kernel for depthwise-like convolutions.
+"""Convolutions before fusion: which path each one takes, and the rewrite to it.
 
-The GEMM path is a graph rewrite done before fusion: transpose to (N, spatial..., C),
-gather patches with `nimble_im2col` (a primitive of ours, so the CPU interpreter can
-evaluate it), multiply by the reshaped filter, transpose back to the output layout.
-Every layout, stride, padding, lhs/rhs dilation, feature_group_count and
-batch_group_count that JAX emits (gradients included) maps onto that one scheme.
+`conv_path` is the one place a convolution's path is decided:
+- "direct": depthwise-like convolutions (one input channel per group) stay one node,
+  lowered to a generated kernel (lowering/conv.py);
+- "cudnn": 2-D convolutions cuDNN's forward API takes, where options allow cuDNN and the
+  batch is large enough (measured, see CUDNN_MIN_BATCH), become transposes to NHWC/KRSC
+  around one `nimble_cudnn_conv`;
+- "gemm": everything else becomes transposes to (N, spatial..., C), `nimble_im2col`
+  (patches), one batched dot_general and transposes back. Every layout, stride,
+  padding, lhs/rhs dilation, feature_group_count and batch_group_count that JAX emits
+  (gradients included) maps onto that scheme.
+
+`nimble_im2col` and `nimble_cudnn_conv` are primitives of ours with JAX reference
+implementations, so the CPU interpreter evaluates them like any other node.
 """
 from __future__ import annotations
 
@@ -18,11 +25,10 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 
-from nimblejax.ir import Node, Var
-from nimblejax.lowering import dtypes
-from nimblejax.lowering.codegen import Index, KernelBuilder, dilated_source, loop_kernel
-from nimblejax.lowering.registry import register
-from nimblejax.lowering.task import Kernel
+from nimblejax.compiler.canonicalize.dot import compute_mode
+from nimblejax.compiler.ir import Node, Var
+from nimblejax.compiler import dtypes
+from nimblejax.options import Options
 
 # ---- the im2col primitive ------------------------------------------------------------
 im2col_p = Primitive("nimble_im2col")
@@ -34,7 +40,7 @@ def _out_spatial(size: int, k: int, stride: int, pad: tuple[int, int], lhs_dil: 
     return max(0, (dilated_in - dilated_k) // stride + 1)
 
 
-def _im2col_shape(x_shape, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode):
+def im2col_shape(x_shape, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode):
     n, *spatial, c = x_shape
     out_sp = [_out_spatial(s, k, st, p, ld, rd) for s, k, st, p, ld, rd in
               zip(spatial, kernel, strides, padding, lhs_dilation, rhs_dilation)]
@@ -45,7 +51,7 @@ def _im2col_shape(x_shape, kernel, strides, padding, lhs_dilation, rhs_dilation,
 
 @im2col_p.def_abstract_eval
 def _im2col_abstract(x, *, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode):
-    shape, _ = _im2col_shape(x.shape, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode)
+    shape, _ = im2col_shape(x.shape, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode)
     return jax.core.ShapedArray(shape, x.dtype)
 
 
@@ -57,7 +63,7 @@ def _im2col_impl(x, *, kernel, strides, padding, lhs_dilation, rhs_dilation, gro
     n, *spatial, c = x.shape
     cfg = [(0, 0, 0)] + [(lo, hi, ld - 1) for (lo, hi), ld in zip(padding, lhs_dilation)] + [(0, 0, 0)]
     xp = lax.pad(x, jnp.zeros((), x.dtype), cfg)
-    _, out_sp = _im2col_shape(x.shape, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode)
+    _, out_sp = im2col_shape(x.shape, kernel, strides, padding, lhs_dilation, rhs_dilation, groups, mode)
     cols = []
     for offs in np.ndindex(*kernel):
         start = [0] + [o * rd for o, rd in zip(offs, rhs_dilation)] + [0]
@@ -72,58 +78,25 @@ def _im2col_impl(x, *, kernel, strides, padding, lhs_dilation, rhs_dilation, gro
     return p.reshape(groups, -1, ks * c)
 
 
-@register("nimble_im2col", kind="kernel")
-def im2col_kernel(node: Node) -> Kernel:
-    """One thread per patch element; zeros where the window falls on padding or on the
-    holes of lhs dilation."""
-    x, out = node.inputs[0], node.outputs[0]
-    p = node.params
-    n, *spatial, c = x.shape
-    groups, mode = p["groups"], p["mode"]
-    _, out_sp = _im2col_shape(x.shape, p["kernel"], p["strides"], p["padding"], p["lhs_dilation"],
-                              p["rhs_dilation"], groups, mode)
-    nb = n // groups if mode == "batch" else n
-    cg = c // groups if mode == "feature" else c
-    
-    def body(b: KernelBuilder, idx: Index) -> str:
-        g, m, k = idx
-        mi = b.index_vars(m, [nb] + list(out_sp), "m")
-        ki = b.index_vars(k, list(p["kernel"]) + [cg], "k")
-        batch = mi[0] if mode == "feature" else f"({g} * {nb} + {mi[0]})"
-        chan = f"({g} * {cg} + {ki[-1]})" if mode == "feature" else ki[-1]
-        conds, src = [], [batch]
-        for j, size in enumerate(spatial):
-            st, (lo, _hi), ld, rd = p["strides"][j], p["padding"][j], p["lhs_dilation"][j], p["rhs_dilation"][j]
-            pos, ok = dilated_source(b.tmp("int", f"{mi[1 + j]} * {st} + {ki[j]} * {rd} - ({lo})"), ld, size)
-            conds += ok
-            src.append(pos)
-        src.append(chan)
-        zero = dtypes.literal(0, x.dtype)
-        return b.tmp(dtypes.compute_type(x.dtype),
-                     f"({' && '.join(conds) or 'true'}) ? {b.load(x, tuple(src))} : {zero}")
-
-    return loop_kernel("im2col", out, ["im2col"], body)
-
-
 # ---- the rewrite -----------------------------------------------------------------------
-def _specs(node: Node):
+def conv_specs(node: Node):
     dn = node.params["dimension_numbers"]
     return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
 
 
-def conv_path(node: Node) -> str:
+def conv_path(node: Node, options: Options) -> str:
     """'direct' for depthwise-like convolutions (1 input channel per group: a GEMM per
     group would be a batch of tiny matrices); 'cudnn' for the 2-D convolutions cuDNN's
-    forward API takes, where cuDNN is installed (NIMBLE_CONV=cudnn|im2col overrides),
+    forward API takes, where cuDNN is found (options.conv=cudnn|im2col overrides),
     unless the batch is small (CUDNN_MIN_BATCH); else 'gemm' (im2col + cuBLAS)."""
-    lhs_spec, rhs_spec, _ = _specs(node)
+    lhs_spec, rhs_spec, _ = conv_specs(node)
     x, w = node.inputs
     cg = w.shape[rhs_spec[1]]
     if node.params["feature_group_count"] > 1 and cg == 1:
         return "direct"
     if _is_plain_1x1(node):
         return "gemm"  # already a GEMM, no im2col: measured faster than XLA's cuDNN call
-    if _cudnn_eligible(node) and _use_cudnn(node):
+    if _cudnn_eligible(node) and _use_cudnn(node, options):
         return "cudnn"
     return "gemm"
 
@@ -137,13 +110,13 @@ CUDNN_MIN_BATCH = 8
 
 
 def _batch(node: Node) -> int:
-    _, _, out_spec = _specs(node)
+    _, _, out_spec = conv_specs(node)
     return node.outputs[0].shape[out_spec[0]]
 
 
 def _is_plain_1x1(node: Node) -> bool:
     p = node.params
-    _, rhs_spec, _ = _specs(node)
+    _, rhs_spec, _ = conv_specs(node)
     w = node.inputs[1]
     return (all(w.shape[d] == 1 for d in rhs_spec[2:]) and all(s == 1 for s in p["window_strides"])
             and all(tuple(q) == (0, 0) for q in p["padding"]) and all(d == 1 for d in p["lhs_dilation"])
@@ -155,7 +128,7 @@ def _cudnn_eligible(node: Node) -> bool:
     out = node.outputs[0]
     p = node.params
     floats = ("float32", "float16", "bfloat16")
-    _, rhs_spec, _ = _specs(node)
+    _, rhs_spec, _ = conv_specs(node)
     # Filter-gradient convolutions have the whole output gradient as their "filter";
     # cuDNN's forward algorithms are slow there, im2col + GEMM is not (measured).
     small_filter = all(w.shape[d] <= MAX_CUDNN_FILTER for d in rhs_spec[2:])
@@ -165,41 +138,22 @@ def _cudnn_eligible(node: Node) -> bool:
             and dtypes.name(out.dtype) in floats and all(lo >= 0 and hi >= 0 for lo, hi in p["padding"]))
 
 
-def _use_cudnn(node: Node) -> bool:
-    """NIMBLE_CONV=cudnn|im2col decides; by default cuDNN where it is installed and
-    the batch is large enough."""
-    import os
-
-    mode = os.environ.get("NIMBLE_CONV", "auto")
-    if mode in ("cudnn", "im2col"):
-        return mode == "cudnn"
-    return _batch(node) >= CUDNN_MIN_BATCH and _cudnn_found()
-
-
-def _cudnn_found() -> bool:
-    global _CUDNN_FOUND
-    if _CUDNN_FOUND is None:
-        try:
-            from nimblejax.runtime.cudnn import find_libcudnn
-
-            find_libcudnn()
-            _CUDNN_FOUND = True
-        except Exception:
-            _CUDNN_FOUND = False
-    return _CUDNN_FOUND
-
-
-_CUDNN_FOUND = None
+def _use_cudnn(node: Node, options: Options) -> bool:
+    """options.conv ("cudnn" | "im2col", from NIMBLE_CONV) decides; by default cuDNN
+    where it was found and the batch is large enough."""
+    if options.conv in ("cudnn", "im2col"):
+        return options.conv == "cudnn"
+    return _batch(node) >= CUDNN_MIN_BATCH and options.cudnn
 MAX_CUDNN_FILTER = 11
 
 
-def rewrite_conv(node: Node) -> list[Node]:
+def rewrite_conv(node: Node, options: Options) -> list[Node]:
     """conv_general_dilated → [transposes, im2col, dot_general, transposes], or
     [transposes, nimble_cudnn_conv, transpose], or [node] (direct kernel)."""
-    path = conv_path(node)
+    path = conv_path(node, options)
     if path == "direct":
         return [node]
-    from nimblejax.trace import GraphBuilder
+    from nimblejax.compiler.trace import GraphBuilder
 
     x, w = node.inputs
     out = node.outputs[0]
@@ -285,21 +239,9 @@ def _cudnn_impl(x, w, *, padding, strides, dilation, groups, math, out_dtype):
         precision=lax.Precision.HIGHEST if math == "f32" else None)
 
 
-@register("nimble_cudnn_conv", kind="cudnn")
-def cudnn_conv(node: Node):
-    from nimblejax.lowering.task import CudnnConv
-
-    p = node.params
-    x, w = node.inputs
-    return CudnnConv(tuple(p["padding"]), tuple(p["strides"]), tuple(p["dilation"]), p["groups"],
-                     p["math"], x, w, node.outputs[0])
-
-
 def _via_cudnn(x, w, node: Node, out: Var):
-    from nimblejax.lowering.gemm import compute_mode
-
     p = node.params
-    lhs_spec, rhs_spec, out_spec = _specs(node)
+    lhs_spec, rhs_spec, out_spec = conv_specs(node)
     x = _transpose(x, (lhs_spec[0], lhs_spec[2], lhs_spec[3], lhs_spec[1]))   # NHWC
     w = _transpose(w, (rhs_spec[0], rhs_spec[2], rhs_spec[3], rhs_spec[1]))   # KRSC
     # cuDNN pads symmetrically: the asymmetric remainder is an explicit pad.
@@ -314,52 +256,3 @@ def _via_cudnn(x, w, node: Node, out: Var):
     perm = [0] * 4
     perm[out_spec[0]], perm[out_spec[1]], perm[out_spec[2]], perm[out_spec[3]] = 0, 3, 1, 2
     return _transpose(y, tuple(perm))
-
-
-# ---- the direct kernel (depthwise) -----------------------------------------------------
-@register("conv_general_dilated", kind="kernel")
-def direct_conv(node: Node) -> Kernel:
-    """One thread per output element, a loop over the window and the group's channels."""
-    x, w = node.inputs
-    out = node.outputs[0]
-    p = node.params
-    lhs_spec, rhs_spec, out_spec = _specs(node)
-    k = len(lhs_spec) - 2
-    fg, bg = p["feature_group_count"], p["batch_group_count"]
-    cg = w.shape[rhs_spec[1]]
-    o_total = out.shape[out_spec[1]]
-    og_f = o_total // fg
-    og_b = o_total // bg
-    kernel = [w.shape[d] for d in rhs_spec[2:]]
-    acc_t = "float" if dtypes.is_float(out.dtype) else dtypes.compute_type(out.dtype)
-    
-    def body(b: KernelBuilder, idx: Index) -> str:
-        nb_, of = idx[out_spec[0]], idx[out_spec[1]]
-        osp = [idx[d] for d in out_spec[2:]]
-        g = b.tmp("int", f"{of} / {og_f}") if fg > 1 else "0"
-        bgi = b.tmp("int", f"{of} / {og_b}") if bg > 1 else "0"
-        nbatch = out.shape[out_spec[0]]
-        b.emit(f"{acc_t} acc = 0;")
-        loops = [("ci", cg)] + [(f"k{j}", kernel[j]) for j in range(k)]
-        for var, size in loops:
-            b.open(f"for (int {var} = 0; {var} < {size}; ++{var})")
-        conds, xs = [], [""] * (k + 2)
-        xs[lhs_spec[0]] = f"({bgi} * {nbatch} + {nb_})" if bg > 1 else nb_
-        xs[lhs_spec[1]] = f"({g} * {cg} + ci)" if fg > 1 else "ci"
-        for j in range(k):
-            st, (lo, _), ld, rd = p["window_strides"][j], p["padding"][j], p["lhs_dilation"][j], p["rhs_dilation"][j]
-            pos, ok = dilated_source(f"({osp[j]} * {st} + k{j} * {rd} - ({lo}))", ld, x.shape[lhs_spec[2 + j]])
-            conds += ok
-            xs[lhs_spec[2 + j]] = pos
-        ws = [""] * (k + 2)
-        ws[rhs_spec[0]] = of
-        ws[rhs_spec[1]] = "ci"
-        for j in range(k):
-            ws[rhs_spec[2 + j]] = f"k{j}"
-        b.emit(f"if (!({' && '.join(conds) or 'true'})) continue;")
-        b.emit(f"acc += ({acc_t}){b.load(x, tuple(xs))} * ({acc_t}){b.load(w, tuple(ws))};")
-        for _ in loops:
-            b.close()
-        return "acc"
-
-    return loop_kernel("conv", out, ["conv"], body)

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nimblejax.ir import Graph, Node, Var
-from nimblejax.lowering.conv import rewrite_conv
-from nimblejax.lowering.gemm import canonicalize_dot
-from nimblejax.lowering.split import split_reduction
-from nimblejax.lowering.registry import check_supported, rule_for
+from nimblejax.compiler.ir import Graph, Node, Var
+from nimblejax.compiler.lowering.registry import rule_for
 
 # A node feeding more than this many kernels is materialized rather than recomputed.
 MAX_DUPLICATION = 4
@@ -42,25 +39,8 @@ class Group:
         return self.root.outputs
 
 
-def canonicalize(graph: Graph) -> Graph:
-    """Rewrite convolutions into im2col + GEMM and put every GEMM operand in a layout
-    cuBLAS takes (inserting transposes that fusion then folds into producers)."""
-    nodes: list[Node] = []
-    for node in graph.nodes:
-        if node.name == "conv_general_dilated":
-            parts = rewrite_conv(node)
-        elif node.name.startswith("reduce_"):
-            parts = split_reduction(node)
-        else:
-            parts = [node]
-        for part in parts:
-            nodes.extend(canonicalize_dot(part) if part.name == "dot_general" else [part])
-    return Graph(graph.inputs, graph.outputs, tuple(nodes), graph.consts)
-
-
 def fuse(graph: Graph) -> list[Group]:
-    check_supported(graph.nodes)
-    graph = canonicalize(graph)
+    """Groups of a canonicalized graph (compiler/canonicalize), in topological order."""
     consumers = graph.consumers()
     outputs = {a for a in graph.outputs if isinstance(a, Var)}
     owner: dict[Node, frozenset[int]] = {}

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nimblejax.lowering import dtypes
-from nimblejax.lowering.elementwise import _FMAX, _FMIN
-from nimblejax.lowering.registry import register
+from nimblejax.compiler import dtypes
+from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
+from nimblejax.compiler.lowering.registry import register
 
 
 @dataclass(frozen=True)

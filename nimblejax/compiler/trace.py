@@ -11,7 +11,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from nimblejax.ir import Atom, Graph, Literal, Node, Var
+from nimblejax.compiler.ir import Atom, Graph, Literal, Node, Var
 
 # Call-like primitives whose body is inlined, and the params that may hold the body.
 INLINED = {

@@ -1,12 +1,12 @@
 """Fusible rules: each computes a node's output at one index inside a fused kernel."""
 from __future__ import annotations
 
-from nimblejax.ir import Node
-from nimblejax.lowering import dtypes
-from nimblejax.lowering.codegen import Index, KernelBuilder, linear
-from nimblejax.lowering.elementwise import (BINARY_NAMES, UNARY_NAMES, binary_template,
+from nimblejax.compiler.ir import Node
+from nimblejax.compiler import dtypes
+from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, linear
+from nimblejax.compiler.lowering.elementwise import (BINARY_NAMES, UNARY_NAMES, binary_template,
                                             unary_template, _FMAX, _FMIN)
-from nimblejax.lowering.registry import register
+from nimblejax.compiler.lowering.registry import register
 
 
 def _result(b: KernelBuilder, node: Node, expr: str) -> str:

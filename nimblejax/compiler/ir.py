@@ -6,6 +6,8 @@ plan interpreter relies on that).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -13,7 +15,25 @@ from typing import Any, Mapping, Union
 
 import numpy as np
 
-_ids = itertools.count()
+# Value ids: numbered per plan inside `fresh_ids()` (so printing one function twice
+# gives the same text), from a process-wide counter elsewhere (tests building IR by hand).
+_global_ids = itertools.count()
+_plan_ids: contextvars.ContextVar = contextvars.ContextVar("nimble_plan_ids", default=None)
+
+
+def _next_id() -> int:
+    counter = _plan_ids.get()
+    return next(counter if counter is not None else _global_ids)
+
+
+@contextlib.contextmanager
+def fresh_ids():
+    """Number the values created inside from 0 (one plan's values are made in one)."""
+    token = _plan_ids.set(itertools.count())
+    try:
+        yield
+    finally:
+        _plan_ids.reset(token)
 
 
 @dataclass(frozen=True, eq=False)
@@ -23,7 +43,7 @@ class Var:
     shape: tuple[int, ...]
     dtype: np.dtype
     weak_type: bool = False
-    id: int = field(default_factory=lambda: next(_ids))
+    id: int = field(default_factory=_next_id)
 
     @property
     def ndim(self) -> int:

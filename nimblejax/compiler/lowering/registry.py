@@ -7,14 +7,14 @@ Rule kinds:
 - "reduction": `fn(dtype) -> Reducer`; producers are fused into the reduction's loop.
 - "kernel": a standalone generated kernel; `fn(node, builder) -> KernelPlan`.
 - "gemm": `fn(node) -> GemmCall` (cuBLAS on the GPU).
-- "cudnn": `fn(node) -> CudnnConv` (a cuDNN convolution on the GPU).
+- "cudnn": `fn(node) -> ConvCall` (a cuDNN convolution on the GPU).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from nimblejax.ir import Node
+from nimblejax.compiler.ir import Node
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def rule_for(node: Node) -> Rule:
 
 def check_supported(nodes) -> None:
     """Raise for the first unsupported primitive or dtype, naming the user's line."""
-    from nimblejax.lowering import dtypes
+    from nimblejax.compiler import dtypes
 
     for node in nodes:
         rule_for(node)

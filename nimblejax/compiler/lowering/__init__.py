@@ -3,17 +3,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nimblejax.lowering import (conv, gemm, rules_elementwise, rules_kernels,  # noqa: F401
+from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_kernels,  # noqa: F401
                                 rules_reduce, rules_window)  # (registration)
-from nimblejax.lowering.codegen import elementwise_kernel, reduction_kernel
-from nimblejax.lowering.registry import RULES, rule_for
-from nimblejax.lowering.task import GemmCall, Kernel, Task
-from nimblejax.lowering.transpose import transpose_kernel
+from nimblejax.compiler.lowering.codegen import elementwise_kernel, reduction_kernel
+from nimblejax.compiler.lowering.registry import RULES, rule_for
+from nimblejax.compiler.lowering.task import ConvCall, GemmCall, Kernel, Task
+from nimblejax.compiler.lowering.transpose import transpose_kernel
 
 if TYPE_CHECKING:  # fusion imports lowering rules; avoid the cycle at import time
-    from nimblejax.fusion import Group
+    from nimblejax.compiler.fusion import Group
 
-__all__ = ["lower_group", "lower", "RULES", "Task", "Kernel", "GemmCall"]
+__all__ = ["lower_group", "lower", "RULES", "Task", "Kernel", "GemmCall", "ConvCall"]
 
 
 def lower_group(group: Group) -> Task:
@@ -31,11 +31,11 @@ def lower_group(group: Group) -> Task:
     elif group.kind == "cudnn":
         call = rule_for(root).fn(root)
         name = f"cudnn_conv_{call.x.shape[1]}x{call.x.shape[2]}x{call.x.shape[3]}_k{call.w.shape[1]}"
-        return Task(name, "cudnn", group.inputs, group.outputs, group.nodes, cudnn=call)
+        return Task(name, "cudnn", group.inputs, group.outputs, group.nodes, conv=call)
     elif group.kind == "gemm":
         made = rule_for(root).fn(root)
         if isinstance(made, GemmCall):
-            name = f"gemm_{made.in_dtype}_{made.batch}x{made.m}x{made.n}x{made.k}"
+            name = f"gemm_{made.dtype}_{made.batch}x{made.m}x{made.n}x{made.k}"
             return Task(name, "gemm", group.inputs, group.outputs, group.nodes, gemm=made)
         kernel = made
     else:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import Hashable, Iterable, Iterator, Mapping
 
-from nimblejax.streams.schedule import Schedule
+from nimblejax.compiler.streams.schedule import Schedule
 
 READ, WRITE = "read", "write"
 

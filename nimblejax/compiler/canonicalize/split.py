@@ -12,8 +12,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from nimblejax.ir import Node
-from nimblejax.lowering import dtypes
+from nimblejax.compiler.ir import Node
+from nimblejax.compiler import dtypes
 
 SPLITTABLE = {"reduce_sum": jnp.sum, "reduce_max": jnp.max, "reduce_min": jnp.min}
 MIN_REDUCED = 16384      # shorter rows are fine in one kernel
@@ -49,7 +49,7 @@ def split_reduction(node: Node) -> list[Node]:
     first, second = len(lead) + 1, len(lead)
     op = SPLITTABLE[node.name]
     fn = lambda a: op(op(a.reshape(shape), axis=first), axis=second)  # noqa: E731
-    from nimblejax.trace import GraphBuilder
+    from nimblejax.compiler.trace import GraphBuilder
 
     closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, x.dtype))
     builder = GraphBuilder()

@@ -4,12 +4,12 @@ always materialized buffers."""
 from __future__ import annotations
 
 
-from nimblejax.ir import Node
-from nimblejax.lowering import dtypes
-from nimblejax.lowering.codegen import BLOCK, Index, KernelBuilder, blocks_for, loop_kernel
-from nimblejax.lowering.registry import register
-from nimblejax.lowering.task import Kernel
-from nimblejax.lowering.elementwise import _FMAX, _FMIN
+from nimblejax.compiler.ir import Node
+from nimblejax.compiler import dtypes
+from nimblejax.compiler.lowering.codegen import BLOCK, Index, KernelBuilder, blocks_for, loop_kernel
+from nimblejax.compiler.lowering.registry import register
+from nimblejax.compiler.lowering.task import Kernel
+from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 
 
 @register("concatenate", kind="kernel")

@@ -1,0 +1,1 @@
+"""Compiler: a JAX function → a launch plan (pure data). Needs no GPU."""

@@ -1,0 +1,32 @@
+"""Canonicalization: the stage between tracing and fusion. It rewrites nodes into the
+forms lowering expects, in one pass over the graph:
+
+- convolutions → im2col + GEMM, a cuDNN call, or kept for the direct kernel (conv.py:
+  the one place a convolution's path is decided);
+- long reductions with few outputs → two reductions (split.py);
+- dot_general → operands transposed into a GEMM-ready layout (dot.py).
+
+Every rewrite emits ordinary JAX primitives (or ours with JAX reference semantics), so
+the CPU interpreter runs a canonicalized graph like any other.
+"""
+from __future__ import annotations
+
+from nimblejax.compiler.canonicalize.conv import rewrite_conv
+from nimblejax.compiler.canonicalize.dot import canonicalize_dot
+from nimblejax.compiler.canonicalize.split import split_reduction
+from nimblejax.compiler.ir import Graph, Node
+from nimblejax.options import Options
+
+
+def canonicalize(graph: Graph, options: Options) -> Graph:
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        if node.name == "conv_general_dilated":
+            parts = rewrite_conv(node, options)
+        elif node.name.startswith("reduce_"):
+            parts = split_reduction(node)
+        else:
+            parts = [node]
+        for part in parts:
+            nodes.extend(canonicalize_dot(part) if part.name == "dot_general" else [part])
+    return Graph(graph.inputs, graph.outputs, tuple(nodes), graph.consts)

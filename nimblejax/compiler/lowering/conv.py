@@ -1,0 +1,105 @@
+"""Convolution lowering rules: the im2col gather kernel, the cuDNN call record, and a
+direct generated kernel for depthwise-like convolutions. Which path a convolution
+takes is decided before fusion, in compiler/canonicalize/conv.py.
+"""
+from __future__ import annotations
+
+from nimblejax.compiler.canonicalize.conv import im2col_shape, conv_specs
+from nimblejax.compiler.ir import Node
+from nimblejax.compiler import dtypes
+from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, dilated_source, loop_kernel
+from nimblejax.compiler.lowering.registry import register
+from nimblejax.compiler.lowering.task import ConvCall, Kernel
+
+
+@register("nimble_im2col", kind="kernel")
+def im2col_kernel(node: Node) -> Kernel:
+    """One thread per patch element; zeros where the window falls on padding or on the
+    holes of lhs dilation."""
+    x, out = node.inputs[0], node.outputs[0]
+    p = node.params
+    n, *spatial, c = x.shape
+    groups, mode = p["groups"], p["mode"]
+    _, out_sp = im2col_shape(x.shape, p["kernel"], p["strides"], p["padding"], p["lhs_dilation"],
+                              p["rhs_dilation"], groups, mode)
+    nb = n // groups if mode == "batch" else n
+    cg = c // groups if mode == "feature" else c
+    
+    def body(b: KernelBuilder, idx: Index) -> str:
+        g, m, k = idx
+        mi = b.index_vars(m, [nb] + list(out_sp), "m")
+        ki = b.index_vars(k, list(p["kernel"]) + [cg], "k")
+        batch = mi[0] if mode == "feature" else f"({g} * {nb} + {mi[0]})"
+        chan = f"({g} * {cg} + {ki[-1]})" if mode == "feature" else ki[-1]
+        conds, src = [], [batch]
+        for j, size in enumerate(spatial):
+            st, (lo, _hi), ld, rd = p["strides"][j], p["padding"][j], p["lhs_dilation"][j], p["rhs_dilation"][j]
+            pos, ok = dilated_source(b.tmp("int", f"{mi[1 + j]} * {st} + {ki[j]} * {rd} - ({lo})"), ld, size)
+            conds += ok
+            src.append(pos)
+        src.append(chan)
+        zero = dtypes.literal(0, x.dtype)
+        return b.tmp(dtypes.compute_type(x.dtype),
+                     f"({' && '.join(conds) or 'true'}) ? {b.load(x, tuple(src))} : {zero}")
+
+    return loop_kernel("im2col", out, ["im2col"], body)
+
+
+# ---- the cuDNN call --------------------------------------------------------------
+@register("nimble_cudnn_conv", kind="cudnn")
+def cudnn_conv(node: Node):
+    p = node.params
+    x, w = node.inputs
+    y = node.outputs[0]
+    return ConvCall(tuple(x.shape), tuple(w.shape), tuple(y.shape), tuple(p["padding"]),
+                    tuple(p["strides"]), tuple(p["dilation"]), p["groups"], dtypes.name(x.dtype),
+                    dtypes.name(y.dtype), p["math"], x=x, w=w, y=y)
+
+
+# ---- the direct kernel (depthwise) -----------------------------------------------------
+@register("conv_general_dilated", kind="kernel")
+def direct_conv(node: Node) -> Kernel:
+    """One thread per output element, a loop over the window and the group's channels."""
+    x, w = node.inputs
+    out = node.outputs[0]
+    p = node.params
+    lhs_spec, rhs_spec, out_spec = conv_specs(node)
+    k = len(lhs_spec) - 2
+    fg, bg = p["feature_group_count"], p["batch_group_count"]
+    cg = w.shape[rhs_spec[1]]
+    o_total = out.shape[out_spec[1]]
+    og_f = o_total // fg
+    og_b = o_total // bg
+    kernel = [w.shape[d] for d in rhs_spec[2:]]
+    acc_t = "float" if dtypes.is_float(out.dtype) else dtypes.compute_type(out.dtype)
+    
+    def body(b: KernelBuilder, idx: Index) -> str:
+        nb_, of = idx[out_spec[0]], idx[out_spec[1]]
+        osp = [idx[d] for d in out_spec[2:]]
+        g = b.tmp("int", f"{of} / {og_f}") if fg > 1 else "0"
+        bgi = b.tmp("int", f"{of} / {og_b}") if bg > 1 else "0"
+        nbatch = out.shape[out_spec[0]]
+        b.emit(f"{acc_t} acc = 0;")
+        loops = [("ci", cg)] + [(f"k{j}", kernel[j]) for j in range(k)]
+        for var, size in loops:
+            b.open(f"for (int {var} = 0; {var} < {size}; ++{var})")
+        conds, xs = [], [""] * (k + 2)
+        xs[lhs_spec[0]] = f"({bgi} * {nbatch} + {nb_})" if bg > 1 else nb_
+        xs[lhs_spec[1]] = f"({g} * {cg} + ci)" if fg > 1 else "ci"
+        for j in range(k):
+            st, (lo, _), ld, rd = p["window_strides"][j], p["padding"][j], p["lhs_dilation"][j], p["rhs_dilation"][j]
+            pos, ok = dilated_source(f"({osp[j]} * {st} + k{j} * {rd} - ({lo}))", ld, x.shape[lhs_spec[2 + j]])
+            conds += ok
+            xs[lhs_spec[2 + j]] = pos
+        ws = [""] * (k + 2)
+        ws[rhs_spec[0]] = of
+        ws[rhs_spec[1]] = "ci"
+        for j in range(k):
+            ws[rhs_spec[2 + j]] = f"k{j}"
+        b.emit(f"if (!({' && '.join(conds) or 'true'})) continue;")
+        b.emit(f"acc += ({acc_t}){b.load(x, tuple(xs))} * ({acc_t}){b.load(w, tuple(ws))};")
+        for _ in loops:
+            b.close()
+        return "acc"
+
+    return loop_kernel("conv", out, ["conv"], body)

@@ -1,0 +1,66 @@
+"""dot_general → a cuBLAS GEMM record (float types) or a generated kernel (ints).
+
+Operands were put in a GEMM-ready layout before fusion (compiler/canonicalize/dot.py).
+"""
+from __future__ import annotations
+
+from typing import Union
+
+from nimblejax.compiler.canonicalize.dot import compute_mode, dot_dims, gemm_layout
+from nimblejax.compiler.ir import Node
+from nimblejax.compiler import dtypes
+from nimblejax.compiler.lowering.codegen import BLOCK, KernelBuilder, blocks_for
+from nimblejax.compiler.lowering.registry import register
+from nimblejax.compiler.lowering.task import GemmCall, Kernel
+
+GEMM_DTYPES = frozenset({"float32", "float16", "bfloat16"})
+
+
+@register("dot_general", kind="gemm")
+def dot_general(node: Node) -> Union[GemmCall, Kernel]:
+    layout = gemm_layout(node)
+    if layout is None:
+        raise AssertionError("dot_general must be canonicalized before lowering")
+    lc, rc, lb, rb, lf, rf = dot_dims(node)
+    lhs, rhs = node.inputs
+    out = node.outputs[0]
+    size = lambda x, ds: _prod(x.shape[d] for d in ds)  # noqa: E731
+    batch, m, k, n = size(lhs, lb), size(lhs, lf), size(lhs, lc), size(rhs, rf)
+    ta, tb = layout
+    if dtypes.name(lhs.dtype) in GEMM_DTYPES and dtypes.name(lhs.dtype) == dtypes.name(rhs.dtype) \
+            and dtypes.name(out.dtype) in GEMM_DTYPES and min(batch, m, n, k) > 0:
+        dtype, out_dtype = dtypes.name(lhs.dtype), dtypes.name(out.dtype)
+        compute = compute_mode(node) if dtype == "float32" else "f32_from_half"
+        return GemmCall(batch, m, n, k, ta, tb, dtype, compute,
+                        out_dtype=out_dtype if out_dtype != dtype else None, a=lhs, b=rhs, c=out)
+    return naive_matmul(node, batch, m, n, k, ta, tb)
+
+
+def naive_matmul(node: Node, batch: int, m: int, n: int, k: int, ta: bool, tb: bool) -> Kernel:
+    """Integer (and mixed) dots: one thread per output, a serial dot product."""
+    lhs, rhs = node.inputs
+    out = node.outputs[0]
+    acc = dtypes.compute_type(out.dtype)
+    b = KernelBuilder()
+    b.ops = ["dot"]
+    b.output(out)
+    a_ix = (f"(bb * {m * k} + kk * {m} + i)" if ta else f"(bb * {m * k} + i * {k} + kk)")
+    b_ix = (f"(bb * {n * k} + j * {k} + kk)" if tb else f"(bb * {n * k} + kk * {n} + j)")
+    b.open(f"for (long long t = blockIdx.x * (long long)blockDim.x + threadIdx.x; t < {batch * m * n}; "
+           f"t += (long long)gridDim.x * blockDim.x)")
+    b.emit(f"const long long bb = t / {m * n}; const long long i = (t / {n}) % {m}; "
+           f"const long long j = t % {n};")
+    b.emit(f"{acc} acc = 0;")
+    la = dtypes.load(lhs.dtype, f"{b.input(lhs)}[{a_ix}]")
+    lb_ = dtypes.load(rhs.dtype, f"{b.input(rhs)}[{b_ix}]")
+    b.emit(f"for (long long kk = 0; kk < {k}; ++kk) acc += ({acc}){la} * ({acc}){lb_};")
+    b.store(out, "t", "acc")
+    b.close()
+    return b.finish("dot", out, blocks_for(batch * m * n), BLOCK)
+
+
+def _prod(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= int(x)
+    return p

@@ -1,0 +1,129 @@
+"""Tasks: the unit of GPU work a plan is made of."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from nimblejax.compiler.ir import Node, Var
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A generated CUDA C kernel. Its pointer arguments are `params`, in order."""
+
+    name: str
+    source: str
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    params: tuple[Var, ...]
+
+
+# Library calls: one record per call kind. Each carries the plan-time decision (the
+# problem the library solves, with its dtypes and math mode) and the operands it runs on.
+# Equality and hashing ignore the operands, so a record is also the key under which the
+# runtime caches the algorithm it measured for that problem.
+GEMM_DTYPES = ("float32", "float16", "bfloat16")
+GEMM_COMPUTE = {"float32": ("f32", "tf32"), "float16": ("f32_from_half",),
+                "bfloat16": ("f32_from_half",)}
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class GemmCall:
+    """Row-major batched GEMM: C[b] (m x n) = op(A[b]) @ op(B[b]).
+
+    A[b] is stored row-major as (m, k), or (k, m) when trans_a; B[b] as (k, n), or
+    (n, k) when trans_b; C[b] is contiguous (m, n); batch entries are contiguous.
+    compute: 'f32' (full float32) or 'tf32' (XLA's default for float32 dots) for
+    float32, 'f32_from_half' for float16/bfloat16. out_dtype: C's dtype when it
+    differs from the inputs' (bf16 x bf16 -> f32).
+    """
+
+    batch: int
+    m: int
+    n: int
+    k: int
+    trans_a: bool
+    trans_b: bool
+    dtype: str
+    compute: str
+    alpha: float = 1.0
+    beta: float = 0.0
+    out_dtype: Optional[str] = None
+    a: Optional[Var] = field(default=None, compare=False, repr=False)
+    b: Optional[Var] = field(default=None, compare=False, repr=False)
+    c: Optional[Var] = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "m", "n", "k"):
+            if not 1 <= getattr(self, name) <= _INT32_MAX:
+                raise ValueError(f"GemmCall.{name}={getattr(self, name)} must be in [1, 2**31)")
+        if self.dtype not in GEMM_DTYPES:
+            raise ValueError(f"GemmCall.dtype={self.dtype!r}; expected one of {list(GEMM_DTYPES)}")
+        if self.out_dtype is not None and self.out_dtype not in GEMM_DTYPES:
+            raise ValueError(f"GemmCall.out_dtype={self.out_dtype!r}; expected one of {list(GEMM_DTYPES)}")
+        if self.compute not in GEMM_COMPUTE[self.dtype]:
+            raise ValueError(f"GemmCall.compute={self.compute!r} invalid for dtype {self.dtype!r}; "
+                             f"expected one of {list(GEMM_COMPUTE[self.dtype])}")
+
+    @property
+    def a_shape(self) -> tuple[int, int, int]:
+        return (self.batch, self.k, self.m) if self.trans_a else (self.batch, self.m, self.k)
+
+    @property
+    def b_shape(self) -> tuple[int, int, int]:
+        return (self.batch, self.n, self.k) if self.trans_b else (self.batch, self.k, self.n)
+
+    @property
+    def c_shape(self) -> tuple[int, int, int]:
+        return (self.batch, self.m, self.n)
+
+    @property
+    def operands(self) -> tuple[Var, Var, Var]:
+        return self.a, self.b, self.c
+
+
+@dataclass(frozen=True)
+class ConvCall:
+    """y (N,OH,OW,K) NHWC = conv(x (N,H,W,C) NHWC, w (K,R,S,C/G) KRSC), symmetric
+    padding: a cuDNN forward convolution. math: 'tf32' | 'f32' | 'half'."""
+
+    x_shape: tuple[int, int, int, int]
+    w_shape: tuple[int, int, int, int]
+    y_shape: tuple[int, int, int, int]
+    padding: tuple[int, int]
+    strides: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+    dtype: str
+    out_dtype: str
+    math: str
+    x: Optional[Var] = field(default=None, compare=False, repr=False)
+    w: Optional[Var] = field(default=None, compare=False, repr=False)
+    y: Optional[Var] = field(default=None, compare=False, repr=False)
+
+    @property
+    def operands(self) -> tuple[Var, Var, Var]:
+        return self.x, self.w, self.y
+
+
+@dataclass(frozen=True, eq=False)
+class Task:
+    """What a unit of work reads and writes, how it launches, and the equations it
+    stands for (so the CPU plan interpreter can run it with JAX)."""
+
+    name: str
+    kind: str  # 'kernel' | 'gemm' | 'cudnn' | 'view'
+    inputs: tuple[Var, ...]
+    outputs: tuple[Var, ...]
+    eqns: tuple[Node, ...]
+    kernel: Optional[Kernel] = None
+    gemm: Optional[GemmCall] = None
+    conv: Optional[ConvCall] = None
+
+    @property
+    def source(self) -> str:
+        return self.eqns[-1].source if self.eqns else "<unknown>"
+
+    def __repr__(self) -> str:
+        return f"Task({self.name})"

@@ -1,0 +1,97 @@
+"""The compiler's stages, in order: a function → one launch plan.
+
+    trace (trace.py)            jaxpr → graph IR: inlined, CSE, dead code dropped
+    check                       every primitive has a rule, every dtype is supported
+    canonicalize (canonicalize/) conv paths, reduction splits, GEMM-ready dots
+    fuse (fusion.py)            nodes → groups, one group per kernel or library call
+    lower (lowering/)           groups → Tasks: generated kernels, GemmCall, ConvCall, views
+    streams (streams/)          Nimble's stream assignment and the minimal events
+    memory (memory.py)          one arena; reuse only after every use happens-before
+    verify (streams/verify.py)  no two unordered tasks touch overlapping bytes
+
+Each stage runs once; nothing here touches a GPU.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import jax
+import networkx as nx
+
+from nimblejax.compiler.canonicalize import canonicalize
+from nimblejax.compiler.fusion import fuse
+from nimblejax.compiler.ir import Graph, Var, fresh_ids
+from nimblejax.compiler.lowering import lower
+from nimblejax.compiler.lowering.registry import check_supported
+from nimblejax.compiler.memory import plan_memory
+from nimblejax.compiler.plan import Plan
+from nimblejax.compiler.streams import make_schedule, verify
+from nimblejax.compiler.trace import make_graph
+from nimblejax.options import Options
+
+
+class PlanVerificationError(AssertionError):
+    """A plan whose streams and memory would race: a bug in nimblejax's planners."""
+
+
+def compile_function(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct],
+                     options: Options = Options()) -> tuple[Plan, Any]:
+    """Trace `fun` (flat arguments → flat outputs) at `specs` and plan it. Value ids are
+    numbered from 0 for each plan."""
+    with fresh_ids():
+        graph, out_shapes = make_graph(fun, specs)
+        return build_plan(graph, options), out_shapes
+
+
+def build_plan(graph: Graph, options: Options = Options()) -> Plan:
+    check_supported(graph.nodes)
+    graph = canonicalize(graph, options)
+    groups = fuse(graph)
+    all_tasks = lower(groups)
+    views = tuple(t for t in all_tasks if t.kind == "view")
+    storage: dict[Var, Var] = {}
+    for t in views:
+        src = t.inputs[0]
+        storage[t.outputs[0]] = storage.get(src, src)
+    tasks = [t for t in all_tasks if t.kind != "view"]
+    root = lambda v: storage.get(v, v)  # noqa: E731
+    reads = {t: tuple(dict.fromkeys(root(v) for v in t.inputs)) for t in tasks}
+    writes = {t: tuple(root(v) for v in t.outputs) for t in tasks}
+    dag = _task_dag(tasks, reads, writes)
+    schedule = make_schedule(dag, options.max_streams)
+    sizes = _sizes(graph, reads, writes)
+    pinned = set(graph.inputs) | set(graph.consts)
+    pinned |= {root(a) for a in graph.outputs if isinstance(a, Var)}
+    memory = plan_memory(schedule, sizes, reads, writes, pinned=[b for b in sizes if b in pinned])
+    plan = Plan(graph, tuple(groups), tuple(schedule.order), views, dag, schedule, memory,
+                storage, sizes, reads, writes)
+    if options.verify:
+        verify_plan(plan)
+    return plan
+
+
+def verify_plan(plan: Plan) -> None:
+    """Raise PlanVerificationError if two unordered tasks touch overlapping bytes."""
+    found = verify(plan.schedule, plan.memory, plan.sizes, plan.reads, plan.writes)
+    if found:
+        raise PlanVerificationError(f"{len(found)} race(s) in the plan; first: {found[0]}")
+
+
+def _task_dag(tasks, reads, writes) -> nx.DiGraph:
+    producer = {b: t for t in tasks for b in writes[t]}
+    dag = nx.DiGraph()
+    dag.add_nodes_from(tasks)
+    for t in tasks:
+        for b in reads[t]:
+            if b in producer and producer[b] is not t:
+                dag.add_edge(producer[b], t)
+    return dag
+
+
+def _sizes(graph: Graph, reads, writes) -> dict[Var, int]:
+    sizes: dict[Var, int] = {v: v.nbytes for v in graph.inputs}
+    sizes.update({v: v.nbytes for v in graph.consts})
+    for bufs in list(reads.values()) + list(writes.values()):
+        for b in bufs:
+            sizes[b] = b.nbytes
+    return sizes

@@ -1,0 +1,156 @@
+"""Options: the single place nimblejax reads environment variables.
+
+A frozen `Options` record is resolved once per `nimble.jit(...)`: keyword arguments (or an
+`options=` record) override the environment, the environment overrides the defaults. The
+whole record is part of every plan's cache key, so two functions built under different
+settings never share a stale plan.
+
+| field        | environment          | values                      | changes       |
+|--------------|----------------------|-----------------------------|---------------|
+| gemm         | NIMBLE_GEMM          | "lt" (cuBLASLt) / "cublas"  | runtime       |
+| conv         | NIMBLE_CONV          | "auto" / "cudnn" / "im2col" | the plan      |
+| cudnn        | (probe, or NIMBLE_CONV) | whether libcudnn is found | the plan      |
+| eager        | NIMBLE_EAGER         | launch tasks one by one     | runtime       |
+| max_streams  | NIMBLE_MAX_STREAMS   | stream cap (None: no cap)   | the plan      |
+| debug        | NIMBLE_DEBUG         | 0 / 1 (1: verify every plan)| checks        |
+| call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
+
+Library discovery (where libcublas, libcublasLt and libcudnn are) reads its own variables
+through `library_override` and `cuda_roots` below, also only here. The benchmark CLI reads
+its own command-line settings (bench/cli.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+GEMM_LIBRARIES = ("lt", "cublas")
+CONV_PATHS = ("auto", "cudnn", "im2col")
+CALL_PATHS = ("auto", "ffi", "python")
+_ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
+        "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH"}
+
+
+@dataclass(frozen=True)
+class Options:
+    gemm: str = "lt"
+    conv: str = "auto"
+    cudnn: bool = False
+    eager: bool = False
+    max_streams: Optional[int] = None
+    debug: int = 0
+    call_path: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
+        _check_choice("conv", self.conv, CONV_PATHS)
+        _check_choice("call_path", self.call_path, CALL_PATHS)
+        if self.max_streams is not None and (not isinstance(self.max_streams, int)
+                                             or isinstance(self.max_streams, bool)
+                                             or self.max_streams < 1):
+            raise ValueError(f"max_streams must be a positive int or None, got {self.max_streams!r}")
+
+    @property
+    def use_cudnn(self) -> bool:
+        """Whether convolutions may go to cuDNN: forced by conv="cudnn", refused by
+        conv="im2col", else wherever libcudnn was found."""
+        return self.conv == "cudnn" or (self.conv == "auto" and self.cudnn)
+
+    @property
+    def verify(self) -> bool:
+        return self.debug > 0
+
+    def replace(self, **changes: Any) -> "Options":
+        return dataclasses.replace(self, **changes)
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r} "
+                         f"(environment variable {_ENV[name]} or nimble.jit(..., {name}=...))")
+
+
+def from_env(base: Optional[Options] = None, **overrides: Any) -> Options:
+    """The environment's options, then `base`'s non-default fields, then `overrides`
+    (None means "not given")."""
+    env = os.environ
+    values: dict[str, Any] = {
+        "gemm": env.get(_ENV["gemm"], "lt"),
+        "conv": env.get(_ENV["conv"], "auto"),
+        "eager": _flag(env.get(_ENV["eager"], "")),
+        "max_streams": _int_or_none(env.get(_ENV["max_streams"], ""), "max_streams"),
+        "debug": _int_or_none(env.get(_ENV["debug"], ""), "debug") or 0,
+        "call_path": env.get(_ENV["call_path"], "auto"),
+    }
+    if base is not None:
+        default = Options()
+        values.update({f.name: getattr(base, f.name) for f in dataclasses.fields(Options)
+                       if getattr(base, f.name) != getattr(default, f.name)})
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    unknown = set(values) - {f.name for f in dataclasses.fields(Options)}
+    if unknown:
+        raise TypeError(f"unknown nimblejax option(s) {sorted(unknown)}; "
+                        f"known: {[f.name for f in dataclasses.fields(Options)]}")
+    if "cudnn" not in values:
+        values["cudnn"] = values["conv"] == "cudnn" or (values["conv"] == "auto" and _cudnn_found())
+    return Options(**values)
+
+
+def _flag(text: str) -> bool:
+    return text not in ("", "0", "false", "False")
+
+
+def _int_or_none(text: str, name: str) -> Optional[int]:
+    if text == "":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{_ENV[name]}={text!r} is not an integer") from None
+
+
+_CUDNN_FOUND: Optional[bool] = None
+
+
+def _cudnn_found() -> bool:
+    """Whether libcudnn can be found (a file search, once per process): it decides
+    whether convolutions may take the cuDNN path, so it is part of the options."""
+    global _CUDNN_FOUND
+    if _CUDNN_FOUND is None:
+        from nimblejax.runtime.libs import loader
+
+        _CUDNN_FOUND = loader.found("cudnn")
+    return _CUDNN_FOUND
+
+
+# ---- library discovery and tools (read here so that no other module reads the env) ----
+LIBRARY_OVERRIDES = {"cublas": "NIMBLEJAX_LIBCUBLAS", "cublasLt": "NIMBLEJAX_LIBCUBLASLT",
+                     "cudnn": "NIMBLEJAX_LIBCUDNN"}
+
+
+def library_override(name: str) -> Optional[str]:
+    """$NIMBLEJAX_LIB<NAME>: an explicit path for library `name` (cublas, cublasLt, cudnn)."""
+    return os.environ.get(LIBRARY_OVERRIDES[name]) or None
+
+
+def cuda_roots() -> list[str]:
+    """CUDA toolkit roots to search: $CUDA_PATH, $CUDA_HOME, /usr/local/cuda."""
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"]
+    return [r for r in roots if r]
+
+
+def env_value(name: str) -> Optional[str]:
+    """Any other variable a helper needs (the NVRTC test helper's compiler choice)."""
+    return os.environ.get(name) or None
+
+
+def cache_dir() -> str:
+    """Where built artifacts (the XLA FFI handler) are cached:
+    $NIMBLEJAX_CACHE_DIR, else $XDG_CACHE_HOME/nimblejax, else ~/.cache/nimblejax."""
+    explicit = os.environ.get("NIMBLEJAX_CACHE_DIR")
+    if explicit:
+        return explicit
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(xdg, "nimblejax")

@@ -1,0 +1,149 @@
+"""Launchers: how each kind of task runs on a stream (generated kernel, cuBLASLt or cuBLAS
+GEMM, cuDNN convolution), with the library handles and workspaces they need.
+
+Everything a launch needs is made here before capture (handles bound to their stream,
+one workspace per stream, algorithms measured on the task's own buffers), so that a
+launch under stream capture only enqueues work.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from nimblejax.compiler.lowering.task import Task
+from nimblejax.compiler.plan import Plan
+from nimblejax.runtime.io import allocate, retry_after_freeing
+
+# cuBLAS workspace per stream (a shared one would race). NVIDIA recommends 32 MiB on
+# Hopper; side streams run the small GEMMs of parallel branches and get 4 MiB, so a
+# plan of 20+ streams does not hold most of a GiB (seen exhausting GPU memory beside
+# JAX's preallocation in the model suite).
+WORKSPACE_BYTES = 32 << 20
+SIDE_WORKSPACE_BYTES = 4 << 20
+
+
+class KernelLaunchError(RuntimeError):
+    pass
+
+
+class Launchers:
+    """Per task, a ready launch on its planned stream. `gemm` is options.gemm: "lt"
+    (cuBLASLt, algorithms measured per task) or "cublas"."""
+
+    def __init__(self, plan: Plan, streams: list, base: int, gemm: str = "lt") -> None:
+        from nimblejax.runtime.compile import compile_kernels
+
+        self.plan, self.streams, self.base = plan, streams, base
+        self.stream_of = plan.schedule.stream
+        self.use_lt = gemm != "cublas"
+        self.functions = compile_kernels(t.kernel for t in plan.tasks if t.kind == "kernel")
+        self.args = {t: self._addresses(t) for t in plan.tasks}
+        # Library handles allocate outside CuPy's pool: when the device looks full, give
+        # CuPy's cached free blocks back and try once more.
+        self.handles, self.workspaces = retry_after_freeing(self._gemm_workspaces)
+        self.convs, self.cudnn_handles, self.cudnn_workspaces = retry_after_freeing(self._cudnn_convs)
+        self.lt_handle, self.lt = self._lt_gemms()
+
+    def _addresses(self, task: Task) -> tuple:
+        """The device addresses a task runs on (kernel params, or a library call's operands)."""
+        if task.kind == "kernel":
+            return tuple(np.uint64(self.address(v)) for v in task.kernel.params)
+        call = task.gemm if task.kind == "gemm" else task.conv
+        return tuple(self.address(v) for v in call.operands)
+
+    def address(self, var) -> int:
+        return self.base + self.plan.offset(var)
+
+    # ---- setup ------------------------------------------------------------------
+    def _gemm_workspaces(self):
+        """A GEMM workspace per stream that runs GEMMs and, under gemm="cublas", a
+        cuBLAS handle bound to it (cuBLASLt takes stream and workspace per call)."""
+        gemm_streams = {self.stream_of[t] for t in self.plan.tasks if t.kind == "gemm"}
+        if not gemm_streams:
+            return [], []
+        from nimblejax.runtime.libs.cublas import CublasHandle
+
+        sizes = [WORKSPACE_BYTES if i == 0 else SIDE_WORKSPACE_BYTES for i in range(len(self.streams))]
+        workspaces = [allocate(n, "a cuBLAS workspace") if i in gemm_streams else None
+                      for i, n in enumerate(sizes)]
+        if self.use_lt:
+            return [], workspaces
+        handles = [CublasHandle(s.ptr, w.data.ptr, n) if w is not None else None
+                   for s, w, n in zip(self.streams, workspaces, sizes)]
+        return handles, workspaces
+
+    def _lt_gemms(self):
+        """Per GEMM task a cuBLASLt matmul whose algorithm was measured on the task's own
+        buffers and workspace (cuBLAS's default choice is several times slower on small
+        and skinny shapes)."""
+        tasks = [t for t in self.plan.tasks if t.kind == "gemm"]
+        if not tasks or not self.use_lt:
+            return None, {}
+        from nimblejax.runtime.libs import cublaslt
+
+        handle = cublaslt.LtHandle()
+        gemms = {}
+        for t in tasks:
+            s = self.stream_of[t]
+            a, b, c = self.args[t]
+            ws = self.workspaces[s]
+            buffers = cublaslt.GemmBuffers(a, b, c, ws.data.ptr, self.streams[s].ptr)
+            gemms[t] = cublaslt.LtGemm(handle, t.gemm, ws.nbytes, buffers=buffers)
+        return handle, gemms
+
+    def _cudnn_convs(self):
+        """Per cuDNN task its descriptors and measured algorithm; per stream a handle and
+        a workspace as large as its convolutions need (set before capture)."""
+        tasks = [t for t in self.plan.tasks if t.kind == "cudnn"]
+        if not tasks:
+            return {}, {}, {}
+        from nimblejax.runtime.libs import cudnn
+
+        handles = {s: cudnn.Handle(self.streams[s].ptr) for s in {self.stream_of[t] for t in tasks}}
+        convs = {t: cudnn.Conv(t.conv, handles[self.stream_of[t]]) for t in tasks}
+        need: dict[int, int] = {}
+        for t, conv in convs.items():
+            s = self.stream_of[t]
+            need[s] = max(need.get(s, 0), conv.workspace)
+        workspaces = {s: allocate(n, "a cuDNN workspace") for s, n in need.items()}
+        return convs, handles, workspaces
+
+    # ---- launching --------------------------------------------------------------
+    def launch(self, task: Task, s: int) -> None:
+        """Enqueue `task` on stream `s` (capture-safe)."""
+        stream = self.streams[s]
+        if task.kind == "kernel":
+            k = task.kernel
+            try:
+                self.functions[k.name](k.grid, k.block, self.args[task], stream=stream)
+            except Exception as e:
+                raise KernelLaunchError(f"launching {k.name} (from {task.source}) failed: {e}") from e
+        elif task.kind == "cudnn":
+            ws = self.cudnn_workspaces[s]
+            self.convs[task].forward(self.cudnn_handles[s], *self.args[task], ws.data.ptr, ws.nbytes)
+        elif task in self.lt:
+            ws = self.workspaces[s]
+            self.lt[task].run(self.lt_handle, *self.args[task], ws.data.ptr, ws.nbytes, stream.ptr)
+        else:
+            from nimblejax.runtime.libs.cublas import gemm_strided_batched
+
+            gemm_strided_batched(self.handles[s], task.gemm, *self.args[task])
+
+    def close(self) -> None:
+        """Give back the library handles (their device memory is not CuPy's)."""
+        _close_all(self.handles or [], lambda h: h.destroy())
+        self.handles = []
+        _close_all(self.lt.values(), lambda g: g.close())
+        self.lt = {}
+        if self.lt_handle is not None:
+            self.lt_handle.destroy()
+            self.lt_handle = None
+        _close_all(self.cudnn_handles.values(), lambda h: h.destroy())
+        self.cudnn_handles = {}
+
+
+def _close_all(items, close: Callable) -> None:
+    for item in list(items):
+        if item is not None:
+            close(item)

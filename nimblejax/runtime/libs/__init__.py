@@ -1,0 +1,1 @@
+"""Runtime libraries reached through ctypes: cuBLAS, cuBLASLt, cuDNN."""

@@ -1,0 +1,1 @@
+"""Helpers the tests use (NVRTC compile check); not part of the runtime."""
