@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import operator
 import threading
 import warnings
 from dataclasses import dataclass
@@ -108,17 +107,50 @@ class NimbleFunction:
         self._cache: dict[Any, Compiled] = {}
         self._lock = threading.Lock()
         self._jax_fn: Optional[Callable] = None
-        self._resolved_backend: Optional[str] = backend
+        self._resolved_backend: Optional[str] = None  # checked on the first call
         # The last call's (treedef, leaves, signatures): leaves that are the very same
         # objects as last time (model parameters) keep their signature without a look.
         self._last: Optional[tuple] = None
         self._hit: Optional[tuple] = None  # (key, Compiled) of the last call
+        self._plans: dict = {}  # the XLA-operation path's plans, per body and signature
+        self._runners: dict = {}  # and their runners (made when lowered)
+        self._entry: Optional[Callable] = None  # what a call runs, chosen on the first call
 
     # ---- public -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
-        backend = self._resolved_backend or self._resolve_backend()
-        if backend == "jax":
-            return self._jax()(*args, **kwargs)
+        try:
+            return (self._entry or self._choose_entry())(*args, **kwargs)
+        except (TypeError, ValueError):
+            self._explain_bad_call(args, kwargs)  # nimble's message where it is clearer
+            raise
+
+    def _explain_bad_call(self, args: tuple, kwargs: dict) -> None:
+        """Raise nimble's own TypeError for an unhashable static or a non-array argument."""
+        statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
+        self._check_hashable(statics)
+        leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+        if not all(map(_is_array_like, leaves)):
+            self._raise_bad_leaf(dyn_args, dyn_kwargs)
+
+    def __get__(self, obj, objtype=None):
+        """As a method: bind `self` as a static first argument (functools.partial of
+        jax.jit with static_argnums=0, as jax users write it)."""
+        if obj is None:
+            return self
+        return functools.partial(self._method_view(), obj)
+
+    def _method_view(self) -> "NimbleFunction":
+        view = getattr(self, "_as_method", None)
+        if view is None:
+            view = self._as_method = NimbleFunction(
+                self.fun, static_argnums=(0,) + tuple(i + 1 for i in self.static_argnums),
+                static_argnames=self.static_argnames, donate_argnums=self.donate_argnums,
+                backend=self.backend, output=self.output, options=self.options)
+        return view
+
+    def _call_direct(self, *args, **kwargs):
+        """The Python call path: flatten, look up the plan, run its executable."""
+        backend = self._resolved_backend
         leaves, key, in_tree, statics = self._flatten(args, kwargs)
         hit = self._hit
         # Same key object as last call (every leaf identical): skip hashing the key.
@@ -138,17 +170,87 @@ class NimbleFunction:
 
     @property
     def cache_size(self) -> int:
-        return len(self._cache)
+        """Plans made so far (one per signature; grad and vmap add their own)."""
+        return len(self._cache) + len(self._plans)
+
+    @property
+    def call_path(self) -> Optional[str]:
+        """"xla" (a JAX operation), "python" (the direct path) or "jax" (plain jax.jit),
+        once the first call has chosen."""
+        return getattr(self, "_path", None)
 
     def executables(self) -> list:
-        """The compiled runners, one per cached signature (GPU: Executable objects
-        with a `stats` dict of calls, graph launches and task launches)."""
-        return [c.run for c in self._cache.values()]
+        """The compiled GPU runners, one per cached plan (Executable objects with a
+        `stats` dict of calls, graph launches and task launches on the Python path)."""
+        exes = [c.run for c in self._cache.values()]
+        return exes + [r.exe for r in self._runners.values() if hasattr(r, "exe")]
 
-    # ---- internals --------------------------------------------------------------
+    # ---- choosing the call path ---------------------------------------------------
+    def _choose_entry(self) -> Callable:
+        with self._lock:
+            if self._entry is None:
+                backend = self._resolved_backend or self._resolve_backend()
+                self._path, self._entry = self._pick_path(backend)
+        return self._entry
+
+    def _pick_path(self, backend: str) -> tuple[str, Callable]:
+        if backend == "jax":
+            return "jax", self._jax()
+        path = self.options.call_path
+        direct_only = self.output != "jax" or (backend == "cuda" and self.options.eager)
+        if path == "ffi" and (direct_only or backend != "cuda"):
+            raise ValueError("call_path='ffi' needs backend='cuda', output='jax' and eager=False")
+        if path == "python" or direct_only:
+            if self.donate_argnums and backend != "cuda":
+                raise ValueError("donate_argnums on the interpret backend needs the XLA call path "
+                                 "(call_path='auto'); the Python path cannot donate there")
+            return "python", self._call_direct
+        if backend == "cuda":
+            self._library = _ffi_library(required=path == "ffi")
+            if self._library is None:
+                return "python", self._call_direct
+        return "xla", self._op_jit()
+
     def _resolve_backend(self) -> str:
-        self._resolved_backend = default_backend()
-        return self._resolved_backend
+        backend = self.backend or default_backend()
+        if backend == "cuda" and not gpu_available():
+            raise RuntimeError("nimble.jit(..., backend='cuda'): no CUDA GPU is visible on this "
+                               "machine (no driver, or CUDA_VISIBLE_DEVICES hides every GPU); use "
+                               "backend='interpret' to run the plan on the CPU or backend='jax'")
+        if backend == "interpret" and self.output == "cupy":
+            raise ValueError("output='cupy' needs backend='cuda' (the interpreter runs on the CPU)")
+        self._resolved_backend = backend
+        return backend
+
+    # ---- the XLA-operation path -----------------------------------------------------
+    def _op_jit(self) -> Callable:
+        return jax.jit(self._op_call, static_argnums=self.static_argnums,
+                       static_argnames=self.static_argnames, donate_argnums=self.donate_argnums)
+
+    def _op_call(self, *args, **kwargs):
+        """Traced by jax.jit once per signature: f's flat body as one nimble_call."""
+        from nimblejax.runtime import xla_op
+
+        statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
+        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        out_tree_box: list = []
+        flat_fun = self._flat_fun(in_tree, statics, out_tree_box)
+        donated = self._donated_leaves(in_tree)
+        precision = jax.config.jax_default_matmul_precision
+        body = xla_op.Body((id(self), in_tree, statics, donated, precision), flat_fun,
+                           self._plan_flat, self._make_runner(), self._runners, self._plans, donated)
+        outs = xla_op.call(body, leaves)
+        if not out_tree_box:
+            jax.eval_shape(flat_fun, *leaves)
+        return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)
+
+    def _plan_flat(self, flat_fun: Callable, specs) -> Plan:
+        return compile_function(flat_fun, specs, self.options)[0]
+
+    def _make_runner(self) -> Callable:
+        from nimblejax.runtime import xla_op
+
+        return xla_op.make_runner(self._resolved_backend, self.options, getattr(self, "_library", None))
 
     def _jax(self) -> Callable:
         if self._jax_fn is None:
@@ -158,20 +260,18 @@ class NimbleFunction:
         return self._jax_fn
 
     def _flatten(self, args: tuple, kwargs: dict, abstract_ok: bool = False):
-        if self.static_argnums or self.static_argnames:
-            statics = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
-            statics += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
-            args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-            kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        statics, args, kwargs = self._split_statics(args, kwargs)
+        if statics:
             self._check_hashable(statics)
-        else:
-            statics = ()
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         last = self._last
+        # A leaf that is the same immutable jax.Array as last call keeps its signature
+        # without a look (a numpy array may have been reshaped in place since).
         if last is not None and last[0] == in_tree and len(last[1]) == len(leaves):
-            if last[4] == statics and all(map(operator.is_, leaves, last[1])):
+            same = [a is b and isinstance(a, jax.Array) for a, b in zip(leaves, last[1])]
+            if last[4] == statics and all(same):
                 return leaves, last[3], in_tree, statics
-            sigs = [sig if a is b else None for a, b, sig in zip(leaves, last[1], last[2])]
+            sigs = [sig if s else None for s, sig in zip(same, last[2])]
         else:
             sigs = [None] * len(leaves)
         for i, sig in enumerate(sigs):
@@ -196,8 +296,18 @@ class NimbleFunction:
                 raise TypeError(f"static argument {v!r} of {self.fun.__name__} must be "
                                 f"hashable (it is part of the cache key)") from None
 
-    def _trace(self, leaves, in_tree, statics):
-        out_tree_box = []
+    def _split_statics(self, args: tuple, kwargs: dict) -> tuple:
+        """(statics, dynamic args, dynamic kwargs); statics are (position or name, value)."""
+        if not (self.static_argnums or self.static_argnames):
+            return (), args, kwargs
+        statics = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
+        statics += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
+        args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        return statics, args, kwargs
+
+    def _flat_fun(self, in_tree, statics, out_tree_box: list) -> Callable:
+        """f with its statics bound, on flat leaves; records its output tree."""
         static_pos = dict((k, v) for k, v in statics if isinstance(k, int))
         static_kw = dict((k, v) for k, v in statics if isinstance(k, str))
 
@@ -211,6 +321,11 @@ class NimbleFunction:
             out_tree_box.append(out_tree)
             return out_leaves
 
+        return flat_fun
+
+    def _trace(self, leaves, in_tree, statics):
+        out_tree_box: list = []
+        flat_fun = self._flat_fun(in_tree, statics, out_tree_box)
         specs = [jax.ShapeDtypeStruct(*_signature(x)[:2], weak_type=_signature(x)[2]) for x in leaves]
         plan, _ = compile_function(flat_fun, specs, self.options)
         return plan, out_tree_box[-1]
@@ -218,7 +333,7 @@ class NimbleFunction:
     def _compile(self, key, leaves, in_tree, statics, backend) -> Compiled:
         plan, out_tree = self._trace(leaves, in_tree, statics)
         if backend == "interpret":
-            run = _interpret_runner(plan)
+            run = _interpret_runner(plan, self.output)
         else:
             from nimblejax.runtime.executable import make_executable
 
@@ -243,26 +358,40 @@ class NimbleFunction:
         return frozenset(donated)
 
 
-def _interpret_runner(plan: Plan) -> Callable[[list], list]:
+def _interpret_runner(plan: Plan, output: str) -> Callable[[list], list]:
     from nimblejax.runtime import interpret
 
     calls = iter(range(1 << 62))
+    wrap = np.asarray if output == "numpy" else jnp.asarray
 
     def run(leaves: list) -> list:
         # Each call takes another interleaving of the streams.
         outs = interpret.run(plan, [np.asarray(x) for x in leaves], seed=next(calls))
-        return [jnp.asarray(o) for o in outs]
+        return [wrap(o) for o in outs]
 
     return run
 
 
 def _static_positions(fun: Callable, nums: tuple, names: tuple) -> tuple[tuple, tuple]:
-    """Complete static_argnums from static_argnames and back, as jax.jit does."""
+    """Complete static_argnums from static_argnames and back, as jax.jit does; refuse
+    positions and names the function does not have (ValueError, as jax.jit)."""
     try:
         params = list(inspect.signature(fun).parameters.values())
     except (TypeError, ValueError):
         return tuple(nums), tuple(names)
     positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    has_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+    has_varkw = any(p.kind == p.VAR_KEYWORD for p in params)
+    bad_nums = [i for i in nums if not has_varargs and not -len(positional) <= i < len(positional)]
+    if bad_nums:
+        raise ValueError(f"static_argnums {bad_nums} out of range: "
+                         f"{getattr(fun, '__name__', 'the function')} takes {len(positional)} "
+                         f"positional argument(s)")
+    known = {p.name for p in params if p.kind != p.VAR_POSITIONAL}
+    bad_names = sorted(n for n in names if n not in known) if not has_varkw else []
+    if bad_names:
+        raise ValueError(f"static_argnames {bad_names} are not parameters of "
+                         f"{getattr(fun, '__name__', 'the function')} (it takes {sorted(known)})")
     nums = set(i if i >= 0 else len(positional) + i for i in nums)
     names = set(names)
     for i in list(nums):
@@ -272,6 +401,25 @@ def _static_positions(fun: Callable, nums: tuple, names: tuple) -> tuple[tuple, 
         if n in positional:
             nums.add(positional.index(n))
     return tuple(sorted(nums)), tuple(sorted(names))
+
+
+def _ffi_library(required: bool):
+    """The loaded and initialized XLA FFI handler, or None (it warned why) where it
+    cannot be built or loaded; `required` turns that into an error."""
+    from nimblejax import options as opts
+    from nimblejax.runtime import ffi
+
+    library = ffi.load(opts.cache_dir())
+    if library is not None:
+        try:
+            library.init()
+        except RuntimeError as e:
+            warnings.warn(f"nimblejax: {e}; using the Python call path", stacklevel=4)
+            library = None
+    if library is None and required:
+        raise RuntimeError("call_path='ffi': the XLA FFI handler could not be built or loaded "
+                           "(see the warning above); use call_path='auto' to fall back")
+    return library
 
 
 def _is_array_like(x: Any) -> bool:

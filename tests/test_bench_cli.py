@@ -131,6 +131,46 @@ def test_configs_and_models_options(no_gpu):
         cli.parse_args(["--models", "no_such_model"])
 
 
+@pytest.mark.parametrize("name, want", [("float32", "float32"), ("bfloat16", "bfloat16"),
+                                         ("float16", "float16"), ("half", "float16")])
+def test_dtype_choices(name, want):
+    assert cli.parse_args(["--dtype", name]).dtype == jnp.dtype(want)
+    assert cli.parse_args([]).dtype == jnp.dtype("float32")
+
+
+def _dtype_error(capsys, name: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.parse_args(["--dtype", name])
+    assert exit_info.value.code == 2  # argparse's usage error
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert "float32, bfloat16, float16" in lines[0]
+    return lines[0]
+
+
+def test_unknown_dtype_is_a_one_line_usage_error(capsys):
+    line = _dtype_error(capsys, "foo")
+    assert "'foo'" in line and "not a dtype" in line
+
+
+@pytest.mark.parametrize("name", ["float64", "double", "int64", "complex64"])
+def test_64_bit_dtypes_are_refused_not_run_as_float32(capsys, name):
+    assert "64-bit" in _dtype_error(capsys, name)
+
+
+def test_integer_dtype_is_refused_for_the_float_models(capsys):
+    assert "floating-point" in _dtype_error(capsys, "int32")
+
+
+def test_float64_is_refused_before_anything_runs(no_gpu, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "run_plans", lambda *a: pytest.fail("planned a float64 run"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--tiny", "--models", "mlp", "--dtype", "float64"])
+    assert exit_info.value.code == 2
+    assert "float64" in capsys.readouterr().err
+
+
 def _fabricated() -> dict:
     rows = []
     for model in ("resnet50", "bert"):
@@ -158,7 +198,7 @@ def test_table_from_fabricated_results():
     assert results["rows"][0]["speedup_e2e"] == pytest.approx(1.0)
     assert results["rows"][2]["speedup_e2e"] == pytest.approx(1.0 / 1.2)
     buf = io.StringIO()
-    report.print_results(results, Console(file=buf, width=250))
+    report.print_results(results, Console(file=buf, width=320))
     text = buf.getvalue()
     for s in ("Fake GPU 80GB", "resnet50", "nimble multi-stream", "120 (70+50)",
               "300.0 (100.0)", "150.0", "12.50", "1.0e-04", "0.83x", "error: ", "KernelLaunchError", "30 (10+8+12 cudnn)"):

@@ -1,4 +1,4 @@
-"""GPU tests for nimblejax.runtime.cublas: numerics against numpy and graph capture.
+"""GPU tests for nimblejax.runtime.libs.cublas: numerics against numpy and graph capture.
 
 Skipped as a whole when no CUDA device is visible.
 """
@@ -30,10 +30,11 @@ if _device_count() == 0:
 
 from ml_dtypes import bfloat16  # noqa: E402  (jax depends on ml_dtypes)
 
-from nimblejax.runtime.cublas import (  # noqa: E402
+from nimblejax.compiler.lowering.task import GemmCall  # noqa: E402
+from nimblejax.runtime.libs.cublas import (  # noqa: E402
     CublasHandle,
-    GemmSpec,
     gemm_strided_batched,
+    itemsize,
 )
 
 WORKSPACE_BYTES = 32 * 1024 * 1024
@@ -86,7 +87,7 @@ def _op(x: np.ndarray, trans: bool) -> np.ndarray:
 
 
 def _assert_gemm_close(
-    spec: GemmSpec, a: np.ndarray, b: np.ndarray, c: np.ndarray, tol: float
+    spec: GemmCall, a: np.ndarray, b: np.ndarray, c: np.ndarray, tol: float
 ) -> None:
     op_a = _op(a.astype(np.float64), spec.trans_a)
     op_b = _op(b.astype(np.float64), spec.trans_b)
@@ -148,14 +149,14 @@ def test_gemm_matches_numpy(
     batch: int,
 ) -> None:
     stream, handle = stream_handle
-    spec = GemmSpec(batch, m, n, k, trans_a, trans_b, dtype, compute)
+    spec = GemmCall(batch, m, n, k, trans_a, trans_b, dtype, compute)
     # crc32, not hash(): str hashing is salted per process.
     seed = zlib.crc32(repr((dtype, compute, m, n, k, trans_a, trans_b, batch)).encode())
     rng = np.random.default_rng(seed)
     a = _random(rng, spec.a_shape, dtype)
     b = _random(rng, spec.b_shape, dtype)
     a_dev, b_dev = _upload(a), _upload(b)
-    c_dev = cupy.empty(int(np.prod(spec.c_shape)) * spec.itemsize, dtype=cupy.uint8)
+    c_dev = cupy.empty(int(np.prod(spec.c_shape)) * itemsize(spec.dtype), dtype=cupy.uint8)
     _poison(c_dev)
     # Uploads ran on the legacy stream; our stream is non-blocking.
     cupy.cuda.Device().synchronize()
@@ -168,7 +169,7 @@ def test_gemm_matches_numpy(
 
 def test_alpha_beta(stream_handle: tuple[cupy.cuda.Stream, CublasHandle]) -> None:
     stream, handle = stream_handle
-    spec = GemmSpec(2, 6, 5, 4, False, True, "float32", "f32", alpha=0.5, beta=2.0)
+    spec = GemmCall(2, 6, 5, 4, False, True, "float32", "f32", alpha=0.5, beta=2.0)
     rng = np.random.default_rng(7)
     a, b = _random(rng, spec.a_shape, "float32"), _random(rng, spec.b_shape, "float32")
     c0 = _random(rng, spec.c_shape, "float32")
@@ -188,8 +189,8 @@ def test_two_stream_graph_capture() -> None:
     # One handle + private workspace per stream, all configured before capture.
     h0, ws0 = _make_handle(s0)
     h1, ws1 = _make_handle(s1)
-    spec0 = GemmSpec(1, 64, 48, 32, False, False, "float32", "f32")
-    spec1 = GemmSpec(3, 5, 7, 3, True, True, "float16", "f32_from_half")
+    spec0 = GemmCall(1, 64, 48, 32, False, False, "float32", "f32")
+    spec1 = GemmCall(3, 5, 7, 3, True, True, "float16", "f32_from_half")
     rng = np.random.default_rng(1234)
 
     def fresh_inputs() -> list[np.ndarray]:

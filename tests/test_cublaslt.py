@@ -1,4 +1,4 @@
-"""Tests for nimblejax.runtime.cublaslt.
+"""Tests for nimblejax.runtime.libs.cublaslt.
 
 CPU tests check the ctypes struct layouts, the enum values against cublasLt.h,
 and the row-major -> column-major descriptor math (by emulating cuBLASLt's
@@ -19,9 +19,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from nimblejax.runtime import cublas, cublaslt
-from nimblejax.runtime.cublas import CublasError, GemmSpec
-from nimblejax.runtime.cublaslt import LtLayout, epilogue_code, fastest, lt_layouts
+from nimblejax.compiler.ir import Var
+from nimblejax.compiler.lowering.task import GemmCall
+from nimblejax.runtime.libs import cublas, cublaslt
+from nimblejax.runtime.libs.cublas import CublasError
+from nimblejax.runtime.libs.cublaslt import LtLayout, epilogue_code, fastest, lt_layouts
 
 # ---------------------------------------------------------------------------
 # CPU: ABI
@@ -87,14 +89,21 @@ def test_fastest_skips_failed_candidates() -> None:
         fastest([None, None])
 
 
-def test_lt_path_next_to_libcublas() -> None:
-    assert cublaslt.lt_path_from_cublas("/x/lib/libcublas.so.13") == "/x/lib/libcublasLt.so.13"
-    assert cublaslt.lt_path_from_cublas("libcublas.so.12") == "libcublasLt.so.12"
+def test_cublas_type_helpers_match_header() -> None:
+    # GemmCall's dtype names and compute modes -> cudaDataType_t, bytes, cublasComputeType_t.
+    assert [cublas.cuda_dtype(d) for d in ("float32", "float16", "bfloat16")] == [0, 2, 14]
+    assert [cublas.itemsize(d) for d in ("float32", "float16", "bfloat16")] == [4, 2, 2]
+    calls = [GemmCall(1, 2, 3, 4, False, False, "float32", "f32"),
+             GemmCall(1, 2, 3, 4, False, False, "float32", "tf32"),
+             GemmCall(1, 2, 3, 4, False, False, "float16", "f32_from_half"),
+             GemmCall(1, 2, 3, 4, False, False, "bfloat16", "f32_from_half")]
+    assert [cublas.compute_type(c) for c in calls] == [68, 77, 68, 68]
 
 
 def test_import_loads_nothing() -> None:
-    code = ("import sys, nimblejax.runtime.cublaslt as m; "
-            "assert m._lib is None and 'cupy' not in sys.modules")
+    code = ("import sys, nimblejax.runtime.libs.cublaslt as m, nimblejax.runtime.libs.cudnn, "
+            "nimblejax.runtime.libs.loader as loader; "
+            "assert not loader._loaded and 'cupy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -104,7 +113,7 @@ def test_import_loads_nothing() -> None:
 
 
 def test_layouts_plain_row_major() -> None:
-    p = lt_layouts(GemmSpec(1, 128, 768, 3072, False, False, "float32", "tf32"))
+    p = lt_layouts(GemmCall(1, 128, 768, 3072, False, False, "float32", "tf32"))
     assert (p.trans_a, p.trans_b) == (0, 0)
     # cuBLASLt's A is our B (3072 x 768 row-major = 768 x 3072 column-major).
     assert p.a == LtLayout(0, 768, 3072, 768, 1, 3072 * 768)
@@ -113,7 +122,7 @@ def test_layouts_plain_row_major() -> None:
 
 
 def test_layouts_transposed_batched_mixed_dtype() -> None:
-    p = lt_layouts(GemmSpec(4, 5, 7, 3, True, True, "bfloat16", "f32_from_half",
+    p = lt_layouts(GemmCall(4, 5, 7, 3, True, True, "bfloat16", "f32_from_half",
                             out_dtype="float32"))
     assert (p.trans_a, p.trans_b) == (1, 1)
     # Our B stored (n, k) = (7, 3): column-major 3 x 7, ld 3, op T.
@@ -133,7 +142,7 @@ def _read(buf: np.ndarray, lay: LtLayout) -> np.ndarray:
     return np.stack([buf[b * lay.stride + i + j * lay.ld] for b in range(lay.batch)])
 
 
-def _emulate(spec: GemmSpec, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+def _emulate(spec: GemmCall, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """D = op(A_lt) op(B_lt) over our buffers with lt_layouts' descriptors."""
     p = lt_layouts(spec)
     d = _op(_read(b.ravel(), p.a), p.trans_a) @ _op(_read(a.ravel(), p.b), p.trans_b)
@@ -148,7 +157,7 @@ def _emulate(spec: GemmSpec, a: np.ndarray, b: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("trans_a,trans_b", list(itertools.product([False, True], repeat=2)))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_layouts_emulated_match_row_major_product(trans_a: bool, trans_b: bool, batch: int) -> None:
-    spec = GemmSpec(batch, 5, 7, 4, trans_a, trans_b, "float32", "f32")
+    spec = GemmCall(batch, 5, 7, 4, trans_a, trans_b, "float32", "f32")
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(spec.a_shape), rng.standard_normal(spec.b_shape)
     np.testing.assert_allclose(_emulate(spec, a, b), _op(a, trans_a) @ _op(b, trans_b), rtol=1e-12)
@@ -157,7 +166,7 @@ def test_layouts_emulated_match_row_major_product(trans_a: bool, trans_b: bool, 
 def test_bias_runs_along_n() -> None:
     # CUBLASLT_EPILOGUE_BIAS adds a vector as long as D's rows to every column
     # of D; D's rows are our n, so bias[j] lands on every row-major C[i, j].
-    p = lt_layouts(GemmSpec(1, 6, 9, 2, False, False, "float32", "f32"))
+    p = lt_layouts(GemmCall(1, 6, 9, 2, False, False, "float32", "f32"))
     assert (p.c.rows, p.c.cols) == (9, 6)
     d_cm = np.zeros((p.c.rows, p.c.cols)) + np.arange(9.0)[:, None]  # bias added per D row
     c = np.zeros(6 * 9)
@@ -213,7 +222,7 @@ def _attr_values(lib: _FakeLt, name: str) -> dict:
 def test_ltgemm_descriptors_and_run_arguments(monkeypatch) -> None:
     monkeypatch.setattr(cublaslt, "_ALGO_CACHE", {})
     h = _FakeHandle()
-    spec = GemmSpec(3, 5, 7, 4, True, False, "bfloat16", "f32_from_half", out_dtype="float32")
+    spec = GemmCall(3, 5, 7, 4, True, False, "bfloat16", "f32_from_half", out_dtype="float32")
     gemm = cublaslt.LtGemm(h, spec, 4096, epilogue="gelu", bias=True)
     lib = h.lib
     (desc_args,) = lib.named("cublasLtMatmulDescCreate")
@@ -263,7 +272,7 @@ def test_ltgemm_measured_choice_is_cached(monkeypatch) -> None:
         return [5.0, 2.0][: len(results)]
 
     monkeypatch.setattr(cublaslt.LtGemm, "_time_all", fake_time_all)
-    spec = GemmSpec(1, 8, 8, 8, False, False, "float32", "tf32")
+    spec = GemmCall(1, 8, 8, 8, False, False, "float32", "tf32")
     bufs = cublaslt.GemmBuffers(0x100, 0x200, 0x300, 0x400)
     h = _FakeHandle()
     heuristic_only = cublaslt.LtGemm(h, spec, 4096)  # caches #0, unmeasured
@@ -271,7 +280,12 @@ def test_ltgemm_measured_choice_is_cached(monkeypatch) -> None:
     assert timed == [[100, 102]]  # the failing candidate (state != 0) is never timed
     assert (heuristic_only.algo_index, first.algo_index) == (0, 1)
     assert first.workspace_needed == 2048 and first.timings_us == (5.0, 2.0)
-    again = cublaslt.LtGemm(h, spec, 4096, buffers=bufs)
+    # The same problem on other operands (a plan's Vars) shares the entry, and the
+    # cache holds no operands.
+    vars_ = [Var((1, 8, 8), np.dtype("float32")) for _ in range(3)]
+    again = cublaslt.LtGemm(h, GemmCall(1, 8, 8, 8, False, False, "float32", "tf32",
+                                        a=vars_[0], b=vars_[1], c=vars_[2]), 4096, buffers=bufs)
+    assert all(key[0].operands == (None, None, None) for key in cublaslt._ALGO_CACHE)
     plain = cublaslt.LtGemm(h, spec, 4096)
     assert len(timed) == 1 and again.algo_index == plain.algo_index == 1
     other_ws = cublaslt.LtGemm(h, spec, 0, buffers=bufs)  # workspace size is in the key
@@ -283,7 +297,7 @@ def test_ltgemm_measured_choice_is_cached(monkeypatch) -> None:
 def test_ltgemm_run_validates(monkeypatch) -> None:
     monkeypatch.setattr(cublaslt, "_ALGO_CACHE", {})
     h = _FakeHandle()
-    gemm = cublaslt.LtGemm(h, GemmSpec(1, 8, 8, 8, False, False, "float32", "f32"), 4096)
+    gemm = cublaslt.LtGemm(h, GemmCall(1, 8, 8, 8, False, False, "float32", "f32"), 4096)
     with pytest.raises(ValueError, match="aligned"):
         gemm.run(h, 0x104, 0x200, 0x300, 0x400, 4096, 0)
     with pytest.raises(ValueError, match="bias"):
@@ -337,7 +351,7 @@ def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: str,
     return (mag * rng.choice([-1.0, 1.0], size=shape)).astype(_np_dtype(dtype))
 
 
-def _out(spec: GemmSpec) -> str:
+def _out(spec: GemmCall) -> str:
     return spec.out_dtype or spec.dtype
 
 
@@ -357,7 +371,7 @@ def _upload(cupy, x: np.ndarray):
     return cupy.asarray(np.ascontiguousarray(x).view(np.uint8).ravel())
 
 
-def _empty_out(cupy, spec: GemmSpec):
+def _empty_out(cupy, spec: GemmCall):
     c = cupy.empty(int(np.prod(spec.c_shape)) * ITEMSIZE[_out(spec)], dtype=cupy.uint8)
     c.fill(0xFF)  # NaN in f32/f16/bf16: unwritten output fails
     return c
@@ -414,7 +428,7 @@ def _run(gemm, gpu, a, b, c, bias=None) -> None:
 def test_gemm_matches_numpy(gpu, dtype, compute, out_dtype, tol, batch, m, n, k,
                             trans_a, trans_b) -> None:
     cupy, _, handle, workspace = gpu
-    spec = GemmSpec(batch, m, n, k, trans_a, trans_b, dtype, compute, out_dtype=out_dtype)
+    spec = GemmCall(batch, m, n, k, trans_a, trans_b, dtype, compute, out_dtype=out_dtype)
     rng = np.random.default_rng(zlib.crc32(repr(spec).encode()))
     a, b = _random(rng, spec.a_shape, dtype), _random(rng, spec.b_shape, dtype)
     a_dev, b_dev, c_dev = _upload(cupy, a), _upload(cupy, b), _empty_out(cupy, spec)
@@ -435,7 +449,7 @@ def test_gemm_matches_numpy(gpu, dtype, compute, out_dtype, tol, batch, m, n, k,
 @pytest.mark.gpu
 def test_choice_is_cached(gpu) -> None:
     cupy, _, handle, workspace = gpu
-    spec = GemmSpec(2, 33, 17, 9, False, True, "float32", "tf32")
+    spec = GemmCall(2, 33, 17, 9, False, True, "float32", "tf32")
     rng = np.random.default_rng(3)
     a_dev = _upload(cupy, _random(rng, spec.a_shape, "float32"))
     b_dev = _upload(cupy, _random(rng, spec.b_shape, "float32"))
@@ -455,7 +469,7 @@ def test_choice_is_cached(gpu) -> None:
 def test_without_buffers_uses_heuristic_zero_and_alpha_beta(gpu) -> None:
     cupy, _, handle, _ = gpu
     # alpha/beta come from the spec; beta != 0 reads C, so no timing on C.
-    spec = GemmSpec(2, 6, 5, 4, False, True, "float32", "f32", alpha=0.5, beta=2.0)
+    spec = GemmCall(2, 6, 5, 4, False, True, "float32", "f32", alpha=0.5, beta=2.0)
     rng = np.random.default_rng(7)
     a, b = _random(rng, spec.a_shape, "float32"), _random(rng, spec.b_shape, "float32")
     c0 = _random(rng, spec.c_shape, "float32")
@@ -482,7 +496,7 @@ def test_without_buffers_uses_heuristic_zero_and_alpha_beta(gpu) -> None:
 @pytest.mark.parametrize("batch", [1, 3])
 def test_epilogues(gpu, epilogue, bias, dtype, compute, out_dtype, tol, batch) -> None:
     cupy, _, handle, workspace = gpu
-    spec = GemmSpec(batch, 96, 40, 64, False, True, dtype, compute, out_dtype=out_dtype)
+    spec = GemmCall(batch, 96, 40, 64, False, True, dtype, compute, out_dtype=out_dtype)
     rng = np.random.default_rng(11)
     # |a|, |b| <= 1 and 0.75: pre-activations spread over about [-4, 4].
     a = _random(rng, spec.a_shape, dtype, 0.0, 1.0)
@@ -506,7 +520,7 @@ def test_gelu_is_the_tanh_approximation(gpu) -> None:
     # The two GELU forms differ by up to 4.7e-4 near |x| = 2.7; on average the
     # output must sit closer to tanh-GELU than to erf-GELU where they differ.
     cupy, _, handle, workspace = gpu
-    spec = GemmSpec(1, 512, 64, 64, False, False, "float32", "f32")
+    spec = GemmCall(1, 512, 64, 64, False, False, "float32", "f32")
     rng = np.random.default_rng(5)
     a = _random(rng, spec.a_shape, "float32", 0.0, 1.0)
     b = _random(rng, spec.b_shape, "float32", 0.0, 0.75)
@@ -528,7 +542,7 @@ def test_gelu_is_the_tanh_approximation(gpu) -> None:
 @pytest.mark.gpu
 def test_run_validates_pointers(gpu) -> None:
     cupy, stream, handle, workspace = gpu
-    spec = GemmSpec(1, 8, 8, 8, False, False, "float32", "f32")
+    spec = GemmCall(1, 8, 8, 8, False, False, "float32", "f32")
     buf = cupy.zeros(1024, dtype=cupy.float32)
     gemm = cublaslt.LtGemm(handle, spec, WORKSPACE_BYTES, epilogue="relu", bias=True)
     ptr, ws = buf.data.ptr, workspace.data.ptr
@@ -545,8 +559,8 @@ def test_run_validates_pointers(gpu) -> None:
 def test_graph_capture(gpu) -> None:
     cupy, _, handle, workspace = gpu
     stream = cupy.cuda.Stream(non_blocking=True)
-    specs = [GemmSpec(1, 128, 768, 3072, False, False, "float32", "tf32"),
-             GemmSpec(3, 7, 5, 3, True, True, "bfloat16", "f32_from_half")]
+    specs = [GemmCall(1, 128, 768, 3072, False, False, "float32", "tf32"),
+             GemmCall(3, 7, 5, 3, True, True, "bfloat16", "f32_from_half")]
     tols = [1e-2, 1e-2]
     rng = np.random.default_rng(1234)
 

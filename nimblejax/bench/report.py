@@ -80,7 +80,8 @@ def gpu_table(rows: Iterable[dict], title: Optional[str] = None):
 
     t = Table(title=title, show_lines=False)
     for col, justify in (("model", "left"), ("batch", "right"), ("config", "left"),
-                         ("e2e ms", "right"), ("GPU ms", "right"), ("speedup e2e", "right"),
+                         ("looped ms", "right"), ("e2e ms", "right"), ("GPU ms", "right"),
+                         ("speedup looped", "right"), ("speedup e2e", "right"),
                          ("speedup GPU", "right"), ("tasks (kern+gemm)", "right"),
                          ("streams", "right"), ("events", "right"), ("arena MB (inputs)", "right"),
                          ("XLA temp MB", "right"), ("compile cold s", "right"),
@@ -93,7 +94,8 @@ def gpu_table(rows: Iterable[dict], title: Optional[str] = None):
             t.add_section()
         last = key
         t.add_row(str(r.get("model")), str(r.get("batch")), str(r.get("config")),
-                  _num(r.get("e2e_ms"), ".3f"), _num(r.get("gpu_ms"), ".3f"),
+                  _num(r.get("looped_ms"), ".3f"), _num(r.get("e2e_ms"), ".3f"),
+                  _num(r.get("gpu_ms"), ".3f"), _speedup(r.get("speedup_looped")),
                   _speedup(r.get("speedup_e2e")), _speedup(r.get("speedup_gpu")),
                   _tasks(r), _num(r.get("streams"), "d"), _num(r.get("events"), "d"),
                   _arena(r), _mb(r.get("xla_temp_bytes")),

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import jax
 
@@ -26,6 +26,39 @@ def e2e_us(fn: Callable, args: tuple, calls: int = 300, warmup: int = 5) -> floa
         jax.block_until_ready(fn(*args))
     times = []
     for _ in range(calls):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def looped_us(fn: Callable, arg_sets: Sequence[tuple], feed: Optional[Callable] = None,
+              calls: int = 200, repeats: int = 5) -> float:
+    """µs per call of a loop as programs run it: call i gets its own arguments
+    (`arg_sets[i % len(arg_sets)]`, distinct objects, so no identity cache can help),
+    or, with `feed(args, last_output) -> args`, the previous call's output fed back as
+    training state; one block at the end of each loop. Median over `repeats` loops."""
+    args = arg_sets[0]
+    out = fn(*args)
+    jax.block_until_ready(out)
+    per = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            args = feed(args, out) if feed is not None else arg_sets[i % len(arg_sets)]
+            out = fn(*args)
+        jax.block_until_ready(out)
+        per.append((time.perf_counter() - t0) / calls)
+    return statistics.median(per) * 1e6
+
+
+def blocked_us(fn: Callable, arg_sets: Sequence[tuple], calls: int = 200, warmup: int = 5) -> float:
+    """Median µs of one call including block_until_ready, a fresh argument set each call."""
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times = []
+    for i in range(calls):
+        args = arg_sets[i % len(arg_sets)]
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
@@ -72,6 +105,10 @@ def nimble_gpu_us(nimble_fn, calls: int = 200) -> Optional[float]:
         return None
     exe = exes[-1]
     s0 = exe.streams[0]
+    if exe.raw_exec:  # captured for the XLA FFI handler
+        import cupy
+
+        return cuda_event_us(lambda: cupy.cuda.runtime.graphLaunch(exe.raw_exec, s0.ptr), s0, calls)
     if exe.graph is not None:
         return cuda_event_us(lambda: exe.graph.launch(s0), s0, calls)
     return cuda_event_us(exe.launch_tasks, s0, max(20, calls // 10))

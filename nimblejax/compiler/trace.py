@@ -121,6 +121,24 @@ def _is_dropvar(v: Any) -> bool:
     return type(v).__name__ == "DropVar"
 
 
+def _exclude_nimble_frames() -> None:
+    """Equations traced through nimble's own call path (runtime/xla_op.py, api.py) name
+    the user's line, not ours: JAX skips excluded paths when it picks the user frame."""
+    import os
+
+    from jax._src import source_info_util as siu
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nimblejax/
+    for path in (os.path.join(package, "runtime") + os.sep, os.path.join(package, "api.py")):
+        try:
+            siu.register_exclusion(path)
+        except Exception:  # private JAX API: without it the line may name nimble's frame
+            return
+
+
+_exclude_nimble_frames()
+
+
 def source_line(eqn: Any) -> str:
     """file:line of the user's code that emitted `eqn` (JAX's internal frames skipped)."""
     from jax._src import source_info_util as siu

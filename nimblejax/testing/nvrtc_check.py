@@ -18,6 +18,8 @@ import subprocess
 import tempfile
 from types import ModuleType
 
+from nimblejax import options
+
 __all__ = [
     "KernelCompileError",
     "available_compiler",
@@ -129,11 +131,7 @@ def _candidate_include_dirs() -> list[str]:
     found = _pathfinder_include_dir()
     if found:
         candidates.append(found)
-    for var in ("CUDA_PATH", "CUDA_HOME"):
-        root = os.environ.get(var)
-        if root:
-            candidates.append(os.path.join(root, "include"))
-    candidates.append("/usr/local/cuda/include")
+    candidates += [os.path.join(root, "include") for root in options.cuda_roots()]
     return candidates
 
 
@@ -189,7 +187,7 @@ def _nvcc_path() -> str | None:
         found = None
     if found:
         return found
-    for root in (os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME"), "/usr/local/cuda"):
+    for root in options.cuda_roots():
         if root and os.access(os.path.join(root, "bin", "nvcc"), os.X_OK):
             return os.path.join(root, "bin", "nvcc")
     return None
@@ -207,7 +205,7 @@ def available_compilers() -> tuple[str, ...]:
 
 def available_compiler() -> str | None:
     """The backend compile_to_ptx will use: 'nvrtc', 'nvcc' or None."""
-    forced = os.environ.get(_ENV_COMPILER)
+    forced = options.env_value(_ENV_COMPILER)
     compilers = available_compilers()
     if forced:
         return forced if forced in compilers else None

@@ -81,7 +81,10 @@ def _chain_operand(node: Node, inlined: Mapping[Var, Node]) -> Optional[Atom]:
 
 
 def _is_view(node: Node) -> bool:
-    """A node that keeps the row-major order of its operand's elements."""
+    """A node that keeps the row-major order of its operand's elements (iota has no
+    operand: it is not a view of anything)."""
+    if not node.inputs:
+        return False
     x, out = node.inputs[0], node.outputs[0]
     if node.name == "reshape":
         return node.params.get("dimensions") is None

@@ -8,7 +8,8 @@ capture is not allowed). This module therefore exposes exactly that: one
 `CublasHandle` per stream, plus a row-major strided-batched GEMM.
 
 Nothing here touches the GPU or loads libcublas at import time, so the package
-imports on machines without CUDA.
+imports on machines without CUDA; `loader` finds and loads it on first use. The
+problem is described by the plan's `GemmCall` record (its operands are not used here).
 
 Constant values below are taken from the CUDA 13.0 headers
 (cublas_api.h with CUBLAS_VER_MAJOR 13 / MINOR 0, and library_types.h).
@@ -17,22 +18,23 @@ Constant values below are taken from the CUDA 13.0 headers
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import importlib.util
-import os
-import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import TYPE_CHECKING
+
+from . import loader
+
+if TYPE_CHECKING:
+    from nimblejax.compiler.lowering.task import GemmCall
 
 __all__ = [
     "CublasError",
     "CublasHandle",
-    "CublasNotFoundError",
     "ColumnMajorGemm",
-    "GemmSpec",
     "column_major_gemm",
-    "find_libcublas",
+    "compute_type",
+    "cuda_dtype",
     "gemm_strided_batched",
+    "itemsize",
 ]
 
 # ---------------------------------------------------------------------------
@@ -82,24 +84,17 @@ _DTYPES: dict[str, tuple[int, int]] = {
     "bfloat16": (CUDA_R_16BF, 2),
 }
 
-# Which compute modes make sense for which storage type. 'f32' on float32 is
-# true FP32 (no TF32, because handles are created with CUBLAS_DEFAULT_MATH);
-# half inputs always accumulate in FP32 ('f32_from_half').
-_COMPUTE_FOR_DTYPE: dict[str, dict[str, int]] = {
-    "float32": {"f32": CUBLAS_COMPUTE_32F, "tf32": CUBLAS_COMPUTE_32F_FAST_TF32},
-    "float16": {"f32_from_half": CUBLAS_COMPUTE_32F},
-    "bfloat16": {"f32_from_half": CUBLAS_COMPUTE_32F},
+# cuBLAS compute type of each GemmCall.compute ('f32' on float32 is true FP32: no
+# TF32, because handles are created with CUBLAS_DEFAULT_MATH; half inputs always
+# accumulate in FP32). GemmCall checks which modes go with which dtype.
+_COMPUTE_TYPES: dict[str, int] = {
+    "f32": CUBLAS_COMPUTE_32F,
+    "tf32": CUBLAS_COMPUTE_32F_FAST_TF32,
+    "f32_from_half": CUBLAS_COMPUTE_32F,
 }
 
-_INT32_MAX = 2**31 - 1
 # cuBLAS rejects a user workspace whose address is not 256-byte aligned.
 _WORKSPACE_ALIGNMENT = 256
-
-_SONAMES = ("libcublas.so.13", "libcublas.so.12")
-# Layouts of the NVIDIA pip wheels: CUDA 13 wheels share nvidia/cu13/lib,
-# CUDA 12 wheels use one directory per library.
-_WHEEL_LIB_DIRS = ("cu13/lib", "cublas/lib")
-_ENV_OVERRIDE = "NIMBLEJAX_LIBCUBLAS"
 
 
 # ---------------------------------------------------------------------------
@@ -107,129 +102,27 @@ _ENV_OVERRIDE = "NIMBLEJAX_LIBCUBLAS"
 # ---------------------------------------------------------------------------
 
 
-class CublasError(RuntimeError):
+class CublasError(loader.LibraryError):
     """A cuBLAS call returned a status other than CUBLAS_STATUS_SUCCESS."""
 
-    def __init__(self, function: str, status: int) -> None:
-        self.function = function
-        self.status = status
-        self.status_name = status_name(status)
-        super().__init__(f"{function} failed: {self.status_name} ({status})")
-
-
-class CublasNotFoundError(OSError):
-    """libcublas could not be located or loaded."""
+    @classmethod
+    def name_of(cls, status: int) -> str:
+        return status_name(status)
 
 
 def status_name(status: int) -> str:
     return _STATUS_NAMES.get(status, f"CUBLAS_STATUS_UNKNOWN_{status}")
 
 
-def _check(function: str, status: int) -> None:
-    if status != 0:
-        raise CublasError(function, status)
+_check = CublasError.check
 
 
 # ---------------------------------------------------------------------------
-# Locating and loading libcublas
+# Loading libcublas
 # ---------------------------------------------------------------------------
-
-
-def _nvidia_namespace_dirs() -> list[str]:
-    # `nvidia` is a namespace package spread over site-packages; find_spec
-    # avoids importing anything and returns every portion of it.
-    try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        return []
-    if spec is None or spec.submodule_search_locations is None:
-        return []
-    return list(spec.submodule_search_locations)
-
-
-def _wheel_candidates() -> Iterator[str]:
-    roots = _nvidia_namespace_dirs()
-    # Prefer the CUDA 13 soname everywhere before falling back to CUDA 12.
-    for soname in _SONAMES:
-        for root in roots:
-            for sub in _WHEEL_LIB_DIRS:
-                yield os.path.join(root, sub, soname)
-
-
-def _pathfinder_path() -> str | None:
-    try:
-        from cuda.pathfinder import load_nvidia_dynamic_lib
-    except ImportError:
-        return None
-    try:
-        # Loads libcublasLt too; the handle is cached by pathfinder and must
-        # never be closed, so we only keep the path.
-        return load_nvidia_dynamic_lib("cublas").abs_path
-    except Exception:  # pathfinder raises several not-found error types
-        return None
-
-
-def _toolkit_candidates() -> Iterator[str]:
-    roots = [os.environ.get(var) for var in ("CUDA_PATH", "CUDA_HOME")]
-    # The conventional toolkit location, often not on the loader path.
-    roots.append("/usr/local/cuda")
-    for root in roots:
-        if root:
-            for soname in _SONAMES:
-                yield os.path.join(root, "lib64", soname)
-
-
-def find_libcublas() -> str:
-    """Return a path (or loadable soname) for libcublas, CUDA 13 preferred.
-
-    Order: $NIMBLEJAX_LIBCUBLAS, NVIDIA pip wheels (nvidia/cu13/lib,
-    nvidia/cublas/lib), cuda.pathfinder (what CuPy uses), $CUDA_PATH /
-    $CUDA_HOME / /usr/local/cuda, then the system loader via
-    ctypes.util.find_library.
-    """
-    tried: list[str] = []
-    override = os.environ.get(_ENV_OVERRIDE)
-    if override:
-        if os.path.exists(override):
-            return override
-        tried.append(f"${_ENV_OVERRIDE}={override}")
-    for path in _wheel_candidates():
-        if os.path.exists(path):
-            return path
-        tried.append(path)
-    found = _pathfinder_path()
-    if found:
-        return found
-    tried.append("cuda.pathfinder.load_nvidia_dynamic_lib('cublas')")
-    for path in _toolkit_candidates():
-        if os.path.exists(path):
-            return path
-        tried.append(path)
-    soname = ctypes.util.find_library("cublas")
-    if soname:
-        return soname
-    tried.append("ctypes.util.find_library('cublas')")
-    raise CublasNotFoundError(
-        "libcublas (.so.13 or .so.12) not found; install the 'nvidia-cublas' "
-        "wheel or a CUDA toolkit. Tried: " + "; ".join(tried)
-    )
 
 
 _c_handle = ctypes.c_void_p
-_lib: ctypes.CDLL | None = None
-_lib_lock = threading.Lock()
-
-
-def _preload_cublaslt(path: str) -> None:
-    # libcublas depends on libcublasLt from the same directory; loading it
-    # first (globally) avoids relying on the wheel's RPATH or LD_LIBRARY_PATH.
-    directory = os.path.dirname(path)
-    if not directory:
-        return
-    name = os.path.basename(path).replace("libcublas.", "libcublasLt.", 1)
-    lt_path = os.path.join(directory, name)
-    if os.path.exists(lt_path):
-        ctypes.CDLL(lt_path, mode=ctypes.RTLD_GLOBAL)
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -259,19 +152,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def _library() -> ctypes.CDLL:
-    """Load libcublas once, on first use (never at import)."""
-    global _lib
-    with _lib_lock:
-        if _lib is None:
-            path = find_libcublas()
-            try:
-                _preload_cublaslt(path)
-                lib = ctypes.CDLL(path)
-            except OSError as exc:
-                raise CublasNotFoundError(f"cannot load {path}: {exc}") from exc
-            _declare(lib)
-            _lib = lib
-        return _lib
+    """libcublas with its prototypes declared, loaded on first use (never at import)."""
+    return loader.load("cublas", _declare)
 
 
 # ---------------------------------------------------------------------------
@@ -347,84 +229,30 @@ class CublasHandle:
         handle, self._handle = self._handle, None
         _check("cublasDestroy_v2", self._lib.cublasDestroy_v2(handle))
 
-    def __enter__(self) -> CublasHandle:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.destroy()
-
 
 # ---------------------------------------------------------------------------
 # GEMM
 # ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class GemmSpec:
-    """Row-major batched GEMM: C[b] (m x n) = op(A[b]) @ op(B[b]).
+def itemsize(dtype_name: str) -> int:
+    """Bytes per element of a GEMM storage dtype ('float32', 'float16', 'bfloat16')."""
+    return _DTYPES[dtype_name][1]
 
-    A[b] is stored row-major as (m, k), or (k, m) when trans_a; B[b] as
-    (k, n), or (n, k) when trans_b; C[b] is contiguous (m, n). Consecutive
-    batch entries are contiguous matrices (stride = matrix size).
-    compute: 'f32' or 'tf32' for float32, 'f32_from_half' for float16/bfloat16.
-    """
 
-    batch: int
-    m: int
-    n: int
-    k: int
-    trans_a: bool
-    trans_b: bool
-    dtype: str
-    compute: str
-    alpha: float = 1.0
-    beta: float = 0.0
-    out_dtype: str | None = None  # C's dtype when it differs (bf16 x bf16 -> f32)
+def cuda_dtype(dtype_name: str) -> int:
+    """cudaDataType_t of a GEMM storage dtype."""
+    return _DTYPES[dtype_name][0]
 
-    def __post_init__(self) -> None:
-        if self.out_dtype is not None and self.out_dtype not in _DTYPES:
-            raise ValueError(f"GemmSpec.out_dtype={self.out_dtype!r}; expected one of {list(_DTYPES)}")
-        for name in ("batch", "m", "n", "k"):
-            value = getattr(self, name)
-            if not 1 <= value <= _INT32_MAX:
-                raise ValueError(f"GemmSpec.{name}={value} must be in [1, 2**31)")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"GemmSpec.dtype={self.dtype!r}; expected one of {list(_DTYPES)}")
-        allowed = _COMPUTE_FOR_DTYPE[self.dtype]
-        if self.compute not in allowed:
-            raise ValueError(
-                f"GemmSpec.compute={self.compute!r} invalid for dtype {self.dtype!r}; "
-                f"expected one of {list(allowed)}"
-            )
 
-    @property
-    def a_shape(self) -> tuple[int, int, int]:
-        return (self.batch, self.k, self.m) if self.trans_a else (self.batch, self.m, self.k)
-
-    @property
-    def b_shape(self) -> tuple[int, int, int]:
-        return (self.batch, self.n, self.k) if self.trans_b else (self.batch, self.k, self.n)
-
-    @property
-    def c_shape(self) -> tuple[int, int, int]:
-        return (self.batch, self.m, self.n)
-
-    @property
-    def itemsize(self) -> int:
-        return _DTYPES[self.dtype][1]
-
-    @property
-    def cuda_dtype(self) -> int:
-        return _DTYPES[self.dtype][0]
-
-    @property
-    def compute_type(self) -> int:
-        return _COMPUTE_FOR_DTYPE[self.dtype][self.compute]
+def compute_type(call: GemmCall) -> int:
+    """cublasComputeType_t of a GEMM (from its `compute` mode)."""
+    return _COMPUTE_TYPES[call.compute]
 
 
 @dataclass(frozen=True)
 class ColumnMajorGemm:
-    """The column-major cuBLAS problem equivalent to a row-major GemmSpec.
+    """The column-major cuBLAS problem equivalent to a row-major GemmCall.
 
     `first` is what cuBLAS calls A (our B buffer), `second` its B (our A).
     """
@@ -442,7 +270,7 @@ class ColumnMajorGemm:
     stride_c: int
 
 
-def column_major_gemm(spec: GemmSpec) -> ColumnMajorGemm:
+def column_major_gemm(call: GemmCall) -> ColumnMajorGemm:
     """Map row-major C = op(A) op(B) to column-major C^T = op(B)^T op(A)^T.
 
     A row-major (r x c) buffer is, read column-major, its transpose (c x r,
@@ -450,16 +278,16 @@ def column_major_gemm(spec: GemmSpec) -> ColumnMajorGemm:
     buffer as its first operand and our A buffer as its second, with the
     original transpose flags and m/n swapped.
     """
-    m, n, k = spec.m, spec.n, spec.k
+    m, n, k = call.m, call.n, call.k
     return ColumnMajorGemm(
-        trans_first=CUBLAS_OP_T if spec.trans_b else CUBLAS_OP_N,
-        trans_second=CUBLAS_OP_T if spec.trans_a else CUBLAS_OP_N,
+        trans_first=CUBLAS_OP_T if call.trans_b else CUBLAS_OP_N,
+        trans_second=CUBLAS_OP_T if call.trans_a else CUBLAS_OP_N,
         m=n,
         n=m,
         k=k,
         # Leading dim = row length of the row-major stored matrix.
-        ld_first=k if spec.trans_b else n,
-        ld_second=m if spec.trans_a else k,
+        ld_first=k if call.trans_b else n,
+        ld_second=m if call.trans_a else k,
         ldc=n,
         stride_first=k * n,
         stride_second=m * k,
@@ -468,19 +296,19 @@ def column_major_gemm(spec: GemmSpec) -> ColumnMajorGemm:
 
 
 def gemm_strided_batched(
-    handle: CublasHandle, spec: GemmSpec, a_ptr: int, b_ptr: int, c_ptr: int
+    handle: CublasHandle, call: GemmCall, a_ptr: int, b_ptr: int, c_ptr: int
 ) -> None:
     """Enqueue C = alpha * op(A) @ op(B) + beta * C on the handle's stream.
 
     Pointers are device addresses of contiguous row-major buffers shaped
-    spec.a_shape / b_shape / c_shape. Capture-safe when the handle was
+    call.a_shape / b_shape / c_shape. Capture-safe when the handle was
     configured before capture started.
     """
-    cm = column_major_gemm(spec)
-    dtype = spec.cuda_dtype
+    cm = column_major_gemm(call)
+    dtype = cuda_dtype(call.dtype)
     # Scale type for every CUBLAS_COMPUTE_32F* compute type is float.
-    alpha = ctypes.c_float(spec.alpha)
-    beta = ctypes.c_float(spec.beta)
+    alpha = ctypes.c_float(call.alpha)
+    beta = ctypes.c_float(call.beta)
     status = handle.lib.cublasGemmStridedBatchedEx(
         handle.raw,
         cm.trans_first,
@@ -499,11 +327,11 @@ def gemm_strided_batched(
         cm.stride_second,
         ctypes.byref(beta),
         c_ptr,
-        _DTYPES[spec.out_dtype or spec.dtype][0],
+        cuda_dtype(call.out_dtype or call.dtype),
         cm.ldc,
         cm.stride_c,
-        spec.batch,
-        spec.compute_type,
+        call.batch,
+        compute_type(call),
         CUBLAS_GEMM_DEFAULT,
     )
     _check("cublasGemmStridedBatchedEx", status)

@@ -1,7 +1,7 @@
 """Capture-safe cuBLASLt GEMM through ctypes, with a measured algorithm choice.
 
 `LtGemm` computes what `cublas.gemm_strided_batched` does, via cublasLtMatmul.
-Once per (GemmSpec, workspace size, epilogue) it takes up to 8 candidates from
+Once per (GemmCall, workspace size, epilogue) it takes up to 8 candidates from
 cublasLtMatmulAlgoGetHeuristic and, given device buffers, times each outside
 any capture and keeps the fastest. `run` only enqueues cublasLtMatmul with the
 frozen algorithm, descriptors and host scalars: it can be graph-captured.
@@ -15,23 +15,27 @@ layer's bias. One bias serves every batch entry (BIAS_BATCH_STRIDE stays 0).
 the tanh approximation (jax.nn.gelu(approximate=True)), the form XLA fuses into
 it; tests/test_cublaslt.py::test_gelu_is_the_tanh_approximation checks this.
 
-Nothing loads libcublasLt at import time. Constant values and struct layouts
-are from the CUDA 13 headers cublasLt.h and library_types.h (cross-checked with
-nvmath-python's bindings generated from cublasLt.h 11.0.3..13.1.0).
+Nothing loads libcublasLt at import time (`loader` finds and loads it on first
+use, next to libcublas). Constant values and struct layouts are from the CUDA 13
+headers cublasLt.h and library_types.h (cross-checked with nvmath-python's
+bindings generated from cublasLt.h 11.0.3..13.1.0).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import threading
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from . import cublas
-from .cublas import CublasError, GemmSpec, _check, column_major_gemm
+from . import cublas, loader
+from .cublas import CublasError, _check, column_major_gemm, compute_type, cuda_dtype
+
+if TYPE_CHECKING:
+    from nimblejax.compiler.lowering.task import GemmCall
 
 __all__ = ["GemmBuffers", "LtGemm", "LtHandle", "LtLayout", "LtProblem",
-           "epilogue_code", "find_libcublaslt", "lt_layouts"]
+           "epilogue_code", "lt_layouts"]
 
 # cublasLtMatmulDescAttributes_t, cublasLt.h (value type in the comment)
 CUBLASLT_MATMUL_DESC_TRANSA = 3         # int32 cublasOperation_t
@@ -58,7 +62,6 @@ TIMED_LAUNCHES = 10
 # algorithms may assume every matrix pointer is this aligned.
 POINTER_ALIGNMENT = 256
 EPILOGUES = ("none", "relu", "gelu")
-_ENV_OVERRIDE = "NIMBLEJAX_LIBCUBLASLT"
 
 
 class MatmulAlgo(ctypes.Structure):
@@ -89,7 +92,7 @@ class LtLayout:
 
 @dataclass(frozen=True)
 class LtProblem:
-    """The column-major cuBLASLt problem for a row-major GemmSpec.
+    """The column-major cuBLASLt problem for a row-major GemmCall.
 
     In cuBLASLt's naming: `a` describes our B buffer, `b` our A buffer, and
     `c` our C buffer read column-major (n x m); D uses the same layout as C.
@@ -102,20 +105,20 @@ class LtProblem:
     c: LtLayout
 
 
-def lt_layouts(spec: GemmSpec) -> LtProblem:
-    """Descriptor values for `spec`, reusing `column_major_gemm`'s swap."""
-    cm = column_major_gemm(spec)
-    in_type = spec.cuda_dtype
-    out_type = cublas._DTYPES[spec.out_dtype or spec.dtype][0]
+def lt_layouts(call: GemmCall) -> LtProblem:
+    """Descriptor values for `call`, reusing `column_major_gemm`'s swap."""
+    cm = column_major_gemm(call)
+    in_type = cuda_dtype(call.dtype)
+    out_type = cuda_dtype(call.out_dtype or call.dtype)
     # cuBLASLt layouts describe the stored matrix: op(X) = X^T is stored k x m.
     a_rows, a_cols = (cm.m, cm.k) if cm.trans_first == cublas.CUBLAS_OP_N else (cm.k, cm.m)
     b_rows, b_cols = (cm.k, cm.n) if cm.trans_second == cublas.CUBLAS_OP_N else (cm.n, cm.k)
     return LtProblem(
         trans_a=cm.trans_first,
         trans_b=cm.trans_second,
-        a=LtLayout(in_type, a_rows, a_cols, cm.ld_first, spec.batch, cm.stride_first),
-        b=LtLayout(in_type, b_rows, b_cols, cm.ld_second, spec.batch, cm.stride_second),
-        c=LtLayout(out_type, cm.m, cm.n, cm.ldc, spec.batch, cm.stride_c),
+        a=LtLayout(in_type, a_rows, a_cols, cm.ld_first, call.batch, cm.stride_first),
+        b=LtLayout(in_type, b_rows, b_cols, cm.ld_second, call.batch, cm.stride_second),
+        c=LtLayout(out_type, cm.m, cm.n, cm.ldc, call.batch, cm.stride_c),
     )
 
 
@@ -134,21 +137,6 @@ def fastest(times_us: list[float | None]) -> int:
     if not valid:
         raise CublasError("cublasLtMatmul (every heuristic candidate)", CUBLAS_STATUS_NOT_SUPPORTED)
     return min(valid)[1]
-
-
-def lt_path_from_cublas(path: str) -> str:
-    """libcublasLt lives next to libcublas with the same soname suffix."""
-    directory, name = os.path.split(path)
-    return os.path.join(directory, name.replace("libcublas.", "libcublasLt.", 1))
-
-
-_lib: ctypes.CDLL | None = None
-_lib_lock = threading.Lock()
-
-
-def find_libcublaslt() -> str:
-    """$NIMBLEJAX_LIBCUBLASLT, else the libcublasLt next to `find_libcublas()`."""
-    return os.environ.get(_ENV_OVERRIDE) or lt_path_from_cublas(cublas.find_libcublas())
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -176,18 +164,8 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def _library() -> ctypes.CDLL:
-    """Load libcublasLt once, on first use (never at import)."""
-    global _lib
-    with _lib_lock:
-        if _lib is None:
-            path = find_libcublaslt()
-            try:
-                lib = ctypes.CDLL(path)
-            except OSError as exc:
-                raise cublas.CublasNotFoundError(f"cannot load {path}: {exc}") from exc
-            _declare(lib)
-            _lib = lib
-        return _lib
+    """libcublasLt with its prototypes declared, loaded on first use (never at import)."""
+    return loader.load("cublasLt", _declare)
 
 
 class LtHandle:
@@ -236,9 +214,9 @@ class _Choice:
     timings_us: tuple[float | None, ...] | None  # None: heuristic #0, unmeasured
 
 
-# (spec, workspace_bytes, epilogue code) -> choice; valid for this process's
-# library and device (a process mixing GPU models should not share it).
-_ALGO_CACHE: dict[tuple[GemmSpec, int, int], _Choice] = {}
+# (call without operands, workspace_bytes, epilogue code) -> choice; valid for this
+# process's library and device (a process mixing GPU models should not share it).
+_ALGO_CACHE: dict[tuple[GemmCall, int, int], _Choice] = {}
 
 
 def _set(fn, obj, attr: int, value: ctypes._SimpleCData) -> None:
@@ -249,20 +227,20 @@ def _set(fn, obj, attr: int, value: ctypes._SimpleCData) -> None:
 class LtGemm:
     """C[b] = epilogue(alpha op(A[b]) @ op(B[b]) + beta C[b] (+ bias)), row-major.
 
-    Built once per spec; `run` is capture-safe. `algo_index` is the position of
+    Built once per GemmCall; `run` is capture-safe. `algo_index` is the position of
     the chosen algorithm in cuBLASLt's heuristic list, `workspace_needed` the
     bytes of workspace it needs, `timings_us` the measured mean per candidate
     (None where a candidate failed; None overall when nothing was timed).
     """
 
-    def __init__(self, handle: LtHandle, spec: GemmSpec, workspace_bytes: int, *,
+    def __init__(self, handle: LtHandle, call: GemmCall, workspace_bytes: int, *,
                  epilogue: str = "none", bias: bool = False,
                  buffers: GemmBuffers | None = None) -> None:
-        self.spec, self.workspace_bytes = spec, int(workspace_bytes)
+        self.call, self.workspace_bytes = call, int(workspace_bytes)
         self.epilogue, self.has_bias = epilogue, bias
-        self.problem = lt_layouts(spec)
+        self.problem = lt_layouts(call)
         self._lib = handle.lib
-        self._alpha, self._beta = ctypes.c_float(spec.alpha), ctypes.c_float(spec.beta)
+        self._alpha, self._beta = ctypes.c_float(call.alpha), ctypes.c_float(call.beta)
         self._desc = self._pref = None
         self._layouts: list[ctypes.c_void_p] = []
         try:
@@ -276,7 +254,7 @@ class LtGemm:
         lib, p = self._lib, self.problem
         desc, pref = ctypes.c_void_p(), ctypes.c_void_p()
         _check("cublasLtMatmulDescCreate", lib.cublasLtMatmulDescCreate(
-            ctypes.byref(desc), self.spec.compute_type, SCALE_TYPE))
+            ctypes.byref(desc), compute_type(self.call), SCALE_TYPE))
         self._desc = desc  # owned (so destroyed by close) only once created
         for attr, value in ((CUBLASLT_MATMUL_DESC_TRANSA, ctypes.c_int32(p.trans_a)),
                             (CUBLASLT_MATMUL_DESC_TRANSB, ctypes.c_int32(p.trans_b)),
@@ -308,12 +286,15 @@ class LtGemm:
             ctypes.byref(count)))
         usable = [r for r in results[: count.value] if r.state == 0]
         if not usable:
-            raise CublasError(f"cublasLtMatmulAlgoGetHeuristic ({self.spec})",
+            raise CublasError(f"cublasLtMatmulAlgoGetHeuristic ({self.call})",
                               CUBLAS_STATUS_NOT_SUPPORTED)
         return usable
 
     def _choose(self, handle: LtHandle, buffers: GemmBuffers | None) -> _Choice:
-        key = (self.spec, self.workspace_bytes, epilogue_code(self.epilogue, self.has_bias))
+        # Without operands: equal anyway (they are not compared), and the cache keeps
+        # no plan's Vars alive.
+        problem = dataclasses.replace(self.call, a=None, b=None, c=None)
+        key = (problem, self.workspace_bytes, epilogue_code(self.epilogue, self.has_bias))
         cached = _ALGO_CACHE.get(key)
         if cached is not None and (cached.timings_us is not None or buffers is None):
             return cached

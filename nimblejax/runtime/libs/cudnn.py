@@ -6,17 +6,20 @@ where JAX runs on CUDA (the nvidia-cudnn wheel JAX depends on). One handle per s
 stream and workspace set before capture, as for cuBLAS.
 
 The algorithm of each convolution shape is chosen by measuring
-(cudnnFindConvolutionForwardAlgorithm) once, outside capture, and cached.
+(cudnnFindConvolutionForwardAlgorithm) once, outside capture, and cached. The shape is the
+plan's `ConvCall` record (its operands are not used here). `loader` finds and loads
+libcudnn on first use, never at import.
 """
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import glob
-import os
-import threading
-from dataclasses import dataclass
-from typing import Optional
+import dataclasses
+from typing import TYPE_CHECKING
+
+from . import loader
+
+if TYPE_CHECKING:
+    from nimblejax.compiler.lowering.task import ConvCall
 
 # cudnnDataType_t, cudnnTensorFormat_t, cudnnConvolutionMode_t, cudnnMathType_t (cudnn_graph.h)
 DATA_TYPE = {"float32": 0, "float16": 2, "bfloat16": 9}
@@ -27,24 +30,16 @@ WORKSPACE_LIMIT = 64 << 20
 GEMM_ALGOS = (0, 1, 2)  # cudnnConvolutionFwdAlgo_t: IMPLICIT_GEMM, IMPLICIT_PRECOMP_GEMM, GEMM
 
 
-class CudnnError(RuntimeError):
-    pass
+class CudnnError(loader.LibraryError):
+    """A cuDNN call returned a status other than CUDNN_STATUS_SUCCESS (or no algorithm
+    runs a convolution)."""
+
+    @classmethod
+    def name_of(cls, status: int) -> str:
+        return _library().cudnnGetErrorString(status).decode()
 
 
-@dataclass(frozen=True)
-class ConvSpec:
-    """y (N,OH,OW,K) NHWC = conv(x (N,H,W,C) NHWC, w (K,R,S,C/G) KRSC), symmetric padding."""
-
-    x_shape: tuple[int, int, int, int]
-    w_shape: tuple[int, int, int, int]
-    y_shape: tuple[int, int, int, int]
-    padding: tuple[int, int]
-    strides: tuple[int, int]
-    dilation: tuple[int, int]
-    groups: int
-    dtype: str
-    out_dtype: str
-    math: str  # 'tf32' | 'f32' | 'half'
+_check = CudnnError.check
 
 
 class _Perf(ctypes.Structure):  # cudnnConvolutionFwdAlgoPerf_t
@@ -53,51 +48,25 @@ class _Perf(ctypes.Structure):  # cudnnConvolutionFwdAlgoPerf_t
                 ("mathType", ctypes.c_int), ("reserved", ctypes.c_int * 3)]
 
 
-_lib: Optional[ctypes.CDLL] = None
-_lock = threading.Lock()
-_algo_cache: dict[ConvSpec, tuple[int, int]] = {}
+# ConvCall without operands -> (algorithm, workspace bytes)
+_algo_cache: dict[ConvCall, tuple[int, int]] = {}
 
 
-def find_libcudnn() -> str:
-    tried = []
-    env = os.environ.get("NIMBLEJAX_LIBCUDNN")
-    if env:
-        return env
-    try:
-        import nvidia
-
-        for root in list(nvidia.__path__):
-            for path in sorted(glob.glob(os.path.join(root, "cudnn", "lib", "libcudnn.so.*"))) + \
-                    sorted(glob.glob(os.path.join(root, "cu13", "lib", "libcudnn.so.*"))):
-                return path
-            tried.append(os.path.join(root, "cudnn/lib"))
-    except ImportError:
-        tried.append("the nvidia namespace package")
-    name = ctypes.util.find_library("cudnn")
-    if name:
-        return name
-    raise CudnnError("libcudnn not found (tried " + ", ".join(tried) + ", the system loader); "
-                     "install nvidia-cudnn-cu13 or set NIMBLEJAX_LIBCUDNN")
+def _declare(lib: ctypes.CDLL) -> None:
+    # The other calls take handles/descriptors (passed as c_void_p) and C ints, which
+    # ctypes passes correctly without prototypes.
+    lib.cudnnGetErrorString.restype = ctypes.c_char_p
 
 
-def lib() -> ctypes.CDLL:
-    global _lib
-    with _lock:
-        if _lib is None:
-            _lib = ctypes.CDLL(find_libcudnn(), mode=ctypes.RTLD_GLOBAL)
-            _lib.cudnnGetErrorString.restype = ctypes.c_char_p
-        return _lib
-
-
-def check(status: int, what: str) -> None:
-    if status != 0:
-        msg = lib().cudnnGetErrorString(status).decode()
-        raise CudnnError(f"{what} failed: {msg} ({status})")
+def _library() -> ctypes.CDLL:
+    """libcudnn (loaded RTLD_GLOBAL), on first use."""
+    return loader.load("cudnn", _declare)
 
 
 def _new(kind: str) -> ctypes.c_void_p:
     d = ctypes.c_void_p()
-    check(getattr(lib(), f"cudnnCreate{kind}Descriptor")(ctypes.byref(d)), f"cudnnCreate{kind}Descriptor")
+    create = f"cudnnCreate{kind}Descriptor"
+    _check(create, getattr(_library(), create)(ctypes.byref(d)))
     return d
 
 
@@ -106,59 +75,61 @@ class Handle:
 
     def __init__(self, stream_ptr: int) -> None:
         self.raw = ctypes.c_void_p()
-        check(lib().cudnnCreate(ctypes.byref(self.raw)), "cudnnCreate")
-        check(lib().cudnnSetStream(self.raw, ctypes.c_void_p(stream_ptr)), "cudnnSetStream")
+        _check("cudnnCreate", _library().cudnnCreate(ctypes.byref(self.raw)))
+        _check("cudnnSetStream", _library().cudnnSetStream(self.raw, ctypes.c_void_p(stream_ptr)))
 
     def destroy(self) -> None:
         if self.raw:
-            lib().cudnnDestroy(self.raw)
+            _library().cudnnDestroy(self.raw)
             self.raw = ctypes.c_void_p()
 
 
 class Conv:
-    """Descriptors and the measured algorithm of one convolution shape."""
+    """Descriptors and the measured algorithm of one convolution shape (a ConvCall)."""
 
-    def __init__(self, spec: ConvSpec, handle: Handle) -> None:
-        L = lib()
-        self.spec = spec
-        dt = DATA_TYPE[spec.dtype]
+    def __init__(self, call: ConvCall, handle: Handle) -> None:
+        L = _library()
+        self.call = call
+        dt = DATA_TYPE[call.dtype]
         self.x, self.w, self.y, self.conv = (_new("Tensor"), _new("Filter"), _new("Tensor"),
                                              _new("Convolution"))
-        n, h, w_, c = spec.x_shape
-        check(L.cudnnSetTensor4dDescriptor(self.x, FORMAT_NHWC, dt, n, c, h, w_), "x descriptor")
-        k, r, s, cg = spec.w_shape
-        check(L.cudnnSetFilter4dDescriptor(self.w, dt, FORMAT_NHWC, k, cg, r, s), "w descriptor")
-        n, oh, ow, k = spec.y_shape
-        check(L.cudnnSetTensor4dDescriptor(self.y, FORMAT_NHWC, DATA_TYPE[spec.out_dtype], n, k, oh, ow),
-              "y descriptor")
-        check(L.cudnnSetConvolution2dDescriptor(self.conv, *spec.padding, *spec.strides, *spec.dilation,
-                                                CROSS_CORRELATION, 0), "convolution descriptor")
-        check(L.cudnnSetConvolutionGroupCount(self.conv, spec.groups), "group count")
-        math = {"tf32": DEFAULT_MATH, "f32": FMA_MATH, "half": TENSOR_OP_MATH}[spec.math]
-        check(L.cudnnSetConvolutionMathType(self.conv, math), "math type")
+        n, h, w_, c = call.x_shape
+        _check("x descriptor", L.cudnnSetTensor4dDescriptor(self.x, FORMAT_NHWC, dt, n, c, h, w_))
+        k, r, s, cg = call.w_shape
+        _check("w descriptor", L.cudnnSetFilter4dDescriptor(self.w, dt, FORMAT_NHWC, k, cg, r, s))
+        n, oh, ow, k = call.y_shape
+        _check("y descriptor", L.cudnnSetTensor4dDescriptor(
+            self.y, FORMAT_NHWC, DATA_TYPE[call.out_dtype], n, k, oh, ow))
+        _check("convolution descriptor", L.cudnnSetConvolution2dDescriptor(
+            self.conv, *call.padding, *call.strides, *call.dilation, CROSS_CORRELATION, 0))
+        _check("group count", L.cudnnSetConvolutionGroupCount(self.conv, call.groups))
+        math = {"tf32": DEFAULT_MATH, "f32": FMA_MATH, "half": TENSOR_OP_MATH}[call.math]
+        _check("math type", L.cudnnSetConvolutionMathType(self.conv, math))
         self.algo, self.workspace = self._choose(handle)
 
     def _choose(self, handle: Handle) -> tuple[int, int]:
         """The fastest algorithm that fits the workspace limit, measured once per shape."""
-        if self.spec in _algo_cache:
-            return _algo_cache[self.spec]
+        # Without operands: equal anyway (they are not compared), and the cache keeps no
+        # plan's Vars alive.
+        key = dataclasses.replace(self.call, x=None, w=None, y=None)
+        if key in _algo_cache:
+            return _algo_cache[key]
         perf = (_Perf * 8)()
         count = ctypes.c_int()
-        check(lib().cudnnFindConvolutionForwardAlgorithm(handle.raw, self.x, self.w, self.conv, self.y, 8,
-                                                         ctypes.byref(count), perf),
-              "cudnnFindConvolutionForwardAlgorithm")
+        _check("cudnnFindConvolutionForwardAlgorithm", _library().cudnnFindConvolutionForwardAlgorithm(
+            handle.raw, self.x, self.w, self.conv, self.y, 8, ctypes.byref(count), perf))
         for p in perf[: count.value]:
             # FFT and Winograd algorithms lose too much precision on half types (seen
             # failing jax.jit comparisons for bfloat16): implicit GEMMs only there.
-            accurate = self.spec.dtype == "float32" or p.algo in GEMM_ALGOS
+            accurate = self.call.dtype == "float32" or p.algo in GEMM_ALGOS
             if p.status == 0 and p.memory <= WORKSPACE_LIMIT and accurate:
-                _algo_cache[self.spec] = (p.algo, p.memory)
+                _algo_cache[key] = (p.algo, p.memory)
                 return p.algo, p.memory
-        raise CudnnError(f"no cuDNN algorithm runs {self.spec}")
+        raise CudnnError(f"no cuDNN algorithm runs {self.call}")
 
     def forward(self, handle: Handle, x: int, w: int, y: int, workspace: int, workspace_bytes: int) -> None:
         one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        check(lib().cudnnConvolutionForward(
+        _check("cudnnConvolutionForward", _library().cudnnConvolutionForward(
             handle.raw, ctypes.byref(one), self.x, ctypes.c_void_p(x), self.w, ctypes.c_void_p(w),
             self.conv, self.algo, ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes),
-            ctypes.byref(zero), self.y, ctypes.c_void_p(y)), "cudnnConvolutionForward")
+            ctypes.byref(zero), self.y, ctypes.c_void_p(y)))

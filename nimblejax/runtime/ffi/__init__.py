@@ -1,0 +1,287 @@
+"""Build and load nimblejax's XLA FFI handler (``handler.cc``).
+
+The handler replays a pre-captured CUDA graph (a nimble plan) as an XLA
+custom call on XLA's own stream, so a jitted function that calls a plan needs
+no Python per call. The library is compiled on first use with the system C++
+compiler and cached on disk: shipping a prebuilt binary would tie nimblejax to
+one jaxlib's FFI headers, while the source builds against whichever jaxlib is
+installed, with no CUDA toolkit needed (libcuda is opened at run time).
+
+Everything here degrades to ``None`` plus one warning instead of raising:
+without the FFI path nimblejax still works through its Python call path.
+This module reads no environment variables; callers pass every setting.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pathlib
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from typing import Sequence
+
+__all__ = ["TARGET", "FfiLibrary", "build", "load"]
+
+TARGET = "nimble_plan"
+"""Name of the XLA custom-call target that runs a registered plan."""
+
+_SOURCE = pathlib.Path(__file__).with_name("handler.cc")
+_LIB_NAME = "libnimble_ffi.so"
+# -fvisibility=hidden: only the symbols handler.cc marks for export are
+# visible, so the FFI header templates cannot clash with jaxlib's copies.
+# -ldl: dlopen lives in libdl on glibc older than 2.34.
+_CFLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden")
+_LDFLAGS = ("-ldl",)
+_FALLBACK = "nimblejax falls back to its Python call path"
+_STDERR_LINES = 8
+_BUILD_TIMEOUT_S = 300
+
+_u64_p = ctypes.POINTER(ctypes.c_ulonglong)
+
+_lock = threading.Lock()  # guards _warned
+_load_lock = threading.Lock()  # separate from _lock: load() warns while held
+_warned: set[str] = set()
+_loaded = False
+_library: FfiLibrary | None = None
+
+
+def _warn_once(message: str) -> None:
+    """Warn about a failure once per process: it repeats on every plan."""
+    with _lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _jaxlib_version() -> str:
+    """Version of the jaxlib whose FFI headers the build uses."""
+    import jaxlib.version
+
+    return jaxlib.version.__version__
+
+
+def _compile_flags() -> list[str]:
+    """Compiler flags; part of the cache key, so a header change rebuilds."""
+    import jax
+
+    return [*_CFLAGS, f"-I{jax.ffi.include_dir()}"]
+
+
+def _build_dir(cache_dir: str | os.PathLike, source: bytes, flags: Sequence[str]) -> pathlib.Path:
+    """``<cache_dir>/<jaxlib version>-<sha1(source + flags)[:12]>``."""
+    digest = hashlib.sha1(source)
+    for flag in [*flags, *_LDFLAGS]:
+        digest.update(b"\0" + flag.encode())
+    return pathlib.Path(cache_dir) / f"{_jaxlib_version()}-{digest.hexdigest()[:12]}"
+
+
+def _find_compiler(compiler: str | None) -> str | None:
+    """The explicit compiler if given, else ``c++`` or ``g++`` from PATH."""
+    if compiler is not None:
+        return shutil.which(compiler)
+    return shutil.which("c++") or shutil.which("g++")
+
+
+def _first_lines(text: str) -> str:
+    lines = text.strip().splitlines()[:_STDERR_LINES]
+    return "\n".join("    " + line for line in lines)
+
+
+def _run_compiler(cxx: str, flags: Sequence[str], output: pathlib.Path) -> str | None:
+    """Compile handler.cc into ``output``; returns an error text or None."""
+    cmd = [cxx, *flags, str(_SOURCE), "-o", str(output), *_LDFLAGS]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"could not run {cxx}: {exc}"
+    if proc.returncode != 0:
+        return f"{cxx} exited with status {proc.returncode}:\n{_first_lines(proc.stderr)}"
+    return None
+
+
+def build(cache_dir: str | os.PathLike, compiler: str | None = None) -> pathlib.Path | None:
+    """Compile the FFI handler library, or reuse a cached build.
+
+    The build lands in a directory named after the jaxlib version and a hash
+    of the source and flags, so an upgrade of either builds afresh while
+    repeated runs cost nothing. The compiler writes a temporary file that is
+    renamed into place: two processes building at once both succeed, and no
+    one ever loads a half-written library.
+
+    Returns the library's path, or None (after one warning) when no compiler
+    is found or the build fails.
+    """
+    cxx = _find_compiler(compiler)
+    if cxx is None:
+        wanted = compiler if compiler is not None else "c++ or g++ on PATH"
+        _warn_once(f"nimblejax: cannot build its XLA FFI handler: no C++ compiler ({wanted}); {_FALLBACK}.")
+        return None
+    try:
+        flags = _compile_flags()
+        out_dir = _build_dir(cache_dir, _SOURCE.read_bytes(), flags)
+        target = out_dir / _LIB_NAME
+        if target.is_file():
+            return target
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{_LIB_NAME}.", suffix=".tmp", dir=out_dir)
+        os.close(fd)
+    except (OSError, ImportError, AttributeError) as exc:
+        _warn_once(f"nimblejax: cannot build its XLA FFI handler in {cache_dir}: {exc}; {_FALLBACK}.")
+        return None
+    tmp = pathlib.Path(tmp_name)
+    try:
+        error = _run_compiler(cxx, flags, tmp)
+        if error is None:
+            os.replace(tmp, target)
+            return target
+    finally:
+        tmp.unlink(missing_ok=True)
+    _warn_once(f"nimblejax: building its XLA FFI handler failed: {error}\n{_FALLBACK}.")
+    return None
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    """Give ctypes the C signatures, so 64-bit handles are not truncated."""
+    lib.nimble_ffi_init.argtypes = []
+    lib.nimble_ffi_init.restype = ctypes.c_int
+    lib.nimble_ffi_last_error.argtypes = []
+    lib.nimble_ffi_last_error.restype = ctypes.c_char_p
+    lib.nimble_ffi_copy_kernel_source.argtypes = []
+    lib.nimble_ffi_copy_kernel_source.restype = ctypes.c_char_p
+    lib.nimble_ffi_register.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int, _u64_p, _u64_p,
+        ctypes.c_int, _u64_p, _u64_p,
+    ]  # fmt: skip
+    lib.nimble_ffi_register.restype = ctypes.c_longlong
+    lib.nimble_ffi_unregister.argtypes = [ctypes.c_longlong]
+    lib.nimble_ffi_unregister.restype = None
+
+
+def _u64_array(values: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_ulonglong * len(values))(*(int(v) for v in values))
+
+
+class FfiLibrary:
+    """The loaded handler library: plan registry and FFI target.
+
+    A plan is registered once (graph exec, copy kernel, arena slots) and then
+    called from XLA as the custom call ``TARGET`` with the int64 attribute
+    ``plan`` set to the id that :meth:`register` returned.
+    """
+
+    TARGET = TARGET
+
+    def __init__(self, lib: ctypes.CDLL, path: pathlib.Path) -> None:
+        _declare(lib)
+        self._lib = lib
+        self.path = path
+
+    @property
+    def handler(self) -> ctypes._CFuncPtr:
+        """The ``NimblePlanCall`` FFI handler, for ``jax.ffi.pycapsule``."""
+        return self._lib.NimblePlanCall
+
+    def last_error(self) -> str:
+        """The message of this thread's last failed call into the library."""
+        raw = self._lib.nimble_ffi_last_error()
+        return raw.decode(errors="replace") if raw else ""
+
+    def init(self) -> None:
+        """Open libcuda and resolve the driver calls; raises RuntimeError.
+
+        Separate from loading so that the library can be built and inspected
+        on machines without a GPU driver.
+        """
+        if self._lib.nimble_ffi_init() != 0:
+            raise RuntimeError(f"nimblejax FFI init failed: {self.last_error()}")
+
+    def register(
+        self,
+        graph_exec: int,
+        copy_fn: int,
+        in_dst: Sequence[int],
+        in_bytes: Sequence[int],
+        out_src: Sequence[int],
+        out_bytes: Sequence[int],
+    ) -> int:
+        """Register a plan and return its id (> 0).
+
+        ``graph_exec`` is the plan's CUgraphExec and ``copy_fn`` the CUfunction
+        of the compiled :meth:`copy_kernel_source` (e.g. CuPy's
+        ``RawKernel(src, "nimble_ffi_copy").kernel.ptr``); both must outlive
+        the registration. Input i is copied to arena address ``in_dst[i]``
+        (``in_bytes[i]`` bytes) before the graph runs, output j is copied
+        from ``out_src[j]`` afterwards; 0 bytes means "not copied". Needs the
+        CUDA context of the graph to be current (the plan's event is made in
+        it). Raises ValueError on mismatched lengths, RuntimeError on failure.
+        """
+        if len(in_dst) != len(in_bytes) or len(out_src) != len(out_bytes):
+            raise ValueError("in_dst/in_bytes and out_src/out_bytes must have equal lengths")
+        plan_id = self._lib.nimble_ffi_register(
+            ctypes.c_void_p(graph_exec), ctypes.c_void_p(copy_fn),
+            len(in_dst), _u64_array(in_dst), _u64_array(in_bytes),
+            len(out_src), _u64_array(out_src), _u64_array(out_bytes),
+        )  # fmt: skip
+        if plan_id < 0:
+            raise RuntimeError(f"nimblejax FFI plan registration failed: {self.last_error()}")
+        return plan_id
+
+    def unregister(self, plan_id: int) -> None:
+        """Forget a plan; a call already running on it finishes first."""
+        self._lib.nimble_ffi_unregister(plan_id)
+
+    def copy_kernel_source(self) -> str:
+        """CUDA C source of ``nimble_ffi_copy``, the kernel given to register."""
+        return self._lib.nimble_ffi_copy_kernel_source().decode()
+
+
+def _register_target(library: FfiLibrary) -> bool:
+    """Register ``TARGET`` for CUDA with jax; False (and a warning) on failure.
+
+    Without a CUDA plugin jax only queues the registration for a backend that
+    never appears, which is harmless to the CPU path.
+    """
+    try:
+        import jax
+
+        capsule = jax.ffi.pycapsule(library.handler)
+        jax.ffi.register_ffi_target(TARGET, capsule, platform="CUDA")
+    except Exception as exc:  # any jax failure just disables the FFI path
+        _warn_once(f"nimblejax: registering XLA FFI target {TARGET!r} failed: {exc!r}; {_FALLBACK}.")
+        return False
+    return True
+
+
+def _load_uncached(cache_dir: str | os.PathLike, compiler: str | None) -> FfiLibrary | None:
+    path = build(cache_dir, compiler=compiler)
+    if path is None:
+        return None
+    try:
+        library = FfiLibrary(ctypes.CDLL(str(path)), path)
+    except (OSError, AttributeError) as exc:
+        _warn_once(f"nimblejax: cannot load its XLA FFI handler {path}: {exc}; {_FALLBACK}.")
+        return None
+    return library if _register_target(library) else None
+
+
+def load(cache_dir: str | os.PathLike, compiler: str | None = None) -> FfiLibrary | None:
+    """Build (if needed) and load the handler, and register its FFI target.
+
+    Done once per process: jax's target registry is process-wide, so later
+    calls return the first result (``None`` included) whatever their
+    arguments. Does not touch the GPU; call :meth:`FfiLibrary.init` for that.
+    """
+    global _loaded, _library
+    with _load_lock:
+        if not _loaded:
+            _library = _load_uncached(cache_dir, compiler)
+            _loaded = True
+        return _library
+

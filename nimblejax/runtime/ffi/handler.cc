@@ -1,0 +1,327 @@
+// nimblejax FFI handler: replays a pre-captured CUDA graph ("a nimble plan")
+// as an XLA custom call on XLA's own stream, with no Python on the call path.
+//
+// Why no CUDA headers: the library is built on the user's machine by
+// nimblejax/runtime/ffi/__init__.py with only a C++ compiler and jaxlib's FFI
+// headers. The few driver entry points we need are resolved from libcuda at
+// run time, so the build works (and can be tested) on machines without CUDA.
+#include <dlfcn.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#define NIMBLE_EXPORT extern "C" __attribute__((visibility("default")))
+
+// ---- Driver types and entry points (ABI as declared in NVIDIA's cuda.h) ----
+typedef int CUresult;  // CUDA_SUCCESS == 0
+typedef struct CUstream_st* CUstream;
+typedef struct CUevent_st* CUevent;
+typedef struct CUgraphExec_st* CUgraphExec;
+typedef struct CUfunc_st* CUfunction;
+
+namespace {
+
+constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
+constexpr int kMaxEntries = 64;              // copies per kernel launch
+constexpr unsigned kThreads = 256;
+constexpr unsigned long long kBytesPerBlock = kThreads * 16ull;  // uint4/thread
+constexpr unsigned kMaxBlocksX = 64;
+
+struct Driver {
+  CUresult (*GraphLaunch)(CUgraphExec, CUstream);
+  CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
+                           unsigned, unsigned, unsigned, CUstream, void**,
+                           void**);
+  CUresult (*EventCreate)(CUevent*, unsigned);
+  CUresult (*EventRecord)(CUevent, CUstream);
+  CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
+  CUresult (*GetErrorString)(CUresult, const char**);
+  CUresult (*EventDestroy)(CUevent);
+};
+
+Driver g_drv;
+int g_init_status = -1;      // written once under g_init_once
+std::string g_init_error;    // idem; never modified afterwards
+std::once_flag g_init_once;
+thread_local std::string t_last_error;  // per thread: no races on c_str()
+
+// Must match nimble_ffi_copy's parameter in kCopyKernelSource byte for byte;
+// it is passed by value through kernelParams.
+struct CopyTable {
+  unsigned long long dst[kMaxEntries];
+  unsigned long long src[kMaxEntries];
+  unsigned long long bytes[kMaxEntries];
+  int count;
+};
+
+const char kCopyKernelSource[] = R"CUDA(
+struct CopyTable {
+  unsigned long long dst[64];
+  unsigned long long src[64];
+  unsigned long long bytes[64];
+  int count;
+};
+
+// One entry per blockIdx.y; blocks in x and threads grid-stride over it.
+extern "C" __global__ void nimble_ffi_copy(CopyTable t) {
+  const int e = blockIdx.y;
+  if (e >= t.count) return;
+  unsigned char* dst = (unsigned char*)t.dst[e];
+  const unsigned char* src = (const unsigned char*)t.src[e];
+  const unsigned long long n = t.bytes[e];
+  const unsigned long long start =
+      (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  unsigned long long done = 0;
+  if (((t.dst[e] | t.src[e]) & 15ull) == 0) {  // both 16-aligned: uint4 path
+    const unsigned long long nv = n / 16;
+    uint4* d4 = (uint4*)dst;
+    const uint4* s4 = (const uint4*)src;
+    for (unsigned long long i = start; i < nv; i += stride) d4[i] = s4[i];
+    done = nv * 16;
+  }
+  for (unsigned long long i = done + start; i < n; i += stride) dst[i] = src[i];
+}
+)CUDA";
+
+template <typename F>
+bool Resolve(void* lib, const char* name, F* out) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+  if (*out == nullptr) g_init_error = std::string("libcuda.so.1 lacks ") + name;
+  return *out != nullptr;
+}
+
+void InitOnce() {
+  // RTLD_LOCAL: share the process's libcuda without exporting its symbols.
+  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) {
+    const char* why = dlerror();
+    g_init_error = std::string("cannot dlopen libcuda.so.1: ") +
+                   (why ? why : "unknown error");
+    g_init_status = 1;
+    return;
+  }
+  // cuEventDestroy is exported as cuEventDestroy_v2 since CUDA 4.0; the
+  // others never got a versioned name (cuda.h only adds _ptsz/_ptds aliases).
+  bool ok = Resolve(lib, "cuGraphLaunch", &g_drv.GraphLaunch) &&
+            Resolve(lib, "cuLaunchKernel", &g_drv.LaunchKernel) &&
+            Resolve(lib, "cuEventCreate", &g_drv.EventCreate) &&
+            Resolve(lib, "cuEventRecord", &g_drv.EventRecord) &&
+            Resolve(lib, "cuStreamWaitEvent", &g_drv.StreamWaitEvent) &&
+            Resolve(lib, "cuGetErrorString", &g_drv.GetErrorString) &&
+            Resolve(lib, "cuEventDestroy_v2", &g_drv.EventDestroy);
+  g_init_status = ok ? 0 : 2;  // the handle stays open for the process
+}
+
+std::string DriverError(const char* call, CUresult rc) {
+  const char* text = nullptr;
+  if (g_drv.GetErrorString == nullptr || g_drv.GetErrorString(rc, &text) != 0)
+    text = nullptr;
+  return std::string("nimblejax: ") + call + " failed: " +
+         (text ? text : "unknown error") + " (CUresult " + std::to_string(rc) +
+         ")";
+}
+
+// One registered plan. The arena addresses are baked into graph_exec, which
+// is why calls of one plan are serialized (mutex on the host, event on GPU).
+struct Plan {
+  CUgraphExec graph = nullptr;
+  CUfunction copy_fn = nullptr;
+  std::vector<unsigned long long> in_dst, in_bytes, out_src, out_bytes;
+  CUevent event = nullptr;
+  CUstream last_stream = nullptr;  // stream of the previous call, if any
+  std::mutex mu;
+  ~Plan() {
+    // Safe with work pending: the driver releases the event once it is done.
+    if (event != nullptr) g_drv.EventDestroy(event);
+  }
+};
+
+std::mutex g_plans_mu;
+std::unordered_map<long long, std::shared_ptr<Plan>> g_plans;
+long long g_next_id = 1;
+
+// Copies n (dst, src, bytes) entries with as few kernel launches as possible.
+ffi::Error CopyBatched(const Plan& plan, CUstream stream,
+                       const std::vector<unsigned long long>& dst,
+                       const std::vector<unsigned long long>& src,
+                       const std::vector<unsigned long long>& bytes) {
+  CopyTable table;
+  size_t i = 0;
+  while (i < dst.size()) {
+    table.count = 0;
+    unsigned long long max_bytes = 0;
+    for (; i < dst.size() && table.count < kMaxEntries; ++i) {
+      if (bytes[i] == 0) continue;  // nothing to move
+      table.dst[table.count] = dst[i];
+      table.src[table.count] = src[i];
+      table.bytes[table.count] = bytes[i];
+      if (bytes[i] > max_bytes) max_bytes = bytes[i];
+      ++table.count;
+    }
+    if (table.count == 0) break;
+    unsigned long long blocks = (max_bytes + kBytesPerBlock - 1) / kBytesPerBlock;
+    unsigned grid_x = blocks < 1 ? 1 : (blocks > kMaxBlocksX ? kMaxBlocksX
+                                                            : unsigned(blocks));
+    void* params[] = {&table};  // the driver copies the struct at launch
+    CUresult rc = g_drv.LaunchKernel(plan.copy_fn, grid_x, table.count, 1,
+                                     kThreads, 1, 1, 0, stream, params, nullptr);
+    if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
+                                   DriverError("cuLaunchKernel", rc));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckSize(const char* what, size_t i, size_t got,
+                     unsigned long long want) {
+  if (want == 0 || got == want) return ffi::Error::Success();
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                    std::string("nimblejax: ") + what + " " + std::to_string(i) +
+                        " has " + std::to_string(got) + " bytes, plan expects " +
+                        std::to_string(want));
+}
+
+ffi::Error PlanCall(CUstream stream, int64_t plan_id, ffi::RemainingArgs args,
+                    ffi::RemainingRets rets) {
+  // A plan exists only after a successful nimble_ffi_init (see register).
+  std::shared_ptr<Plan> plan;
+  {
+    std::lock_guard<std::mutex> lock(g_plans_mu);
+    auto it = g_plans.find(plan_id);
+    if (it != g_plans.end()) plan = it->second;
+  }
+  if (!plan) return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                               "nimblejax: unknown plan id " +
+                                   std::to_string(plan_id));
+  if (args.size() != plan->in_dst.size() || rets.size() != plan->out_src.size())
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument,
+                      "nimblejax: plan " + std::to_string(plan_id) +
+                          " registered " + std::to_string(plan->in_dst.size()) +
+                          " inputs / " + std::to_string(plan->out_src.size()) +
+                          " outputs, called with " + std::to_string(args.size()) +
+                          " / " + std::to_string(rets.size()));
+
+  // Gather XLA's buffer addresses; a size mismatch would corrupt the arena
+  // (0 registered bytes means "not copied", so any size is accepted).
+  std::vector<unsigned long long> in_src(args.size()), out_dst(rets.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto buf = args.get<ffi::AnyBuffer>(i);
+    if (buf.has_error()) return buf.error();
+    ffi::Error err = CheckSize("input", i, buf->size_bytes(), plan->in_bytes[i]);
+    if (err.failure()) return err;
+    in_src[i] = reinterpret_cast<uintptr_t>(buf->untyped_data());
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto buf = rets.get<ffi::AnyBuffer>(i);
+    if (buf.has_error()) return buf.error();
+    ffi::AnyBuffer out = **buf;
+    ffi::Error err = CheckSize("output", i, out.size_bytes(), plan->out_bytes[i]);
+    if (err.failure()) return err;
+    out_dst[i] = reinterpret_cast<uintptr_t>(out.untyped_data());
+  }
+
+  std::lock_guard<std::mutex> lock(plan->mu);
+  // The arena is shared by all calls of this plan: if the previous call ran
+  // on another stream, its graph must finish before we overwrite the inputs.
+  if (plan->last_stream != nullptr && plan->last_stream != stream) {
+    CUresult rc = g_drv.StreamWaitEvent(stream, plan->event, 0);
+    if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
+                                   DriverError("cuStreamWaitEvent", rc));
+  }
+  ffi::Error err = CopyBatched(*plan, stream, plan->in_dst, in_src,
+                               plan->in_bytes);
+  if (err.failure()) return err;
+  CUresult rc = g_drv.GraphLaunch(plan->graph, stream);
+  if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
+                                 DriverError("cuGraphLaunch", rc));
+  err = CopyBatched(*plan, stream, out_dst, plan->out_src, plan->out_bytes);
+  if (err.failure()) return err;
+  rc = g_drv.EventRecord(plan->event, stream);
+  if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
+                                 DriverError("cuEventRecord", rc));
+  plan->last_stream = stream;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// ---- Exported C API (called from Python through ctypes) ----
+
+NIMBLE_EXPORT int nimble_ffi_init(void) {
+  std::call_once(g_init_once, InitOnce);
+  if (g_init_status != 0) t_last_error = g_init_error;
+  return g_init_status;
+}
+
+NIMBLE_EXPORT const char* nimble_ffi_last_error(void) {
+  return t_last_error.c_str();
+}
+
+NIMBLE_EXPORT const char* nimble_ffi_copy_kernel_source(void) {
+  return kCopyKernelSource;
+}
+
+// Needs a current CUDA context (the one graph_exec and copy_fn belong to):
+// the plan's event is created in it.
+NIMBLE_EXPORT long long nimble_ffi_register(
+    void* graph_exec, void* copy_fn, int n_in, const unsigned long long* in_dst,
+    const unsigned long long* in_bytes, int n_out,
+    const unsigned long long* out_src, const unsigned long long* out_bytes) {
+  if (nimble_ffi_init() != 0) return -1;
+  if (graph_exec == nullptr || copy_fn == nullptr || n_in < 0 || n_out < 0 ||
+      (n_in > 0 && (in_dst == nullptr || in_bytes == nullptr)) ||
+      (n_out > 0 && (out_src == nullptr || out_bytes == nullptr))) {
+    t_last_error = "nimble_ffi_register: invalid arguments";
+    return -1;
+  }
+  auto plan = std::make_shared<Plan>();
+  plan->graph = static_cast<CUgraphExec>(graph_exec);
+  plan->copy_fn = static_cast<CUfunction>(copy_fn);
+  plan->in_dst.assign(in_dst, in_dst + n_in);
+  plan->in_bytes.assign(in_bytes, in_bytes + n_in);
+  plan->out_src.assign(out_src, out_src + n_out);
+  plan->out_bytes.assign(out_bytes, out_bytes + n_out);
+  CUresult rc = g_drv.EventCreate(&plan->event, kEventDisableTiming);
+  if (rc != 0) {
+    plan->event = nullptr;
+    t_last_error = DriverError("cuEventCreate", rc);
+    return -1;
+  }
+  std::lock_guard<std::mutex> lock(g_plans_mu);
+  long long id = g_next_id++;
+  g_plans.emplace(id, std::move(plan));
+  return id;
+}
+
+// A call already running keeps its shared_ptr, so the plan outlives it.
+NIMBLE_EXPORT void nimble_ffi_unregister(long long id) {
+  std::shared_ptr<Plan> doomed;  // destroyed outside the lock
+  std::lock_guard<std::mutex> lock(g_plans_mu);
+  auto it = g_plans.find(id);
+  if (it == g_plans.end()) return;
+  doomed = std::move(it->second);
+  g_plans.erase(it);
+}
+
+// ---- The XLA FFI handler ----
+
+XLA_FFI_DEFINE_HANDLER(kNimblePlanCall, PlanCall,
+                       ffi::Ffi::Bind()
+                           .Ctx<ffi::PlatformStream<CUstream>>()
+                           .Attr<int64_t>("plan")
+                           .RemainingArgs()
+                           .RemainingRets());
+
+// Exported by hand (not XLA_FFI_DEFINE_HANDLER_SYMBOL) so that it stays
+// visible although the library is built with -fvisibility=hidden.
+NIMBLE_EXPORT XLA_FFI_Error* NimblePlanCall(XLA_FFI_CallFrame* call_frame) {
+  return kNimblePlanCall(call_frame);
+}

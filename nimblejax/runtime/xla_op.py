@@ -1,0 +1,278 @@
+"""A nimble plan as a JAX operation: the `nimble_call` primitive.
+
+`nimble.jit(f)` wraps f's flat body in one primitive inside a `jax.jit`, so JAX's own C++
+dispatch does the per-call work (flattening, the signature cache, donation, asynchronous
+dispatch, result arrays) and no nimble Python runs in a steady-state call.
+
+- abstract eval: the shapes of f's outputs (jax.eval_shape, cached per signature);
+- lowering: plan f for the operand shapes (once per signature) and emit
+  - on the cuda backend, an XLA FFI custom call to runtime/ffi/handler.cc: it copies the
+    operands into the plan's arena with one copy kernel, launches the captured graph on
+    XLA's stream, and copies the results out with one copy kernel;
+  - on the interpret backend, a `jax.pure_callback` into the CPU plan interpreter;
+- batching (vmap): the same primitive over the batched function, planned as a whole;
+- differentiation: a custom VJP whose backward pass is itself a nimble plan (the VJP of
+  f, recomputing the forward inside the backward plan).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+
+from nimblejax.compiler.plan import Plan
+from nimblejax.runtime.ffi import TARGET
+
+nimble_call_p = Primitive("nimble_call")
+nimble_call_p.multiple_results = True
+
+
+@dataclass(frozen=True, eq=False)
+class Body:
+    """What one `nimble_call` runs. A primitive param, so hashable: equal bodies (same
+    function, tree, statics and transformation) share their plans.
+
+    `flat_fun` maps flat operands to flat results; `plan_fn(flat_fun, specs)` plans it
+    (the owning NimbleFunction's options); `make_runner(plan, signature, donated)` makes
+    the runner for the backend; `plans` and `runners` are the owner's caches; `donated`
+    are flat operand indices whose buffers jax.jit donates (results may alias them)."""
+
+    key: tuple
+    flat_fun: Callable = field(compare=False)
+    plan_fn: Callable = field(compare=False)
+    make_runner: Callable = field(compare=False)
+    runners: dict = field(compare=False)
+    plans: dict = field(compare=False)
+    donated: frozenset = frozenset()
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Body) and self.key == other.key
+
+    def derive(self, tag: tuple, flat_fun: Callable) -> "Body":
+        return Body(self.key + (tag,), flat_fun, self.plan_fn, self.make_runner, self.runners,
+                    self.plans)
+
+    def out_shapes(self, avals) -> list:
+        return jax.eval_shape(self.flat_fun, *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
+                                               for a in avals])
+
+    def plan(self, avals) -> tuple[Plan, tuple]:
+        """The plan for these operand types, made once. Made at trace time (abstract
+        eval), so that the user's frames are on the stack and errors name their lines."""
+        specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals)
+        key = (self.key, tuple((s.shape, np.dtype(s.dtype), s.weak_type) for s in specs))
+        with _lock:
+            found = self.plans.get(key)
+            if found is None:
+                found = self.plans[key] = (self.plan_fn(self.flat_fun, specs), key)
+        return found
+
+    def runner(self, avals) -> "Runner":
+        """The runner of the plan for these operand types (at lowering), made once."""
+        plan, key = self.plan(avals)
+        with _lock:
+            found = self.runners.get(key)
+            if found is None:
+                found = self.runners[key] = self.make_runner(plan, key[1], self.donated)
+        return found
+
+
+_lock = threading.RLock()  # plans and runners are made once, whichever thread asks first
+
+
+@nimble_call_p.def_abstract_eval
+def _abstract(*avals, body: Body):
+    body.plan(avals)
+    return [jax.core.ShapedArray(s.shape, s.dtype, weak_type=getattr(s, "weak_type", False))
+            for s in body.out_shapes(avals)]
+
+
+@nimble_call_p.def_impl
+def _impl(*args, body: Body):
+    return jax.jit(lambda *xs: nimble_call_p.bind(*xs, body=body))(*args)
+
+
+def _lowering(ctx, *args, body: Body):
+    runner = body.runner(ctx.avals_in)
+    return mlir.lower_fun(runner.emit, multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(nimble_call_p, _lowering)
+
+
+def _batched(args, dims, *, body: Body):
+    """vmap plans the batched function as a whole (one graph), not a loop."""
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
+    in_axes = tuple(None if d is None else 0 for d in dims)
+    vmapped = body.derive(("vmap", in_axes, size), jax.vmap(body.flat_fun, in_axes=in_axes))
+    outs = nimble_call_p.bind(*moved, body=vmapped)
+    return outs, [0] * len(outs)
+
+
+batching.primitive_batchers[nimble_call_p] = _batched
+
+
+def call(body: Body, leaves: list) -> list:
+    """Bind `nimble_call` on `leaves`, differentiable through a custom VJP."""
+
+    @jax.custom_vjp
+    def run(*xs):
+        return nimble_call_p.bind(*xs, body=body)
+
+    def fwd(*xs):
+        return run(*xs), xs
+
+    def bwd(xs, cts):
+        differentiable = [_is_float(x) for x in xs]
+        float_cts = [c for c in cts if _is_float(c)]
+        grads = iter(nimble_call_p.bind(*xs, *float_cts, body=_vjp_body(body, len(xs))))
+        return tuple(next(grads) if d else np.zeros(np.shape(x), jax.dtypes.float0)
+                     for x, d in zip(xs, differentiable))
+
+    run.defvjp(fwd, bwd)
+    return run(*leaves)
+
+
+def _is_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def _vjp_body(body: Body, n: int) -> Body:
+    """The backward plan: (operands, cotangents of float results) → gradients of the
+    float operands."""
+
+    def backward(*args):
+        xs, float_cts = args[:n], iter(args[n:])
+        outs, pull = jax.vjp(body.flat_fun, *xs)
+        cts = [next(float_cts) if _is_float(o) else np.zeros(o.shape, jax.dtypes.float0) for o in outs]
+        return [g for g, x in zip(pull(cts), xs) if _is_float(x)]
+
+    return body.derive(("vjp", n), backward)
+
+
+# ---- runners: what a lowered nimble_call emits ----------------------------------------
+class Runner:
+    """Emits the traced computation that runs `plan` (inside lowering)."""
+
+    plan: Plan
+
+    def emit(self, *xs):
+        raise NotImplementedError
+
+
+class InterpretRunner(Runner):
+    """The CPU plan interpreter behind a pure_callback; each call takes another
+    interleaving of the streams."""
+
+    def __init__(self, plan: Plan, out_shapes) -> None:
+        self.plan = plan
+        self.out_shapes = out_shapes
+        self.calls = itertools.count()
+
+    def _run(self, *xs):
+        from nimblejax.runtime import interpret
+
+        outs = interpret.run(self.plan, [np.asarray(x) for x in xs], seed=next(self.calls))
+        return tuple(np.asarray(o, dtype=s.dtype).reshape(s.shape) for o, s in zip(outs, self.out_shapes))
+
+    def emit(self, *xs):
+        return list(jax.pure_callback(self._run, tuple(self.out_shapes), *xs))
+
+
+class FfiRunner(Runner):
+    """The plan's graph captured raw and registered with the C++ FFI handler."""
+
+    def __init__(self, plan: Plan, out_shapes, library, gemm: str, donated: frozenset) -> None:
+        from nimblejax.runtime.executable import Executable
+
+        self.plan, self.library = plan, library
+        self.exe = Executable(plan, output="cupy", gemm=gemm, capture="raw")
+        inputs = plan.graph.inputs
+        in_dst = [self.exe.base + plan.offset(v) if _in_arena(plan, v) else 0 for v in inputs]
+        in_bytes = [v.nbytes if _in_arena(plan, v) else 0 for v in inputs]
+        self.buffers = list(dict.fromkeys(a for a in plan.graph.outputs if plan.output_kind(a) == "buffer"))
+        out_src = [self.exe.base + plan.offset(a) for a in self.buffers]
+        self.id = library.register(self.exe.raw_exec, _copy_function(library), in_dst, in_bytes,
+                                   out_src, [a.nbytes for a in self.buffers])
+        self.out_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.buffers]
+        self.aliases = _aliases(inputs, self.buffers, donated)
+
+    def emit(self, *xs):
+        made = jax.ffi.ffi_call(TARGET, self.out_specs,
+                                input_output_aliases=self.aliases)(*xs, plan=np.int64(self.id))
+        made = list(made) if isinstance(made, (list, tuple)) else [made]
+        index = {a: i for i, a in enumerate(self.buffers)}
+        outs = []
+        for a in self.plan.graph.outputs:
+            kind = self.plan.output_kind(a)
+            if kind == "buffer":
+                outs.append(made[index[a]])
+            elif kind == "input":
+                outs.append(xs[self.plan.graph.inputs.index(a)])
+            else:
+                value = a.value if kind == "literal" else self.plan.graph.consts[a]
+                outs.append(jnp.asarray(value, dtype=a.dtype))
+        return outs
+
+    def close(self) -> None:
+        if self.id:
+            self.library.unregister(self.id)
+            self.id = 0
+        self.exe.close()
+
+
+def _in_arena(plan: Plan, v) -> bool:
+    return v in plan.memory.offsets and v.nbytes > 0
+
+
+def _aliases(inputs, buffers, donated: frozenset) -> dict:
+    """Donated operand → a result of its shape and dtype, each result at most once: XLA
+    then writes that result into the donated buffer (a loop feeding back its state
+    allocates nothing)."""
+    aliases, taken = {}, set()
+    for i in sorted(donated):
+        v = inputs[i]
+        for k, a in enumerate(buffers):
+            if k not in taken and a.shape == v.shape and np.dtype(a.dtype) == np.dtype(v.dtype):
+                aliases[i] = k
+                taken.add(k)
+                break
+    return aliases
+
+
+_COPY_FUNCTION: Optional[tuple] = None
+
+
+def _copy_function(library) -> int:
+    """The CUfunction of the handler's copy kernel, compiled once per process."""
+    global _COPY_FUNCTION
+    if _COPY_FUNCTION is None:
+        import cupy
+
+        module = cupy.RawModule(code=library.copy_kernel_source())
+        function = module.get_function("nimble_ffi_copy")
+        _COPY_FUNCTION = (module, function)  # the module must outlive every plan
+    return _COPY_FUNCTION[1].ptr
+
+
+def make_runner(backend: str, options, library: Any = None) -> Callable:
+    """The `make_runner` of a Body for `backend` ("interpret" or "cuda")."""
+
+    def make(plan: Plan, signature, donated: frozenset) -> Runner:
+        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.graph.outputs]
+        if backend == "interpret":
+            return InterpretRunner(plan, shapes)
+        return FfiRunner(plan, shapes, library, options.gemm, donated)
+
+    return make

@@ -1,0 +1,104 @@
+"""The XLA FFI call path on the GPU: a nimble plan as a JAX operation."""
+from __future__ import annotations
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nimblejax as nimble
+from models import branchy_args, branchy_mlp, rand
+
+pytestmark = pytest.mark.gpu
+r = np.random.default_rng(0)
+
+
+def close(a, b, tol=2e-3):
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+def loss(p, x):
+    return jnp.sum(branchy_mlp(p, x) ** 2)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return branchy_args(np.random.default_rng(1), branches=4, layers=3, width=64, batch=8)
+
+
+def test_ffi_path_is_taken_and_matches_jax(model):
+    f = nimble.jit(branchy_mlp, backend="cuda")
+    close(f(*model), jax.jit(branchy_mlp)(*model))
+    assert f.call_path == "xla"
+    for _ in range(3):  # fresh inputs, no block in between
+        x = rand(r, 8, 64)
+        close(f(model[0], x), jax.jit(branchy_mlp)(model[0], x))
+
+
+def test_grad_vmap_and_jit_inside_through_ffi(model):
+    f = nimble.jit(branchy_mlp, backend="cuda")
+    nl = lambda p, x: jnp.sum(f(p, x) ** 2)  # noqa: E731
+    close(jax.grad(nl)(*model), jax.grad(loss)(*model))
+    xs = rand(r, 3, 8, 64)
+    close(jax.vmap(f, in_axes=(None, 0))(model[0], xs), jax.vmap(branchy_mlp, in_axes=(None, 0))(model[0], xs))
+    outer = jax.jit(lambda p, x: jnp.tanh(f(p, x * 2.0)) + 1.0)
+    close(outer(*model), jnp.tanh(branchy_mlp(model[0], model[1] * 2.0)) + 1.0)
+
+
+def test_donated_training_state_fed_back(model):
+    def step(p, x):
+        g = jax.grad(loss)(p, x)
+        return jax.tree_util.tree_map(lambda a, b: a - 1e-3 * b, p, g)
+
+    f = nimble.jit(step, backend="cuda", donate_argnums=0)
+    ref = jax.jit(step)
+    p_n = jax.tree_util.tree_map(jnp.copy, model[0])
+    p_j = model[0]
+    for _ in range(4):
+        x = rand(r, 8, 64)
+        p_n, p_j = f(p_n, x), ref(p_j, x)
+    close(p_n, p_j)
+
+
+def test_steady_state_call_runs_no_nimble_python_and_no_sync(model):
+    f = nimble.jit(branchy_mlp, backend="cuda")
+    xs = [rand(r, 8, 64) for _ in range(10)]
+    jax.block_until_ready(f(model[0], xs[0]))
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            seen.append(frame.f_code.co_filename)
+        elif event == "c_call" and "ynchronize" in getattr(arg, "__name__", ""):
+            seen.append("SYNC:" + arg.__name__)
+
+    sys.setprofile(profile)
+    try:
+        outs = [f(model[0], x) for x in xs]
+    finally:
+        sys.setprofile(None)
+    jax.block_until_ready(outs)
+    nimble_frames = [s for s in seen if "nimblejax" in s and not s.endswith("api.py")]
+    assert nimble_frames == []
+    assert not [s for s in seen if s.startswith("SYNC:")]
+    # api.py: only NimbleFunction.__call__, one frame per call
+    assert sum(s.endswith("api.py") for s in seen) == len(xs)
+    close(outs[-1], jax.jit(branchy_mlp)(model[0], xs[-1]))
+
+
+def test_integer_bool_and_passthrough_outputs():
+    def g(x, i):
+        return x * 2.0, i + 1, x > 0, x, jnp.arange(4)
+
+    f = nimble.jit(g, backend="cuda")
+    x, i = rand(r, 5, 3), jnp.arange(6, dtype=jnp.int32)
+    close(f(x, i), g(x, i), tol=0)
+
+
+def test_python_path_still_available(model):
+    f = nimble.jit(branchy_mlp, backend="cuda", call_path="python")
+    close(f(*model), jax.jit(branchy_mlp)(*model))
+    assert f.call_path == "python"
