@@ -260,10 +260,9 @@ def _copy_function(library) -> int:
     if _COPY_FUNCTION is None:
         import cupy
 
-        module = cupy.RawModule(code=library.copy_kernel_source())
-        function = module.get_function("nimble_ffi_copy")
-        _COPY_FUNCTION = (module, function)  # the module must outlive every plan
-    return _COPY_FUNCTION[1].ptr
+        kernel = cupy.RawKernel(library.copy_kernel_source(), "nimble_ffi_copy")
+        _COPY_FUNCTION = (kernel, kernel.kernel.ptr)  # the kernel must outlive every plan
+    return _COPY_FUNCTION[1]
 
 
 def make_runner(backend: str, options, library: Any = None) -> Callable:
