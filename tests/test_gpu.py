@@ -37,8 +37,9 @@ def test_primitive_matches_jax(record):
 
 
 def test_life_cycle_one_graph_launch_per_call_and_no_kernels():
+    """The Python call path's counters (the XLA path is checked in test_gpu_ffi.py)."""
     args = branchy_args(np.random.default_rng(0))
-    f = nimble.jit(branchy_mlp, backend="cuda")
+    f = nimble.jit(branchy_mlp, backend="cuda", call_path="python")
     want = jax.jit(branchy_mlp)(*args)
     outs = [f(*args) for _ in range(5)]
     assert f.cache_size == 1
