@@ -27,7 +27,7 @@ def nothing_installed(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     nvidia = tmp_path / "nvidia"
     nvidia.mkdir()
-    monkeypatch.setattr(loader, "_nvidia_namespace_dirs", lambda: [str(nvidia)])
+    monkeypatch.setattr(loader, "nvidia_namespace_dirs", lambda: [str(nvidia)])
     monkeypatch.setattr(loader, "_pathfinder", lambda name: (f"pathfinder({name})", None))
     monkeypatch.setattr(loader.options, "cuda_roots", lambda: [str(tmp_path / "toolkit")])
     monkeypatch.setattr(loader.ctypes.util, "find_library", lambda name: None)
@@ -202,7 +202,7 @@ def test_cublaslt_not_found_explains_why(nothing_installed) -> None:
 
 
 def test_no_wheels_installed_is_said(monkeypatch, nothing_installed) -> None:
-    monkeypatch.setattr(loader, "_nvidia_namespace_dirs", lambda: [])
+    monkeypatch.setattr(loader, "nvidia_namespace_dirs", lambda: [])
     with pytest.raises(LibraryNotFoundError, match="no 'nvidia' package installed"):
         loader.find("cudnn")
 

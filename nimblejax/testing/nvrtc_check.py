@@ -10,7 +10,6 @@ helper function must be marked `__device__` explicitly.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import re
 import shutil
@@ -102,15 +101,11 @@ def _excerpt(source: str, lines: list[int]) -> str:
 def _nvidia_wheel_include_dirs() -> list[str]:
     # CUDA 13 wheels put headers in nvidia/cu13/include; CUDA 12 wheels in
     # nvidia/cuda_runtime/include.
-    try:
-        spec = importlib.util.find_spec("nvidia")
-    except (ImportError, ValueError):
-        return []
-    if spec is None or spec.submodule_search_locations is None:
-        return []
+    from nimblejax.runtime.libs.loader import nvidia_namespace_dirs
+
     return [
         os.path.join(root, sub, "include")
-        for root in spec.submodule_search_locations
+        for root in nvidia_namespace_dirs()
         for sub in ("cu13", "cuda_runtime")
     ]
 

@@ -116,7 +116,7 @@ class LibraryError(RuntimeError):
 _Step = tuple[str, Optional[str]]
 
 
-def _nvidia_namespace_dirs() -> list[str]:
+def nvidia_namespace_dirs() -> list[str]:
     # `nvidia` is a namespace package spread over site-packages; find_spec imports
     # nothing and returns every portion of it.
     try:
@@ -155,7 +155,7 @@ def _pathfinder(name: str) -> _Step:
 
 
 def _cublas_steps() -> Iterator[_Step]:
-    roots = _nvidia_namespace_dirs()
+    roots = nvidia_namespace_dirs()
     if not roots:
         yield _no_wheels()
     for soname in _CUBLAS_SONAMES:  # the CUDA 13 soname everywhere before CUDA 12's
@@ -187,7 +187,7 @@ def _cublaslt_steps() -> Iterator[_Step]:
 
 
 def _cudnn_steps() -> Iterator[_Step]:
-    roots = _nvidia_namespace_dirs()
+    roots = nvidia_namespace_dirs()
     if not roots:
         yield _no_wheels()
     for root in roots:
