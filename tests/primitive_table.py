@@ -226,3 +226,10 @@ rec("nimble_cudnn_conv", lambda x, w: conv(x, w, (2, 2)), f32(1, 7, 6, 2), f32(3
 # Long reductions with few outputs are split in two stages (lowering/split.py).
 rec("reduce_sum", lambda x: jnp.sum(x * x, axis=(0, 1, 2)), f32(16, 32, 32, 8), label="split-column")
 rec("reduce_max", lambda x: jnp.max(x, axis=-1), f32(3, 40000), label="split-row")
+
+# Records of the indexing, sorting, random-number and special-function rules live beside
+# this file, one module per rule module; importing them appends to RECORDS.
+import records_indexing  # noqa: E402,F401
+import records_sort  # noqa: E402,F401
+import records_random  # noqa: E402,F401
+import records_special  # noqa: E402,F401

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_kernels,  # noqa: F401
-                                rules_reduce, rules_window)  # (registration)
+from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_indexing,  # noqa: F401
+                                         rules_kernels, rules_reduce, rules_sort, rules_special,
+                                         rules_window)  # (registration)
 from nimblejax.compiler.lowering.codegen import elementwise_kernel, reduction_kernel
 from nimblejax.compiler.lowering.registry import RULES, rule_for
 from nimblejax.compiler.lowering.task import ConvCall, GemmCall, Kernel, Task
