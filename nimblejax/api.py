@@ -183,7 +183,7 @@ class NimbleFunction:
         """The compiled GPU runners, one per cached plan (Executable objects with a
         `stats` dict of calls, graph launches and task launches on the Python path)."""
         exes = [c.run for c in self._cache.values()]
-        return exes + [r.exe for r in self._runners.values() if hasattr(r, "exe")]
+        return exes + [e for r in self._runners.values() for e in getattr(r, "exes", {}).values()]
 
     # ---- choosing the call path ---------------------------------------------------
     def _choose_entry(self) -> Callable:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -104,7 +104,20 @@ def _impl(*args, body: Body):
 
 def _lowering(ctx, *args, body: Body):
     runner = body.runner(ctx.avals_in)
+    runner.place(_lowering_devices(ctx))
     return mlir.lower_fun(runner.emit, multiple_results=True)(ctx, *args)
+
+
+def _lowering_devices(ctx) -> list:
+    """The devices the computation being lowered may run on: its device assignment
+    (jit), the mesh of a shard_map, or else every local device."""
+    axis = ctx.module_context.axis_context
+    devices = getattr(axis, "device_assignment", None)
+    if not devices and getattr(axis, "mesh", None) is not None:
+        devices = tuple(axis.mesh.devices.flat)
+    if not devices:
+        devices = jax.local_devices()
+    return [d for d in devices if d.process_index == jax.process_index()]
 
 
 mlir.register_lowering(nimble_call_p, _lowering)
@@ -167,6 +180,9 @@ class Runner:
 
     plan: Plan
 
+    def place(self, devices) -> None:
+        """Make the plan runnable on these (local) devices."""
+
     def emit(self, *xs):
         raise NotImplementedError
 
@@ -191,22 +207,43 @@ class InterpretRunner(Runner):
 
 
 class FfiRunner(Runner):
-    """The plan's graph captured raw and registered with the C++ FFI handler."""
+    """The plan's graph captured raw and registered with the C++ FFI handler, once per
+    GPU it runs on (each device of a shard_map launches its own copy: own arena, own
+    graph, on XLA's stream of that device)."""
 
     def __init__(self, plan: Plan, out_shapes, library, gemm: str, donated: frozenset) -> None:
+        self.plan, self.library, self.gemm = plan, library, gemm
+        self.id = 0
+        self.exes: dict = {}  # device ordinal -> Executable
+        self.buffers = list(dict.fromkeys(a for a in plan.graph.outputs if plan.output_kind(a) == "buffer"))
+        self.out_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.buffers]
+        self.aliases = _aliases(plan.graph.inputs, self.buffers, donated)
+
+    @property
+    def exe(self):
+        """The Executable of the first device this plan was placed on."""
+        return next(iter(self.exes.values()))
+
+    def place(self, devices) -> None:
+        for d in devices:
+            if d.platform == "gpu" and d.local_hardware_id not in self.exes:
+                self._register(d.local_hardware_id)
+
+    def _register(self, ordinal: int) -> None:
+        import cupy
+
         from nimblejax.runtime.executable import Executable
 
-        self.plan, self.library = plan, library
-        self.exe = Executable(plan, output="cupy", gemm=gemm, capture="raw")
-        inputs = plan.graph.inputs
-        in_dst = [self.exe.base + plan.offset(v) if _in_arena(plan, v) else 0 for v in inputs]
-        in_bytes = [v.nbytes if _in_arena(plan, v) else 0 for v in inputs]
-        self.buffers = list(dict.fromkeys(a for a in plan.graph.outputs if plan.output_kind(a) == "buffer"))
-        out_src = [self.exe.base + plan.offset(a) for a in self.buffers]
-        self.id = library.register(self.exe.raw_exec, _copy_function(library), in_dst, in_bytes,
-                                   out_src, [a.nbytes for a in self.buffers])
-        self.out_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.buffers]
-        self.aliases = _aliases(inputs, self.buffers, donated)
+        plan = self.plan
+        with cupy.cuda.Device(ordinal):
+            exe = Executable(plan, output="cupy", gemm=self.gemm, capture="raw")
+            in_dst = [exe.base + plan.offset(v) if _in_arena(plan, v) else 0 for v in plan.graph.inputs]
+            in_bytes = [v.nbytes if _in_arena(plan, v) else 0 for v in plan.graph.inputs]
+            out_src = [exe.base + plan.offset(a) for a in self.buffers]
+            self.id = self.library.register(exe.raw_exec, _copy_function(self.library, ordinal), in_dst, in_bytes,
+                                            out_src, [a.nbytes for a in self.buffers],
+                                            plan_id=self.id, device=ordinal)
+        self.exes[ordinal] = exe
 
     def emit(self, *xs):
         made = jax.ffi.ffi_call(TARGET, self.out_specs,
@@ -229,7 +266,9 @@ class FfiRunner(Runner):
         if self.id:
             self.library.unregister(self.id)
             self.id = 0
-        self.exe.close()
+        for exe in self.exes.values():
+            exe.close()
+        self.exes.clear()
 
 
 def _in_arena(plan: Plan, v) -> bool:
@@ -251,18 +290,19 @@ def _aliases(inputs, buffers, donated: frozenset) -> dict:
     return aliases
 
 
-_COPY_FUNCTION: Optional[tuple] = None
+_COPY_FUNCTIONS: dict = {}  # device ordinal -> (RawKernel, CUfunction)
 
 
-def _copy_function(library) -> int:
-    """The CUfunction of the handler's copy kernel, compiled once per process."""
-    global _COPY_FUNCTION
-    if _COPY_FUNCTION is None:
+def _copy_function(library, ordinal: int) -> int:
+    """The CUfunction of the handler's copy kernel on device `ordinal` (current),
+    compiled once per process and device."""
+    if ordinal not in _COPY_FUNCTIONS:
         import cupy
 
         kernel = cupy.RawKernel(library.copy_kernel_source(), "nimble_ffi_copy")
-        _COPY_FUNCTION = (kernel, kernel.kernel.ptr)  # the kernel must outlive every plan
-    return _COPY_FUNCTION[1]
+        # The kernel must outlive every plan; .kernel loads it into the current context.
+        _COPY_FUNCTIONS[ordinal] = (kernel, kernel.kernel.ptr)
+    return _COPY_FUNCTIONS[ordinal][1]
 
 
 def make_runner(backend: str, options, library: Any = None) -> Callable:

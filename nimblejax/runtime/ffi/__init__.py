@@ -155,7 +155,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nimble_ffi_copy_kernel_source.argtypes = []
     lib.nimble_ffi_copy_kernel_source.restype = ctypes.c_char_p
     lib.nimble_ffi_register.argtypes = [
-        ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int, _u64_p, _u64_p,
         ctypes.c_int, _u64_p, _u64_p,
     ]  # fmt: skip
@@ -210,8 +210,13 @@ class FfiLibrary:
         in_bytes: Sequence[int],
         out_src: Sequence[int],
         out_bytes: Sequence[int],
+        *,
+        plan_id: int = 0,
+        device: int = 0,
     ) -> int:
-        """Register a plan and return its id (> 0).
+        """Register a plan's copy on device ordinal ``device`` and return the plan's
+        id (> 0): a new id when ``plan_id`` is 0, else ``plan_id`` (the same plan on
+        another device; XLA passes the handler its device ordinal).
 
         ``graph_exec`` is the plan's CUgraphExec and ``copy_fn`` the CUfunction
         of the compiled :meth:`copy_kernel_source` (e.g. CuPy's
@@ -225,7 +230,7 @@ class FfiLibrary:
         if len(in_dst) != len(in_bytes) or len(out_src) != len(out_bytes):
             raise ValueError("in_dst/in_bytes and out_src/out_bytes must have equal lengths")
         plan_id = self._lib.nimble_ffi_register(
-            ctypes.c_void_p(graph_exec), ctypes.c_void_p(copy_fn),
+            int(plan_id), int(device), ctypes.c_void_p(graph_exec), ctypes.c_void_p(copy_fn),
             len(in_dst), _u64_array(in_dst), _u64_array(in_bytes),
             len(out_src), _u64_array(out_src), _u64_array(out_bytes),
         )  # fmt: skip
@@ -234,7 +239,7 @@ class FfiLibrary:
         return plan_id
 
     def unregister(self, plan_id: int) -> None:
-        """Forget a plan; a call already running on it finishes first."""
+        """Forget a plan on every device; a call already running on it finishes first."""
         self._lib.nimble_ffi_unregister(plan_id)
 
     def copy_kernel_source(self) -> str:

@@ -11,7 +11,8 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <unordered_map>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -146,7 +147,10 @@ struct Plan {
 };
 
 std::mutex g_plans_mu;
-std::unordered_map<long long, std::shared_ptr<Plan>> g_plans;
+// (plan id, device ordinal) -> that device's copy of the plan. One id names a plan on
+// every device it was registered for (the per-device body of a shard_map, or a jit
+// placed on another GPU); XLA tells the handler which device it runs on.
+std::map<std::pair<long long, int>, std::shared_ptr<Plan>> g_plans;
 long long g_next_id = 1;
 
 // Copies n (dst, src, bytes) entries with as few kernel launches as possible.
@@ -189,18 +193,19 @@ ffi::Error CheckSize(const char* what, size_t i, size_t got,
                         std::to_string(want));
 }
 
-ffi::Error PlanCall(CUstream stream, int64_t plan_id, ffi::RemainingArgs args,
-                    ffi::RemainingRets rets) {
+ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
+                    ffi::RemainingArgs args, ffi::RemainingRets rets) {
   // A plan exists only after a successful nimble_ffi_init (see register).
   std::shared_ptr<Plan> plan;
   {
     std::lock_guard<std::mutex> lock(g_plans_mu);
-    auto it = g_plans.find(plan_id);
+    auto it = g_plans.find({plan_id, device});
     if (it != g_plans.end()) plan = it->second;
   }
   if (!plan) return ffi::Error(ffi::ErrorCode::kInvalidArgument,
-                               "nimblejax: unknown plan id " +
-                                   std::to_string(plan_id));
+                               "nimblejax: plan " + std::to_string(plan_id) +
+                                   " is not registered for device " +
+                                   std::to_string(device));
   if (args.size() != plan->in_dst.size() || rets.size() != plan->out_src.size())
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "nimblejax: plan " + std::to_string(plan_id) +
@@ -269,14 +274,16 @@ NIMBLE_EXPORT const char* nimble_ffi_copy_kernel_source(void) {
   return kCopyKernelSource;
 }
 
-// Needs a current CUDA context (the one graph_exec and copy_fn belong to):
-// the plan's event is created in it.
+// Registers the copy of plan `plan_id` (0: a new id) for device ordinal `device`
+// and returns the plan's id. Needs the device's CUDA context current (the one
+// graph_exec and copy_fn belong to): the plan's event is created in it.
 NIMBLE_EXPORT long long nimble_ffi_register(
-    void* graph_exec, void* copy_fn, int n_in, const unsigned long long* in_dst,
+    long long plan_id, int device, void* graph_exec, void* copy_fn, int n_in, const unsigned long long* in_dst,
     const unsigned long long* in_bytes, int n_out,
     const unsigned long long* out_src, const unsigned long long* out_bytes) {
   if (nimble_ffi_init() != 0) return -1;
-  if (graph_exec == nullptr || copy_fn == nullptr || n_in < 0 || n_out < 0 ||
+  if (plan_id < 0 || device < 0 || graph_exec == nullptr || copy_fn == nullptr ||
+      n_in < 0 || n_out < 0 ||
       (n_in > 0 && (in_dst == nullptr || in_bytes == nullptr)) ||
       (n_out > 0 && (out_src == nullptr || out_bytes == nullptr))) {
     t_last_error = "nimble_ffi_register: invalid arguments";
@@ -296,19 +303,26 @@ NIMBLE_EXPORT long long nimble_ffi_register(
     return -1;
   }
   std::lock_guard<std::mutex> lock(g_plans_mu);
-  long long id = g_next_id++;
-  g_plans.emplace(id, std::move(plan));
+  long long id = plan_id > 0 ? plan_id : g_next_id++;
+  if (id >= g_next_id) g_next_id = id + 1;
+  if (!g_plans.emplace(std::make_pair(id, device), std::move(plan)).second) {
+    t_last_error = "nimble_ffi_register: plan " + std::to_string(id) +
+                   " is already registered for device " + std::to_string(device);
+    return -1;
+  }
   return id;
 }
 
 // A call already running keeps its shared_ptr, so the plan outlives it.
+// Forgets the plan on every device it was registered for.
 NIMBLE_EXPORT void nimble_ffi_unregister(long long id) {
-  std::shared_ptr<Plan> doomed;  // destroyed outside the lock
+  std::vector<std::shared_ptr<Plan>> doomed;  // destroyed outside the lock
   std::lock_guard<std::mutex> lock(g_plans_mu);
-  auto it = g_plans.find(id);
-  if (it == g_plans.end()) return;
-  doomed = std::move(it->second);
-  g_plans.erase(it);
+  auto it = g_plans.lower_bound({id, 0});
+  while (it != g_plans.end() && it->first.first == id) {
+    doomed.push_back(std::move(it->second));
+    it = g_plans.erase(it);
+  }
 }
 
 // ---- The XLA FFI handler ----
@@ -316,6 +330,7 @@ NIMBLE_EXPORT void nimble_ffi_unregister(long long id) {
 XLA_FFI_DEFINE_HANDLER(kNimblePlanCall, PlanCall,
                        ffi::Ffi::Bind()
                            .Ctx<ffi::PlatformStream<CUstream>>()
+                           .Ctx<ffi::DeviceOrdinal>()
                            .Attr<int64_t>("plan")
                            .RemainingArgs()
                            .RemainingRets());

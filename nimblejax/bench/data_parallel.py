@@ -1,0 +1,145 @@
+"""Data-parallel training across the GPUs of one host: a nimble plan as the per-device
+body of `jax.shard_map`, JAX's own collectives (NCCL on GPUs) between devices.
+
+    PYTHONPATH=. python3 -m nimblejax.bench.data_parallel [--models mlp,resnet50]
+        [--per-device-batch 32] [--devices 1,2] [--json out.json]
+
+For each model and device count n, one SGD step over a global batch of n x per-device
+batch: per-device loss and gradients (nimble.jit or jax.jit), `lax.pmean` of them over
+the data axis, parameters updated. Reports samples/s of the looped step (the new
+parameters fed back, a fresh batch each call, one block at the end) for both, and the
+scaling from 1 to n devices.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+
+def shard_map(f: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
+    """jax.shard_map (jax ≥ 0.7) or its experimental predecessor."""
+    sm = getattr(jax, "shard_map", None)
+    if sm is None:
+        from jax.experimental.shard_map import shard_map as sm
+    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def cross_entropy(apply: Callable) -> Callable:
+    """loss(params, x, labels): mean softmax cross-entropy of `apply(params, x)`."""
+
+    def loss(params, x, labels):
+        logits = apply(params, x).astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits.reshape(logits.shape[0], -1))
+        onehot = jax.nn.one_hot(labels, logp.shape[-1], dtype=logp.dtype)
+        return -jnp.mean(jnp.sum(onehot * logp, axis=-1))
+
+    return loss
+
+
+def dp_step(grad_fn: Callable, mesh: Mesh, lr: float = 0.01, axis: str = "data") -> Callable:
+    """step(params, x, labels) -> (params, loss): `grad_fn(params, x, labels) -> (loss,
+    grads)` on each device's shard of the batch, gradients averaged with pmean."""
+
+    def local(params, x, labels):
+        loss, grads = grad_fn(params, x, labels)
+        loss, grads = jax.lax.pmean((loss, grads), axis)
+        return jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads), loss
+
+    step = shard_map(local, mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(P(), P()))
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def single_step(grad_fn: Callable, lr: float = 0.01) -> Callable:
+    """The same step on one device over the whole batch (the reference)."""
+
+    def step(params, x, labels):
+        loss, grads = grad_fn(params, x, labels)
+        return jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads), loss
+
+    return jax.jit(step)
+
+
+def build(model: str, batch: int, rng: np.random.Generator):
+    """(apply, params, x, labels) of a benchmark model at a global batch."""
+    from nimblejax.bench.models import MODELS
+
+    fn, (params, x) = MODELS[model].build(batch=batch, dtype=jnp.float32, rng=rng)
+    classes = int(np.prod(jax.eval_shape(fn, params, x).shape[1:]))
+    labels = jnp.asarray(rng.integers(0, classes, (batch,)), jnp.int32)
+    return fn, params, x, labels
+
+
+def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
+            backend: str = "cuda") -> dict:
+    import nimblejax as nimble
+    from nimblejax.bench.timing import looped_us
+
+    devices = jax.devices()[:n_devices]
+    mesh = Mesh(np.array(devices), ("data",))
+    rng = np.random.default_rng(0)
+    batch = per_device * n_devices
+    apply, params, x, labels = build(model, batch, rng)
+    loss = cross_entropy(apply)
+    data = NamedSharding(mesh, P("data"))
+    batches = [(jax.device_put(x + 0.01 * i, data), jax.device_put(labels, data)) for i in range(4)]
+    row = dict(model=model, devices=n_devices, per_device_batch=per_device)
+    for name, grad_fn in (("jax", jax.value_and_grad(loss)),
+                          ("nimble", nimble.jit(jax.value_and_grad(loss), backend=backend))):
+        step = dp_step(grad_fn, mesh)
+        state = {"i": 0}
+
+        def feed(args, out, state=state):
+            state["i"] += 1
+            xb, lb = batches[state["i"] % len(batches)]
+            return (out[0], xb, lb)
+
+        start = jax.device_put(params, NamedSharding(mesh, P()))
+        us = looped_us(step, [(jax.tree_util.tree_map(jnp.copy, start), *batches[0])], feed=feed,
+                       calls=calls, repeats=3)
+        row[f"{name}_step_us"] = us
+        row[f"{name}_samples_per_s"] = batch / (us * 1e-6)
+    row["speedup"] = row["jax_step_us"] / row["nimble_step_us"]
+    return row
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="mlp,resnet50")
+    ap.add_argument("--per-device-batch", type=int, default=32)
+    ap.add_argument("--devices", default=None, help="device counts, e.g. 1,2 (default: 1 and all)")
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--backend", default="cuda", help="nimble backend (interpret: a CPU check)")
+    ap.add_argument("--json", default=None)
+    opts = ap.parse_args(argv)
+    total = len(jax.devices())
+    counts = [int(c) for c in opts.devices.split(",")] if opts.devices else sorted({1, total})
+    rows = []
+    print(f"{jax.devices()[0].device_kind} x{total}; per-device batch {opts.per_device_batch}")
+    print("| model | GPUs | jax.jit samples/s | nimble samples/s | nimble / jax | nimble scaling |")
+    print("|---|---|---|---|---|---|")
+    for model in opts.models.split(","):
+        base = None
+        for n in counts:
+            if n > total:
+                print(f"| {model} | {n} | (only {total} device(s)) | | | |")
+                continue
+            row = measure(model, n, opts.per_device_batch, opts.calls, opts.backend)
+            base = base or row["nimble_samples_per_s"]
+            row["nimble_scaling"] = row["nimble_samples_per_s"] / base
+            rows.append(row)
+            print(f"| {model} | {n} | {row['jax_samples_per_s']:.0f} | {row['nimble_samples_per_s']:.0f} "
+                  f"| {row['speedup']:.2f}x | {row['nimble_scaling']:.2f}x |", flush=True)
+    if opts.json:
+        with open(opts.json, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, devices=total, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
