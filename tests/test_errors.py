@@ -14,12 +14,12 @@ r = np.random.default_rng(0)
 
 def test_unsupported_primitive_names_it_and_the_user_line():
     def f(x):
-        return jnp.sort(x) * 2.0  # this line is the one reported
+        return jax.lax.linalg.cholesky(x) * 2.0  # this line is the one reported
 
     with pytest.raises(NotImplementedError) as info:
-        nimble.jit(f, backend="interpret")(rand(r, 8))
+        nimble.jit(f, backend="interpret")(rand(r, 3, 3))
     msg = str(info.value)
-    assert "'sort'" in msg
+    assert "'cholesky'" in msg
     assert f"test_errors.py:{f.__code__.co_firstlineno + 1}" in msg
     assert 'backend="jax"' in msg
 
@@ -103,3 +103,24 @@ def test_no_gpu_defaults_to_jax_with_a_warning(monkeypatch):
     with pytest.warns(UserWarning, match="no CUDA GPU"):
         out = f(jnp.ones(2))
     np.testing.assert_array_equal(out, 2.0)
+
+
+def test_unsupported_primitive_inside_a_library_names_the_users_call(tmp_path, monkeypatch):
+    """A primitive emitted inside an installed library (optax, flax) names the library's
+    line and the user's line that called into it."""
+    lib = tmp_path / "site-packages"
+    lib.mkdir()
+    (lib / "fakelib_nimble.py").write_text(
+        "from jax import lax\n\ndef to_complex(x):\n    return lax.complex(x, x)\n")
+    monkeypatch.syspath_prepend(str(lib))
+    import fakelib_nimble
+
+    def f(x):
+        return fakelib_nimble.to_complex(x)  # the user's line
+
+    line = f.__code__.co_firstlineno + 1
+    with pytest.raises(NotImplementedError) as e:
+        nimble.jit(f, backend="interpret")(rand(r, 3))
+    msg = str(e.value)
+    assert "fakelib_nimble.py:4" in msg and f"called from {__file__}:{line}" in msg, msg
+    assert 'backend="jax"' in msg

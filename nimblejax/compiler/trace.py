@@ -140,7 +140,9 @@ _exclude_nimble_frames()
 
 
 def source_line(eqn: Any) -> str:
-    """file:line of the user's code that emitted `eqn` (JAX's internal frames skipped)."""
+    """file:line of the user's code that emitted `eqn` (JAX's internal frames skipped).
+    When that line is in an installed library (optax, flax), the first line of the
+    user's own code that led there follows: "optax/...:400, called from train.py:31"."""
     from jax._src import source_info_util as siu
 
     info = eqn.source_info
@@ -150,11 +152,26 @@ def source_line(eqn: Any) -> str:
         except Exception:  # the helper's signature moved across JAX versions
             continue
         if frame is not None and frame.file_name:
-            return f"{frame.file_name}:{frame.start_line}"
+            return f"{frame.file_name}:{frame.start_line}" + _called_from(siu, info, frame)
     try:
         return siu.summarize(info) or "<unknown>"
     except Exception:
         return "<unknown>"
+
+
+_LIBRARY_DIRS = ("site-packages", "dist-packages")
+
+
+def _called_from(siu: Any, info: Any, frame: Any) -> str:
+    if not any(d in frame.file_name for d in _LIBRARY_DIRS):
+        return ""
+    try:
+        for f in siu.user_frames(info.traceback):
+            if not any(d in f.file_name for d in _LIBRARY_DIRS):
+                return f", called from {f.file_name}:{f.start_line}"
+    except Exception:  # private JAX API
+        pass
+    return ""
 
 
 def common_subexpressions(graph: Graph) -> Graph:
