@@ -327,11 +327,11 @@ class NimbleFunction:
         out_tree_box: list = []
         flat_fun = self._flat_fun(in_tree, statics, out_tree_box)
         specs = [jax.ShapeDtypeStruct(*_signature(x)[:2], weak_type=_signature(x)[2]) for x in leaves]
-        plan, _ = compile_function(flat_fun, specs, self.options)
-        return plan, out_tree_box[-1]
+        plan, out_shapes = compile_function(flat_fun, specs, self.options)
+        return plan, out_tree_box[-1], out_shapes
 
     def _compile(self, key, leaves, in_tree, statics, backend) -> Compiled:
-        plan, out_tree = self._trace(leaves, in_tree, statics)
+        plan, out_tree, out_shapes = self._trace(leaves, in_tree, statics)
         if backend == "interpret":
             run = _interpret_runner(plan, self.output)
         else:
@@ -339,6 +339,7 @@ class NimbleFunction:
 
             run = make_executable(plan, output=self.output, eager=self.options.eager,
                                   gemm=self.options.gemm, donate=self._donated_leaves(in_tree))
+        run = _on_key_data(run, leaves, out_shapes, self.output)
         compiled = Compiled(plan, out_tree, run)
         self._cache[key] = compiled
         return compiled
@@ -370,6 +371,18 @@ def _interpret_runner(plan: Plan, output: str) -> Callable[[list], list]:
         return [wrap(o) for o in outs]
 
     return run
+
+
+def _on_key_data(run: Callable, leaves: list, out_shapes, output: str) -> Callable:
+    """`run` for typed PRNG key arrays: a plan takes and makes their uint32 key data.
+    Key results come back as keys for output="jax", as their key data otherwise."""
+    from nimblejax.runtime.xla_op import from_key_data, key_impl, to_key_data
+
+    in_impls = [key_impl(x) for x in leaves]
+    out_impls = [key_impl(s) if output == "jax" else None for s in out_shapes]
+    if all(i is None for i in in_impls + out_impls):
+        return run
+    return lambda xs: from_key_data(run(to_key_data(xs, in_impls)), out_impls)
 
 
 def _static_positions(fun: Callable, nums: tuple, names: tuple) -> tuple[tuple, tuple]:
@@ -443,7 +456,8 @@ def _signature(x: Any) -> tuple:
         dtype = jnp.asarray(x).dtype  # Python scalars are weakly typed, as in jax.jit
         return (), np.dtype(dtype), True
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-        return tuple(x.shape), np.dtype(x.dtype), bool(getattr(x, "weak_type", False))
+        key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # kept: the plan unwraps it
+        return tuple(x.shape), x.dtype if key else np.dtype(x.dtype), bool(getattr(x, "weak_type", False))
     dtype = np.dtype(x.dtype)
     if dtype == np.float64 and not jax.config.jax_enable_x64:
         dtype = np.dtype(np.float32)

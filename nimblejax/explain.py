@@ -54,6 +54,9 @@ class Report:
         lines = [f"nimblejax plan: {len(p.graph.nodes)} equations → {self.num_tasks} tasks "
                  f"(+{len(p.views)} views)"]
         lines += [self.task_line(t) for t in p.tasks]
+        if p.control:  # loops and conds flattened at trace time (compiler/control.py)
+            lines.append("control flow:")
+            lines += [f"  {d}" for d in p.control]
         lines.append(f"totals: {self.num_tasks} tasks, {self.num_streams} streams, "
                      f"{self.num_events} events, {p.memory.describe()}, "
                      f"critical path {p.critical_path} tasks")

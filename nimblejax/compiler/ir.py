@@ -114,6 +114,7 @@ class Graph:
     outputs: tuple[Atom, ...]
     nodes: tuple[Node, ...]
     consts: Mapping[Var, np.ndarray]
+    control: tuple = ()  # compiler/control.py: what became of each loop and cond
 
     def consumers(self) -> dict[Var, list[Node]]:
         uses: dict[Var, list[Node]] = {}

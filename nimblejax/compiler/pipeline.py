@@ -45,6 +45,7 @@ def compile_function(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct],
 
 def build_plan(graph: Graph, options: Options = Options()) -> Plan:
     check_supported(graph.nodes)
+    control = graph.control  # canonicalize rebuilds the graph without it
     graph = canonicalize(graph, options)
     groups = fuse(graph)
     all_tasks = lower(groups)
@@ -64,7 +65,7 @@ def build_plan(graph: Graph, options: Options = Options()) -> Plan:
     pinned |= {root(a) for a in graph.outputs if isinstance(a, Var)}
     memory = plan_memory(schedule, sizes, reads, writes, pinned=[b for b in sizes if b in pinned])
     plan = Plan(graph, tuple(groups), tuple(schedule.order), views, dag, schedule, memory,
-                storage, sizes, reads, writes)
+                storage, sizes, reads, writes, control)
     if options.verify:
         verify_plan(plan)
     return plan

@@ -32,6 +32,7 @@ class Plan:
     sizes: Mapping[Var, int]
     reads: Mapping[Task, tuple[Var, ...]]
     writes: Mapping[Task, tuple[Var, ...]]
+    control: tuple = ()  # ControlDecisions (compiler/control.py): unrolled or select
 
     def offset(self, var: Var) -> int:
         return self.memory.offsets[self.storage.get(var, var)]

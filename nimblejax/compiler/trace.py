@@ -6,11 +6,14 @@ Works across the jaxpr renames listed in DESIGN.md: nested jit is `pjit` (≤0.6
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
 
+from nimblejax.compiler import control
+from nimblejax.compiler import prng
 from nimblejax.compiler.ir import Atom, Graph, Literal, Node, Var
 
 # Call-like primitives whose body is inlined, and the params that may hold the body.
@@ -54,20 +57,22 @@ def jaxpr_to_graph(closed: Any) -> Graph:
     outs = builder.inline(jaxpr, list(const_vars) + list(inputs))
     graph = Graph(inputs=inputs, outputs=tuple(outs), nodes=tuple(builder.nodes),
                   consts=builder.consts)
-    return drop_dead_code(common_subexpressions(graph))
+    graph = drop_dead_code(common_subexpressions(graph))
+    return dataclasses.replace(graph, control=tuple(dict.fromkeys(builder.control)))
 
 
 class GraphBuilder:
     def __init__(self) -> None:
         self.nodes: list[Node] = []
         self.consts: dict[Var, np.ndarray] = {}
+        self.control: list[control.ControlDecision] = []  # what became of each loop/cond
 
     def new_var(self, aval: Any) -> Var:
-        return Var(tuple(int(d) for d in aval.shape), np.dtype(aval.dtype),
-                   bool(getattr(aval, "weak_type", False)))
+        shape, dtype = prng.physical(aval)  # PRNG key arrays hold their key data
+        return Var(shape, dtype, bool(getattr(aval, "weak_type", False)))
 
     def const(self, value: Any) -> Atom:
-        arr = np.asarray(value)
+        arr = np.asarray(prng.key_data(value))
         if arr.ndim == 0:
             return Literal(arr)
         var = Var(arr.shape, arr.dtype)
@@ -95,6 +100,10 @@ class GraphBuilder:
                 outs = self.inline(body, [self.const(c) for c in consts] + ins, src)
             elif name in IDENTITY:
                 outs = ins[: len(eqn.outvars)]
+            elif name in control.PRIMITIVES:  # unrolled loop or select (compiler/control.py)
+                outs = control.inline_control(self, eqn, ins, src)
+            elif name in prng.RANDOM_PRIMITIVES or prng.touches_keys(eqn):
+                outs = prng.expand(self, eqn, ins, src)
             else:
                 outs = [self.new_var(v.aval) for v in eqn.outvars]
                 self.nodes.append(Node(eqn.primitive, tuple(ins), tuple(outs),

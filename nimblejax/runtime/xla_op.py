@@ -16,6 +16,7 @@ dispatch, result arrays) and no nimble Python runs in a steady-state call.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from dataclasses import dataclass, field
@@ -137,8 +138,44 @@ batching.primitive_batchers[nimble_call_p] = _batched
 
 
 def call(body: Body, leaves: list) -> list:
-    """Bind `nimble_call` on `leaves`, differentiable through a custom VJP."""
+    """Bind `nimble_call` on `leaves`, differentiable through a custom VJP. Typed PRNG
+    key arrays cross as their uint32 key data, unwrapped here and wrapped back."""
+    in_impls = [key_impl(x) for x in leaves]
+    out_impls = [key_impl(s) for s in jax.eval_shape(body.flat_fun, *leaves)]
+    if not any(i is not None for i in in_impls + out_impls):
+        return _call(body, leaves)
+    tag = ("keys", tuple(None if i is None else i.name for i in in_impls + out_impls))
+    on_data = dataclasses.replace(body, key=body.key + (tag,),
+                                  flat_fun=on_key_data(body.flat_fun, in_impls, out_impls))
+    return from_key_data(_call(on_data, to_key_data(leaves, in_impls)), out_impls)
 
+
+def key_impl(x) -> Any:
+    """The PRNG implementation of a typed key array (or its shape), else None."""
+    dtype = getattr(x, "dtype", None)
+    if dtype is None or not jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return None
+    return getattr(dtype, "_impl", None) or dtype.impl  # `impl` before JAX 0.4.16
+
+
+def to_key_data(xs, impls) -> list:
+    return [x if i is None else jax.random.key_data(x) for x, i in zip(xs, impls)]
+
+
+def from_key_data(xs, impls) -> list:
+    return [x if i is None else jax.random.wrap_key_data(x, impl=i) for x, i in zip(xs, impls)]
+
+
+def on_key_data(fun: Callable, in_impls: list, out_impls: list) -> Callable:
+    """`fun` on key data: typed key operands and results as their uint32 data."""
+
+    def physical(*xs):
+        return to_key_data(fun(*from_key_data(xs, in_impls)), out_impls)
+
+    return physical
+
+
+def _call(body: Body, leaves: list) -> list:
     @jax.custom_vjp
     def run(*xs):
         return nimble_call_p.bind(*xs, body=body)

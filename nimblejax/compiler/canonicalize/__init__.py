@@ -5,8 +5,10 @@ forms lowering expects, in one pass over the graph:
   the one place a convolution's path is decided);
 - long reductions with few outputs → two reductions (split.py);
 - dot_general → operands transposed into a GEMM-ready layout (dot.py);
-- split → one slice per output (slices.py);
-- random-number primitives → their threefry2x32 arithmetic (random.py).
+- split → one slice per output (slices.py).
+
+(Random-number primitives and PRNG key arrays are expanded earlier, while tracing:
+compiler/prng.py.)
 
 Every rewrite emits ordinary JAX primitives (or ours with JAX reference semantics), so
 the CPU interpreter runs a canonicalized graph like any other.
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 from nimblejax.compiler.canonicalize.conv import rewrite_conv
 from nimblejax.compiler.canonicalize.dot import canonicalize_dot
-from nimblejax.compiler.canonicalize.random import RANDOM_PRIMITIVES, expand_random
 from nimblejax.compiler.canonicalize.slices import rewrite_split
 from nimblejax.compiler.canonicalize.split import split_reduction
 from nimblejax.compiler.ir import Graph, Node
@@ -31,8 +32,6 @@ def canonicalize(graph: Graph, options: Options) -> Graph:
             parts = split_reduction(node)
         elif node.name == "split":
             parts = rewrite_split(node)
-        elif node.name in RANDOM_PRIMITIVES:
-            parts = expand_random(node)
         else:
             parts = [node]
         for part in parts:
