@@ -58,6 +58,13 @@ def pad(node: Node) -> Kernel:
     return loop_kernel("pad", out, ["pad"], body)
 
 
+@register("split", kind="kernel")
+def split(node: Node) -> Kernel:
+    """Registered so that check_supported accepts it; canonicalize/slices.py rewrites
+    every split into one slice per output before fusion, so none reaches lowering."""
+    raise AssertionError(f"split (from {node.source}) should have been rewritten into slices")
+
+
 def _clamped_starts(b: KernelBuilder, starts, limits) -> list[str]:
     # XLA clamps dynamic start indices so the slice stays inside the operand.
     out = []
@@ -95,9 +102,14 @@ def dynamic_update_slice(node: Node) -> Kernel:
     return loop_kernel("dynupdate", out, ["dynamic_update_slice"], body)
 
 
+# jnp.logaddexp: max + log1p(exp(-|a - b|)); where a - b is NaN (equal infinities, or a
+# NaN operand) it is a + b, so inf stays inf and -inf stays -inf.
+_LOGADDEXP = ("(({a} - {b}) != ({a} - {b}) ? ({a} + {b}) : "
+              "fmaxf({a}, {b}) + log1pf(expf(-fabsf({a} - {b}))))")
 SCANS = {"cumsum": ("({a} + {b})", lambda d: dtypes.literal(0, d)),
          "cumprod": ("({a} * {b})", lambda d: dtypes.literal(1, d)),
-         "cummax": (_FMAX, dtypes.lowest), "cummin": (_FMIN, dtypes.highest)}
+         "cummax": (_FMAX, dtypes.lowest), "cummin": (_FMIN, dtypes.highest),
+         "cumlogsumexp": (_LOGADDEXP, dtypes.lowest)}
 
 
 @register(*SCANS, kind="kernel")
