@@ -23,10 +23,14 @@ UNARY_FLOAT = {
     # jax >= 0.11 emits this for the derivative of tanh.
     "one_minus_square": "(1.0f - {a} * {a})",
 }
+# Signed overflow is undefined in C (compilers fold `x + y > x` to `y > 0`); XLA wraps.
+# So signed arithmetic goes through unsigned int, whose overflow wraps, and back.
 UNARY_INT = {
-    "neg": "(-{a})", "abs": "({a} < 0 ? -{a} : {a})", "sign": "(({a} > 0) - ({a} < 0))",
-    "not": "(~{a})", "population_count": "__popc({a})", "clz": "__clz({a})",
-    "square": "({a} * {a})", "copy": "{a}",
+    "neg": "(int)(0u - (unsigned int){a})",
+    "abs": "({a} < 0 ? (int)(0u - (unsigned int){a}) : {a})",
+    "sign": "(({a} > 0) - ({a} < 0))", "not": "(~{a})",
+    "population_count": "__popc({a})", "clz": "__clz({a})",  # of 8/16 bits: _int_unary
+    "square": "(int)((unsigned int){a} * (unsigned int){a})", "copy": "{a}",
 }
 UNARY_BOOL = {"not": "(!{a})", "copy": "{a}"}
 
@@ -36,9 +40,13 @@ BINARY_FLOAT = {
     "atan2": "atan2f({a}, {b})", "nextafter": "nextafterf({a}, {b})",
 }
 BINARY_INT = {
-    "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})",
+    "add": "(int)((unsigned int){a} + (unsigned int){b})",
+    "sub": "(int)((unsigned int){a} - (unsigned int){b})",
+    "mul": "(int)((unsigned int){a} * (unsigned int){b})",
     # XLA: x / 0 is -1 and x % 0 is x for integers (no trap), so guard the divisor.
-    "div": "({b} == 0 ? -1 : {a} / {b})", "rem": "({b} == 0 ? {a} : {a} % {b})",
+    # INT_MIN / -1 overflows (a trap in C): XLA wraps it to INT_MIN and gives rem 0.
+    "div": "({b} == 0 ? -1 : ({b} == -1 ? (int)(0u - (unsigned int){a}) : {a} / {b}))",
+    "rem": "({b} == 0 ? {a} : ({b} == -1 ? 0 : {a} % {b}))",
     "max": "max({a}, {b})", "min": "min({a}, {b})",
     "and": "({a} & {b})", "or": "({a} | {b})", "xor": "({a} ^ {b})",
     # Shifts by >= the bit width are defined in XLA (0 or the sign), undefined in C.
@@ -47,10 +55,10 @@ BINARY_INT = {
     "shift_right_logical": "((unsigned int){b} < 32u ? (int)((unsigned int){a} >> {b}) : 0)",
 }
 BINARY_UINT = dict(BINARY_INT, **{
-    "div": "({b} == 0u ? 0xffffffffu : {a} / {b})",
-    "shift_right_arithmetic": "({b} < 32u ? {a} >> {b} : 0u)",
-    "shift_right_logical": "({b} < 32u ? {a} >> {b} : 0u)",
+    "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})",
+    "div": "({b} == 0u ? 0xffffffffu : {a} / {b})", "rem": "({b} == 0u ? {a} : {a} % {b})",
     "shift_left": "({b} < 32u ? {a} << {b} : 0u)",
+    # (the right shifts of every integer width: _int_shift below)
 })
 BINARY_BOOL = {"and": "({a} && {b})", "or": "({a} || {b})", "xor": "({a} != {b})",
                "max": "({a} || {b})", "min": "({a} && {b})", "add": "({a} || {b})",
@@ -79,7 +87,47 @@ def operand_class(dtype) -> str:
     return "uint" if dtypes.is_unsigned_int(dtype) else "int"
 
 
+# Integer widths: compute types are 32 bits wide, so the bit-counting and shifting ops
+# of 8- and 16-bit types look at the value's own bits only (sign extension masked off).
+INT_BITS = {"int8": 8, "uint8": 8, "int16": 16, "uint16": 16, "int32": 32, "uint32": 32}
+_SIGNED_STORAGE = {8: "signed char", 16: "short", 32: "int"}
+
+
+def _bits(dtype) -> int:
+    from nimblejax.compiler import dtypes
+
+    return INT_BITS[dtypes.name(dtype)]
+
+
+def _int_unary(prim: str, dtype) -> str | None:
+    bits = _bits(dtype)
+    mask = f"0x{(1 << bits) - 1:x}u"
+    if prim == "population_count":
+        return f"__popc((unsigned int){{a}} & {mask})"
+    if prim == "clz":
+        return f"(__clz((unsigned int){{a}} & {mask}) - {32 - bits})"
+    return None
+
+
+def _int_shift(prim: str, dtype, cls: str) -> str | None:
+    bits = _bits(dtype)
+    if prim == "shift_right_logical":
+        mask = f"0x{(1 << bits) - 1:x}u"
+        ctype = "unsigned int" if cls == "uint" else "int"
+        return (f"((unsigned int){{b}} < {bits}u ? "
+                f"({ctype})(((unsigned int){{a}} & {mask}) >> {{b}}) : 0)")
+    if prim == "shift_right_arithmetic" and cls == "uint":
+        # XLA shifts the bits of an unsigned type arithmetically too (0x80u8 >> 1 = 0xc0).
+        signed = f"(int)({_SIGNED_STORAGE[bits]}){{a}}"
+        return f"(unsigned int)({signed} >> ({{b}} < {bits}u ? {{b}} : {bits - 1}u))"
+    return None
+
+
 def unary_template(prim: str, dtype, params) -> str:
+    if operand_class(dtype) in ("int", "uint"):
+        special = _int_unary(prim, dtype)
+        if special is not None:
+            return special
     if prim == "round" and operand_class(dtype) == "float":
         # rounding_method 0: away from zero (roundf); 1: to nearest even (rintf).
         return "rintf({a})" if int(params.get("rounding_method", 0)) == 1 else "roundf({a})"
@@ -92,7 +140,12 @@ def unary_template(prim: str, dtype, params) -> str:
 def binary_template(prim: str, dtype) -> str:
     if prim in COMPARE:
         return COMPARE[prim]
-    table = BINARY[operand_class(dtype)]
+    cls = operand_class(dtype)
+    if cls in ("int", "uint"):
+        special = _int_shift(prim, dtype, cls)
+        if special is not None:
+            return special
+    table = BINARY[cls]
     if prim not in table:
         raise NotImplementedError(f"{prim} is not supported for {dtype}")
     return table[prim]

@@ -11,7 +11,19 @@ from nimblejax.compiler.lowering.registry import register
 
 def _result(b: KernelBuilder, node: Node, expr: str) -> str:
     out = node.outputs[0]
-    return b.tmp(dtypes.compute_type(out.dtype), dtypes.round_to(out.dtype, expr))
+    value = wrap_int(out.dtype, dtypes.round_to(out.dtype, expr))
+    return b.tmp(dtypes.compute_type(out.dtype), value)
+
+
+_NARROW_INTS = ("int8", "uint8", "int16", "uint16")
+
+
+def wrap_int(dtype, expr: str) -> str:
+    """8- and 16-bit integers are computed in 32 bits: wrap each result to its own width
+    (as XLA's arithmetic does), so fused consumers see the stored value."""
+    if dtypes.name(dtype) not in _NARROW_INTS:
+        return expr
+    return f"({dtypes.compute_type(dtype)})({dtypes.storage_type(dtype)})({expr})"
 
 
 @register(*sorted(UNARY_NAMES), kind="elementwise")
@@ -25,7 +37,36 @@ def unary(b: KernelBuilder, node: Node, idx: Index) -> str:
 def binary(b: KernelBuilder, node: Node, idx: Index) -> str:
     x, y = node.inputs
     a, c = b.value(x, idx), b.value(y, idx)
+    if node.name == "nextafter" and dtypes.is_half(x.dtype):
+        return _half_nextafter(b, x.dtype, a, c)
     return _result(b, node, binary_template(node.name, x.dtype).format(a=a, b=c))
+
+
+# bits of a half type, and back (cuda_fp16.h, cuda_bf16.h).
+_HALF_BITS = {"float16": ("__half_as_ushort(__float2half_rn({}))",
+                          "__half2float(__ushort_as_half({}))"),
+              "bfloat16": ("__bfloat16_as_ushort(__float2bfloat16_rn({}))",
+                           "__bfloat162float(__ushort_as_bfloat16({}))")}
+
+
+def _half_nextafter(b: KernelBuilder, dtype, a: str, c: str) -> str:
+    """nextafter steps one ulp of the half type itself (nextafterf would step a float
+    ulp, which rounds back to the same half): one step of the 16-bit pattern."""
+    to_bits, from_bits = _HALF_BITS[dtypes.name(dtype)]
+    r = b.tmp("float", a)
+    b.open(f"if ({a} != {a} || {c} != {c})")
+    b.emit(f"{r} = {a} + {c};")
+    b.close()
+    b.open(f"else if ({a} == {c})")
+    b.emit(f"{r} = {c};")
+    b.close()
+    b.open("else")
+    bits = b.tmp("unsigned short", to_bits.format(a))
+    b.emit(f"if ({a} == 0.0f) {bits} = {c} < 0.0f ? 0x8001 : 0x0001;")
+    b.emit(f"else if (({a} < {c}) == ({a} > 0.0f)) {bits} += 1; else {bits} -= 1;")
+    b.emit(f"{r} = {from_bits.format(bits)};")
+    b.close()
+    return r
 
 
 @register("integer_pow", kind="elementwise")
@@ -38,13 +79,14 @@ def integer_pow(b: KernelBuilder, node: Node, idx: Index) -> str:
     if y == 0:
         return dtypes.literal(1, out.dtype)
     reciprocal, y = y < 0, abs(y)
+    mul = binary_template("mul", out.dtype)
     acc = None
     while y > 0:
         if y & 1:
-            acc = x if acc is None else _result(b, node, f"({acc} * {x})")
+            acc = x if acc is None else _result(b, node, mul.format(a=acc, b=x))
         y >>= 1
         if y > 0:
-            x = _result(b, node, f"({x} * {x})")
+            x = _result(b, node, mul.format(a=x, b=x))
     if reciprocal:
         acc = _result(b, node, f"({dtypes.literal(1, out.dtype)} / {acc})")
     return acc
@@ -71,7 +113,7 @@ def convert_expr(a: str, src, dst) -> str:
         lo, hi = dtypes.lowest(dst), dtypes.highest(dst)
         return (f"({a} != {a} ? ({ctype})0 : ({a} <= (float){lo} ? {lo} : "
                 f"({a} >= (float){hi} ? {hi} : ({ctype}){a})))")
-    return f"({ctype}){a}"
+    return wrap_int(dst, f"({ctype}){a}")  # integer to integer: wraps to dst's width
 
 
 @register("reduce_precision", kind="elementwise")
