@@ -227,6 +227,16 @@ rec("nimble_cudnn_conv", lambda x, w: conv(x, w, (2, 2)), f32(1, 7, 6, 2), f32(3
 rec("reduce_sum", lambda x: jnp.sum(x * x, axis=(0, 1, 2)), f32(16, 32, 32, 8), label="split-column")
 rec("reduce_max", lambda x: jnp.max(x, axis=-1), f32(3, 40000), label="split-row")
 
+# bitcast_convert_type between types of one width (jax.random's bits → floats).
+for src, dst, make in [("float32", "uint32", f32(5, 6, lo=-1e3, hi=1e3)), ("uint32", "float32", u32(40)),
+                       ("float32", "int32", f32(9)), ("int32", "float32", i32(17, lo=-2**31, hi=2**31 - 1)),
+                       ("int32", "uint32", i32(9, lo=-2**31, hi=2**31 - 1)), ("uint32", "int32", u32(9)),
+                       ("float16", "uint16", dt(jnp.float16, 11)), ("uint16", "float16", dt(jnp.uint16, 13, lo=0, hi=30000)),
+                       ("bfloat16", "int16", dt(jnp.bfloat16, 11)), ("int16", "bfloat16", dt(jnp.int16, 13, lo=-16000, hi=16000)),
+                       ("int8", "uint8", dt(jnp.int8, 15, lo=-128, hi=127)), ("uint8", "int8", dt(jnp.uint8, 15, lo=0, hi=255))]:
+    rec("bitcast_convert_type", lambda x, dst=dst: lax.bitcast_convert_type(x, dst) if dst.startswith(("u", "i"))
+        else lax.bitcast_convert_type(x, dst) * 1.5, make, label=f"{src}-{dst}")
+
 # Records of the indexing, sorting, random-number and special-function rules live beside
 # this file, one module per rule module; importing them appends to RECORDS.
 import records_indexing  # noqa: E402,F401

@@ -17,10 +17,10 @@ def suite_kernels() -> dict[str, str]:
     kernels: dict[str, str] = {}
     for r in RECORDS:
         plan = nimble.jit(r.fn, backend="interpret").plan(*r.args(np.random.default_rng(1)))
-        kernels.update((t.kernel.name, t.kernel.source) for t in plan.tasks if t.kernel)
+        kernels.update((k.name, k.source) for t in plan.tasks if t.kernel for k in t.kernel.launches)
     for name, (fn, _, opts) in MODELS.items():
         plan = nimble.jit(fn, backend="interpret", **opts).plan(*model_args(name))
-        kernels.update((t.kernel.name, t.kernel.source) for t in plan.tasks if t.kernel)
+        kernels.update((k.name, k.source) for t in plan.tasks if t.kernel for k in t.kernel.launches)
     return kernels
 
 

@@ -37,7 +37,8 @@ class Launchers:
         self.plan, self.streams, self.base = plan, streams, base
         self.stream_of = plan.schedule.stream
         self.use_lt = gemm != "cublas"
-        self.functions = compile_kernels(t.kernel for t in plan.tasks if t.kind == "kernel")
+        self.functions = compile_kernels(k for t in plan.tasks if t.kind == "kernel"
+                                         for k in t.kernel.launches)
         self.args = {t: self._addresses(t) for t in plan.tasks}
         # Library handles allocate outside CuPy's pool: when the device looks full, give
         # CuPy's cached free blocks back and try once more.
@@ -114,9 +115,9 @@ class Launchers:
         """Enqueue `task` on stream `s` (capture-safe)."""
         stream = self.streams[s]
         if task.kind == "kernel":
-            k = task.kernel
             try:
-                self.functions[k.name](k.grid, k.block, self.args[task], stream=stream)
+                for k in task.kernel.launches:  # all take the same arguments
+                    self.functions[k.name](k.grid, k.block, self.args[task], stream=stream)
             except Exception as e:
                 raise KernelLaunchError(f"launching {k.name} (from {task.source}) failed: {e}") from e
         elif task.kind == "cudnn":

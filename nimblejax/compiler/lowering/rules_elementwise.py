@@ -6,7 +6,7 @@ from nimblejax.compiler import dtypes
 from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, linear
 from nimblejax.compiler.lowering.elementwise import (BINARY_NAMES, UNARY_NAMES, binary_template,
                                             unary_template, _FMAX, _FMIN)
-from nimblejax.compiler.lowering.registry import register
+from nimblejax.compiler.lowering.registry import UnsupportedPrimitiveError, register
 
 
 def _result(b: KernelBuilder, node: Node, expr: str) -> str:
@@ -220,3 +220,29 @@ def _affine(i: str, start: int, stride: int) -> str:
         return str(start)
     term = i if stride == 1 else f"{i} * {stride}"
     return term if start == 0 else f"({start} + {term})"
+
+
+# bitcast_convert_type between types of one width (jax.random turns bits into floats
+# with it). Values are in their compute type: halves go through their 16-bit pattern,
+# narrow ints through their storage type so the sign is reinterpreted, not kept.
+_TO_BITS = {"float32": "__float_as_uint({})", "float16": _HALF_BITS["float16"][0],
+            "bfloat16": _HALF_BITS["bfloat16"][0]}
+_FROM_BITS = {"float32": "__uint_as_float({})", "float16": _HALF_BITS["float16"][1],
+              "bfloat16": _HALF_BITS["bfloat16"][1]}
+
+
+@register("bitcast_convert_type", kind="elementwise")
+def bitcast_convert_type(b: KernelBuilder, node: Node, idx: Index) -> str:
+    x, out = node.inputs[0], node.outputs[0]
+    src, dst = dtypes.name(x.dtype), dtypes.name(out.dtype)
+    if x.dtype.itemsize != out.dtype.itemsize or "bool" in (src, dst):
+        raise UnsupportedPrimitiveError(
+            f"nimblejax supports bitcast_convert_type only between types of one width, not "
+            f"{src} → {dst} (from {node.source}). Use nimble.jit(..., backend=\"jax\").")
+    bits = {4: "unsigned int", 2: "unsigned short", 1: "unsigned char"}[x.dtype.itemsize]
+    v = b.value(x, idx)
+    raw = _TO_BITS[src].format(v) if src in _TO_BITS else f"({bits})({v})"
+    raw = b.tmp(bits, raw)
+    if dst in _FROM_BITS:
+        return b.tmp("float", _FROM_BITS[dst].format(raw))
+    return b.tmp(dtypes.compute_type(out.dtype), f"({dtypes.storage_type(out.dtype)}){raw}")

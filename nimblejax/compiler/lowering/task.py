@@ -9,13 +9,25 @@ from nimblejax.compiler.ir import Node, Var
 
 @dataclass(frozen=True)
 class Kernel:
-    """A generated CUDA C kernel. Its pointer arguments are `params`, in order."""
+    """A generated CUDA C kernel. Its pointer arguments are `params`, in order.
+
+    `pre`: kernels launched before this one on the same stream, with the same `params`
+    (a scatter first copies its operand into its output: a grid-wide step)."""
 
     name: str
     source: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     params: tuple[Var, ...]
+    pre: tuple["Kernel", ...] = ()
+
+    def __post_init__(self) -> None:
+        assert all(k.params == self.params for k in self.pre), self.name
+
+    @property
+    def launches(self) -> tuple["Kernel", ...]:
+        """Every kernel this one stands for, in launch order."""
+        return (*self.pre, self)
 
 
 # Library calls: one record per call kind. Each carries the plan-time decision (the

@@ -1,0 +1,340 @@
+"""Gather and the scatter family: plan structure, the CPU interpreter against jax.jit
+(an embedding + integer-label cross-entropy training step with optax.adam included), and
+the same on the GPU (`gpu` marker). Per-primitive records are in records_indexing.py."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nimblejax as nimble
+from models import assert_tree_close
+
+VOCAB, DIM, TOKENS, CLASSES = 50, 16, 24, 7
+
+
+def _rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+def embed_args(seed=0, dtype=jnp.float32):
+    r = _rng(seed)
+    table = jnp.asarray(r.normal(size=(VOCAB, DIM)), dtype)
+    ids = jnp.asarray(r.integers(0, VOCAB, TOKENS), jnp.int32)
+    return table, ids
+
+
+def kernel_tasks(fn, *args):
+    plan = nimble.jit(fn, backend="interpret").plan(*args)
+    return [t for t in plan.tasks if t.kind == "kernel"]
+
+
+# ---- structure ---------------------------------------------------------------------------
+def test_embedding_lookup_fuses_into_its_consumer():
+    table, ids = embed_args()
+    tasks = kernel_tasks(lambda t, i: jnp.tanh(t[i] * 2.0), table, ids)
+    # The index normalization (negative ids), the gather and the tanh: one kernel.
+    assert len(tasks) == 1 and "gather" in tasks[0].kernel.name
+
+
+def test_scatter_is_one_task_of_two_launches():
+    table, ids = embed_args()
+    upd = jnp.asarray(_rng(1).normal(size=(TOKENS, DIM)), jnp.float32)
+    tasks = kernel_tasks(lambda t, i, u: t.at[i].add(u), table, ids, upd)
+    (scatter,) = [t for t in tasks if "scatter" in t.kernel.name]
+    first, second = scatter.kernel.launches
+    assert first.params == second.params and "atomicAdd" in second.source
+    assert scatter.inputs[0].shape == table.shape  # the operand is read (by the copy)
+
+
+def test_half_min_uses_a_16_bit_compare_and_swap():
+    x = jnp.asarray(_rng().normal(size=(9,)), jnp.bfloat16)
+    tasks = kernel_tasks(lambda x, i, u: x.at[i].min(u), x, jnp.arange(4) * 2, x[:4])
+    src = [t for t in tasks if "scatter" in t.kernel.name][0].kernel.source
+    assert "unsigned short" in src and "atomicCAS" in src
+
+
+# ---- interpreter against jax.jit ---------------------------------------------------------
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_grad_of_gather_interpret(dtype):
+    table, ids = embed_args(dtype=dtype)
+    fn = jax.grad(lambda t, i: jnp.sum(jnp.sin(t[i].astype(jnp.float32)) ** 2))
+    assert_tree_close(nimble.jit(fn, backend="interpret")(table, ids), jax.jit(fn)(table, ids))
+
+
+def test_scatter_modes_with_out_of_range_indices_interpret():
+    x = jnp.asarray(_rng().normal(size=(12, 5)), jnp.float32)
+    i = jnp.asarray(_rng(2).integers(-20, 20, 30), jnp.int32)
+    u = jnp.asarray(_rng(3).normal(size=(30, 5)), jnp.float32)
+
+    def fn(x, i, u):
+        return (x.at[i].add(u, mode="drop"), x.at[i].add(u, mode="clip"),
+                x.at[i].max(u, mode="drop"), jnp.take(x, i, axis=0, mode="fill", fill_value=3.0),
+                jnp.take(x, i, axis=0, mode="clip"))
+
+    assert_tree_close(nimble.jit(fn, backend="interpret")(x, i, u), jax.jit(fn)(x, i, u))
+
+
+def _train_step():
+    """nn.Embed → mean over tokens → nn.Dense, optax integer-label cross-entropy, adam."""
+    nn = pytest.importorskip("flax.linen", reason="flax is a test extra")
+    optax = pytest.importorskip("optax", reason="optax is a test extra")
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, ids):
+            h = nn.Embed(VOCAB, DIM)(ids)                # (batch, seq, dim)
+            return nn.Dense(CLASSES)(jnp.tanh(h).mean(axis=1))
+
+    model, tx = Model(), optax.adam(1e-2)
+    r = _rng(4)
+    ids = jnp.asarray(r.integers(0, VOCAB, (6, 5)), jnp.int32)
+    labels = jnp.asarray(r.integers(0, CLASSES, 6), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), ids)
+    opt_state = tx.init(params)
+
+    def step(params, opt_state, ids, labels):
+        def loss_fn(p):
+            logits = model.apply(p, ids)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    return step, (params, opt_state, ids, labels)
+
+
+def _run_steps(step, args, backend, n=3):
+    f = nimble.jit(step, backend=backend) if backend else jax.jit(step)
+    params, opt_state, ids, labels = args
+    losses = []
+    for _ in range(n):
+        params, opt_state, loss = f(params, opt_state, ids, labels)
+        losses.append(loss)
+    return params, losses
+
+
+def test_embedding_cross_entropy_adam_step_interpret():
+    step, args = _train_step()
+    got_params, got_losses = _run_steps(step, args, "interpret")
+    want_params, want_losses = _run_steps(step, args, None)
+    assert_tree_close(got_losses, want_losses)
+    assert_tree_close(got_params, want_params)
+    assert float(got_losses[-1]) < float(got_losses[0])
+
+
+# ---- GPU ---------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_embedding_cross_entropy_adam_step_gpu():
+    step, args = _train_step()
+    got_params, got_losses = _run_steps(step, args, "cuda")
+    want_params, want_losses = _run_steps(step, args, None)
+    assert_tree_close(got_losses, want_losses)
+    assert_tree_close(got_params, want_params)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_large_embedding_lookup_and_backward_gpu(dtype):
+    """32000 x 512 table, 4096 tokens with many repeats (atomic adds collide)."""
+    r = _rng(5)
+    table = jnp.asarray(r.normal(size=(32000, 512)), dtype)
+    ids = jnp.asarray(r.integers(0, 300, 4096), jnp.int32)
+    g = jnp.asarray(r.normal(size=(4096, 512)), dtype)
+    fwd = lambda t, i: t[i] * 2  # noqa: E731
+    bwd = lambda t, i, g: jnp.zeros_like(t).at[i].add(g)  # noqa: E731
+    assert_tree_close(nimble.jit(fwd, backend="cuda")(table, ids), jax.jit(fwd)(table, ids))
+    got = nimble.jit(bwd, backend="cuda")(table, ids, g).astype(jnp.float32)
+    want = jax.jit(bwd)(table, ids, g).astype(jnp.float32)
+    # Atomic adds sum in another order than XLA: equal within float (bf16) rounding.
+    tol = 1e-4 if dtype == jnp.float32 else 0.1
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32,
+                                   jnp.int8, jnp.uint8, jnp.int16])
+@pytest.mark.parametrize("op", ["add", "mul", "min", "max", "set"])
+def test_scatter_family_with_collisions_gpu(dtype, op):
+    """Every update index collides with others: the atomic (or CAS) paths are exercised.
+    'set' uses distinct indices (with duplicates any one update wins, as in XLA)."""
+    r = _rng(6)
+    if op == "mul" and jnp.issubdtype(dtype, jnp.floating):
+        x, u = r.uniform(0.9, 1.1, (64, 3)), r.uniform(0.9, 1.1, (2000, 3))
+    elif op == "mul":
+        x, u = r.integers(-3, 4, (64, 3)), np.where(r.random((2000, 3)) < 0.99, 1, -1)
+    else:
+        x, u = r.uniform(-50, 50, (64, 3)), r.uniform(-50, 50, (2000, 3))
+        if dtype == jnp.uint8:
+            x, u = np.abs(x), np.abs(u) / 20
+    x, u = jnp.asarray(x, dtype), jnp.asarray(u, dtype)
+    i = jnp.asarray(r.integers(-8, 72, 2000), jnp.int32)  # some out of range: dropped
+    if op == "set":
+        i, u = jnp.asarray(r.permutation(64)[:40], jnp.int32), u[:40]
+    fn = lambda x, i, u: getattr(x.at[i], op)(u, mode="drop")  # noqa: E731
+    got = np.asarray(nimble.jit(fn, backend="cuda")(x, i, u)).astype(np.float64)
+    want = np.asarray(jax.jit(fn)(x, i, u)).astype(np.float64)
+    tol = 0.0  # min, max, set and integer arithmetic (wrapping, order-free) are exact
+    if op in ("add", "mul") and jnp.issubdtype(dtype, jnp.floating):
+        # Atomic updates combine in another order than XLA: equal within rounding.
+        tol = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}[dtype]
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 4 * np.abs(want).max())
+
+
+@pytest.mark.gpu
+def test_gather_and_scatter_records_on_gpu_repeatedly():
+    """Each indexing record twice on one compiled function (the init copy runs every call)."""
+    from primitive_table import RECORDS
+
+    for rec in RECORDS:
+        if "gather" in rec.primitive or "scatter" in rec.primitive:
+            a = rec.args(_rng(7))
+            f = nimble.jit(rec.fn, backend="cuda")
+            want = jax.jit(rec.fn)(*a)
+            assert_tree_close(f(*a), want)
+            assert_tree_close(f(*a), want)
+
+
+# ---- the generated kernels themselves, run on the CPU --------------------------------------
+# The interpreter checks plans with JAX, not our CUDA C. Here each indexing record's plan
+# runs its generated kernels compiled as C++ by the host compiler, through a small shim
+# of the CUDA built-ins they use: one call per (block, thread), in launch order (these
+# kernels have no barriers or warp shuffles, so threads may run one after another; the
+# atomics are then trivially atomic). It checks the index arithmetic, the modes, the
+# out-of-range handling and the compare-and-swap helpers against jax.jit.
+SHIM = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+struct nimble_dim { unsigned x, y, z; };
+static nimble_dim blockIdx, threadIdx, blockDim, gridDim;
+extern "C" void nimble_set_thread(unsigned b, unsigned t, unsigned nb, unsigned bd) {
+  blockIdx = {b, 0, 0}; threadIdx = {t, 0, 0}; gridDim = {nb, 1, 1}; blockDim = {bd, 1, 1};
+}
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+struct uint4 { unsigned x, y, z, w; };
+#define MINMAX(T) inline T min(T a, T b) { return a < b ? a : b; } \
+                  inline T max(T a, T b) { return a > b ? a : b; }
+MINMAX(int) MINMAX(unsigned) MINMAX(long long) MINMAX(unsigned long long)
+template <class A, class B> A bits_as(B b) { A a; memcpy(&a, &b, sizeof a); return a; }
+inline float __int_as_float(unsigned b) { return bits_as<float>(b); }
+inline float __uint_as_float(unsigned b) { return bits_as<float>(b); }
+inline unsigned __float_as_uint(float f) { return bits_as<unsigned>(f); }
+typedef _Float16 __half;
+inline float __half2float(__half h) { return (float)h; }
+inline __half __float2half_rn(float f) { return (__half)f; }
+inline unsigned short __half_as_ushort(__half h) { return bits_as<unsigned short>(h); }
+inline __half __ushort_as_half(unsigned short b) { return bits_as<__half>(b); }
+struct __nv_bfloat16 { unsigned short b; };
+inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float((unsigned)h.b << 16); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  unsigned u = __float_as_uint(f);
+  if (f != f) return {(unsigned short)((u >> 16) | 0x40)};
+  u += 0x7fff + ((u >> 16) & 1);  // round to nearest even
+  return {(unsigned short)(u >> 16)};
+}
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.b; }
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short b) { return {b}; }
+template <class T> T atomicAdd(T* p, T v) { T o = *p; *p = o + v; return o; }
+inline __nv_bfloat16 atomicAdd(__nv_bfloat16* p, __nv_bfloat16 v) {
+  __nv_bfloat16 o = *p; *p = __float2bfloat16_rn(__bfloat162float(o) + __bfloat162float(v)); return o;
+}
+inline __half atomicAdd(__half* p, __half v) { __half o = *p; *p = (__half)((float)o + (float)v); return o; }
+template <class T> T atomicMin(T* p, T v) { T o = *p; *p = min(o, v); return o; }
+template <class T> T atomicMax(T* p, T v) { T o = *p; *p = max(o, v); return o; }
+template <class T> T atomicCAS(T* p, T cmp, T v) { T o = *p; if (o == cmp) *p = v; return o; }
+"""
+
+
+def _cpu_library(sources, tmp_path):
+    import ctypes
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    body = "\n".join(s.replace("#include <cuda_fp16.h>", "").replace("#include <cuda_bf16.h>", "")
+                     for s in sources)
+    src, lib = tmp_path / "kernels.cpp", tmp_path / "kernels.so"
+    src.write_text(SHIM + body)
+    done = subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)],
+                          capture_output=True, text=True)
+    if done.returncode and "_Float16" in done.stderr:
+        pytest.skip("the host compiler has no _Float16")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return ctypes.CDLL(str(lib))
+
+
+def run_plan_on_cpu(plan, args, lib):
+    import ctypes
+    from nimblejax.runtime import interpret
+
+    arena = interpret.Arena(plan)
+    for var, arg in zip(plan.graph.inputs, args):
+        if var in plan.memory.offsets:
+            arena.write(var, np.asarray(arg))
+    for var, value in plan.graph.consts.items():
+        if var in plan.memory.offsets:
+            arena.write(var, value)
+    base = arena.bytes.ctypes.data
+    for task in plan.schedule.order:
+        assert task.kind in ("kernel", "view"), task.kind
+        for k in task.kernel.launches if task.kind == "kernel" else ():
+            fn = getattr(lib, k.name)
+            ptrs = [ctypes.c_void_p(base + plan.offset(v)) for v in k.params]
+            for blk in range(k.grid[0]):
+                for thread in range(k.block[0]):
+                    lib.nimble_set_thread(blk, thread, k.grid[0], k.block[0])
+                    fn(*ptrs)
+    # No kernel wrote outside its buffers: the arena's padding still holds the fill bytes.
+    inside = np.zeros(arena.bytes.size, dtype=bool)
+    for buf, off in plan.memory.offsets.items():
+        inside[off: off + plan.sizes[buf]] = True
+    assert (arena.bytes[~inside] == interpret.NAN_BYTE).all(), "a kernel wrote out of bounds"
+    return [interpret._output(plan, arena, a, args) for a in plan.graph.outputs]
+
+
+def _cpu_records():
+    from primitive_table import RECORDS
+
+    return [r for r in RECORDS if r.primitive.startswith(("gather", "scatter", "dynamic_"))]
+
+
+def _plan(record):
+    a = record.args(np.random.default_rng(1))
+    return nimble.jit(record.fn, backend="interpret").plan(*a), a
+
+
+def _sources(plan) -> list[str]:
+    return [k.source for t in plan.tasks if t.kernel for k in t.kernel.launches]
+
+
+def _runs_on_cpu(plan) -> bool:
+    """Reductions (threads cooperate through shuffles and barriers) run on the GPU only."""
+    return not any(s in src for src in _sources(plan) for s in ("__shfl", "__syncthreads"))
+
+
+@pytest.fixture(scope="module")
+def cpu_library(tmp_path_factory):
+    """Every CPU-runnable record's kernels in one library (one compiler run)."""
+    plans = [p for p, _ in map(_plan, _cpu_records()) if _runs_on_cpu(p)]
+    sources = dict.fromkeys(src for p in plans for src in _sources(p))
+    return _cpu_library(sources, tmp_path_factory.mktemp("kernels"))
+
+
+@pytest.mark.parametrize("record", _cpu_records(), ids=lambda r: r.id)
+def test_generated_kernels_on_cpu_match_jax(record, cpu_library):
+    plan, a = _plan(record)
+    if not _runs_on_cpu(plan):
+        pytest.skip("a reduction kernel (threads cooperate): GPU only")
+    got = run_plan_on_cpu(plan, a, cpu_library)
+    want = jax.tree_util.tree_leaves(jax.jit(record.fn)(*a))
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert_tree_close(np.asarray(g).astype(np.asarray(w).dtype), w)
