@@ -107,3 +107,26 @@ def test_large_residual_is_written_once_not_recomputed_downstream():
     small = (x[:4], y[:4], w)  # below RECOMPUTE_ANY_BELOW: recomputed from x and y
     assert last_kernel_inputs(*small) == 3
     assert_tree_close(nimble.jit(block, backend="interpret")(x, y, w), jax.jit(block)(x, y, w))
+
+
+def test_long_elementwise_chain_is_cut_into_kernels_of_bounded_depth():
+    """An unrolled loop of elementwise steps (400 here) used to be one kernel whose code
+    generation recursed once per step (RecursionError past ~300)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import nimblejax as nimble
+    from nimblejax.compiler.fusion import MAX_INLINE_DEPTH
+
+    def f(x):
+        for _ in range(400):
+            x = jnp.tanh(x * 1.01 + 0.5)
+        return x
+
+    x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, 64), jnp.float32)
+    g = nimble.jit(f, backend="interpret")
+    np.testing.assert_allclose(g(x), jax.jit(f)(x), rtol=1e-5, atol=1e-6)
+    tasks = g.plan(x).tasks
+    assert 1 < len(tasks) <= 1 + 3 * 400 // MAX_INLINE_DEPTH
+    assert all(len(t.eqns) <= MAX_INLINE_DEPTH + 1 for t in tasks)

@@ -21,6 +21,10 @@ MAX_DUPLICATION = 4
 # value in several kernels is free there, and one more kernel is not.
 RECOMPUTE_ANY_BELOW = 1 << 20
 VIEW_PRIMS = frozenset({"reshape", "squeeze"})
+# An elementwise chain inlined deeper than this below its kernel's root is cut (its value
+# written): code generation recurses once per inlined node, and an unrolled loop of
+# elementwise steps would otherwise become one kernel of thousands of nested values.
+MAX_INLINE_DEPTH = 96
 
 
 @dataclass(frozen=True, eq=False)
@@ -46,19 +50,24 @@ def fuse(graph: Graph) -> list[Group]:
     owner: dict[Node, frozenset[int]] = {}
     roots: dict[int, Node] = {}
     written = _worth_writing(graph, consumers)
+    depth: dict[Node, int] = {}  # inlined nodes between a node and its kernel's root
 
     def new_group(node: Node) -> None:
         gid = len(roots)
         roots[gid] = node
         owner[node] = frozenset([gid])
+        depth[node] = 0
 
     for node in reversed(graph.nodes):
         kind = rule_for(node).kind
         if kind == "elementwise":
             groups = _inline_target(node, consumers, outputs, owner)
             if groups is not None and (len(groups) == 1 or node not in written):
-                owner[node] = groups
-                continue
+                d = 1 + max(depth[u] for u in consumers[node.outputs[0]])
+                if d <= MAX_INLINE_DEPTH:
+                    owner[node] = groups
+                    depth[node] = d
+                    continue
         new_group(node)
 
     members: dict[int, list[Node]] = {gid: [] for gid in roots}
