@@ -23,8 +23,10 @@ def _window_positions(b: KernelBuilder, idx: Index, x_shape, p, offsets) -> tupl
     base_dil = p.get("base_dilation") or (1,) * len(x_shape)
     win_dil = p.get("window_dilation") or (1,) * len(x_shape)
     for d, (i, off) in enumerate(zip(idx, offsets)):
-        st, (lo, _hi), bd, wd = p["window_strides"][d], p["padding"][d], base_dil[d], win_dil[d]
-        if (st, lo, bd, wd, p["window_dimensions"][d]) == (1, 0, 1, 1, 1):
+        st, (lo, hi), bd, wd = p["window_strides"][d], p["padding"][d], base_dil[d], win_dil[d]
+        # The output index is the operand index only without padding: high padding
+        # adds outputs past the operand's end, which hold the identity.
+        if (st, lo, hi, bd, wd, p["window_dimensions"][d]) == (1, 0, 0, 1, 1, 1):
             src.append(i)
             continue
         pos, ok = dilated_source(f"({i} * {st} + {off * wd} - ({lo}))", bd, x_shape[d])

@@ -1,0 +1,203 @@
+"""Run a plan's generated kernels on the CPU, so that fuzzed programs check kernel
+semantics (index math, bounds, padding, rounding) on machines without a GPU.
+
+The CPU interpreter (runtime/interpret.py) evaluates each task's equations with JAX: it
+checks the planners, not the kernels. Here the CUDA C of the plan's kernels is compiled
+as C++ with a small shim (thread indices, half types, intrinsics) and run on the CPU:
+grid-stride loop kernels one emulated thread after another; kernels whose threads
+cooperate (warp shuffles, shared memory, __syncthreads: reductions, argmax, tiled
+transposes) with one OS thread per CUDA thread of a block, blocks one after another, up
+to MAX_COOPERATIVE_THREADS. Other tasks (GEMMs, library calls, larger cooperative
+launches) are evaluated with JAX as the interpreter does. Tasks run in launch order over
+an arena laid out as the memory plan says (NaN-filled, so a read past a buffer shows).
+
+Host math (glibc) is not CUDA's libdevice: results agree within a few ulp, not bit for
+bit. Tests using this compare with tolerances, as on the GPU.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
+
+from nimblejax.compiler import dtypes
+from nimblejax.runtime import interpret
+
+SHIM = r"""
+#include <cmath>
+#include <cstring>
+#include <cstdint>
+#include <atomic>
+#include <barrier>
+#include <thread>
+#include <vector>
+using std::isfinite;
+struct Dim3 { unsigned int x, y, z; };
+struct alignas(16) uint4 { unsigned int x, y, z, w; };
+struct alignas(8) uint2 { unsigned int x, y; };
+static thread_local Dim3 threadIdx, blockIdx;
+static Dim3 blockDim, gridDim;
+// One OS thread per CUDA thread of a block; blocks run one after another, so a static
+// array is the block's shared memory. Warp shuffles and __syncthreads are barriers;
+// a thread that returns drops out of them (as an exited thread does on the GPU).
+#define __shared__ static
+struct Warp { std::barrier<> bar{32}; unsigned long long slot[32]; };
+static Warp* warps;
+static std::barrier<>* block_bar;
+static inline int flat_tid() { return threadIdx.x + threadIdx.y * blockDim.x; }
+static inline void __syncthreads() { block_bar->arrive_and_wait(); }
+static std::atomic<int> votes;
+static inline int __syncthreads_or(int p) {
+  block_bar->arrive_and_wait(); if (p) votes.fetch_add(1);
+  block_bar->arrive_and_wait(); int r = votes.load() != 0;
+  block_bar->arrive_and_wait(); if (flat_tid() == 0) votes.store(0);
+  return r; }
+template <class T> static inline T __shfl_down_sync(unsigned int, T v, int off) {
+  int t = flat_tid(), lane = t % 32; Warp& w = warps[t / 32];
+  memcpy(&w.slot[lane], &v, sizeof(T)); w.bar.arrive_and_wait();
+  T r = v; if (lane + off < 32) memcpy(&r, &w.slot[lane + off], sizeof(T));
+  w.bar.arrive_and_wait(); return r; }
+#define __global__
+#define __launch_bounds__(...)
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+struct __half { _Float16 v; };
+struct __nv_bfloat16 { uint16_t x; };
+static inline float __half2float(__half h) { return (float)h.v; }
+static inline __half __float2half_rn(float f) { __half h; h.v = (_Float16)f; return h; }
+static inline float __bfloat162float(__nv_bfloat16 b) {
+  uint32_t u = (uint32_t)b.x << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+  uint32_t u; memcpy(&u, &f, 4); __nv_bfloat16 b;
+  if ((u & 0x7fffffffu) > 0x7f800000u) { b.x = 0x7fc0; return b; }
+  u += 0x7fffu + ((u >> 16) & 1u); b.x = (uint16_t)(u >> 16); return b; }
+static inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+static inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
+static inline unsigned int __float_as_uint(float f) { unsigned int i; memcpy(&i, &f, 4); return i; }
+static inline float __uint_as_float(unsigned int i) { float f; memcpy(&f, &i, 4); return f; }
+static inline unsigned short __half_as_ushort(__half h) { unsigned short u; memcpy(&u, &h, 2); return u; }
+static inline __half __ushort_as_half(unsigned short u) { __half h; memcpy(&h, &u, 2); return h; }
+static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.x; }
+static inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short u) { __nv_bfloat16 b; b.x = u; return b; }
+static inline int __mulhi(int a, int b) { return (int)(((long long)a * b) >> 32); }
+static inline unsigned int __umulhi(unsigned int a, unsigned int b) {
+  return (unsigned int)(((unsigned long long)a * b) >> 32); }
+static inline int __popc(unsigned int x) { return __builtin_popcount(x); }
+static inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned int)x); }
+static inline int max(int a, int b) { return a > b ? a : b; }
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline unsigned int max(unsigned int a, unsigned int b) { return a > b ? a : b; }
+static inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
+static inline long long max(long long a, long long b) { return a > b ? a : b; }
+static inline long long min(long long a, long long b) { return a < b ? a : b; }
+static inline float max(float a, float b) { return fmaxf(a, b); }
+static inline float min(float a, float b) { return fminf(a, b); }
+"""
+# Kernels that use any of these run one OS thread per CUDA thread (cooperative).
+COOPERATIVE = ("__shfl", "__syncthreads", "__shared__")
+MAX_COOPERATIVE_THREADS = 1 << 15  # larger launches go through JAX (thread start-up)
+UNSUPPORTED = ("atomic", "__ldg", "asm(", "erfinvf")  # erfinvf: not in glibc
+
+
+def compiler() -> str | None:
+    return shutil.which("g++") or shutil.which("c++")
+
+
+def cooperative(kernel) -> bool:  # (one launch)
+    return any(k in kernel.source for k in COOPERATIVE)
+
+
+def emulatable(kernel) -> bool:
+    return all(_emulatable(k) for k in kernel.launches)
+
+
+def _emulatable(kernel) -> bool:
+    if any(k in kernel.source for k in UNSUPPORTED) or kernel.block[2] != 1:
+        return False
+    if cooperative(kernel):
+        return math.prod(kernel.grid) * math.prod(kernel.block) <= MAX_COOPERATIVE_THREADS
+    return kernel.block[1:] == (1, 1) and kernel.grid[1:] == (1, 1)
+
+
+def _launcher(kernel) -> str:
+    args = ", ".join(f"({dtypes.storage_type(v.dtype)}*)a[{i}]" for i, v in enumerate(kernel.params))
+    (gx, gy, gz), (bx, by, _) = kernel.grid, kernel.block
+    head = (f'extern "C" void launch_{kernel.name}(void** a) {{\n'
+            f"  gridDim = {{{gx}u, {gy}u, {gz}u}}; blockDim = {{{bx}u, {by}u, 1u}};\n"
+            f"  for (unsigned int z = 0; z < {gz}u; ++z) for (unsigned int y = 0; y < {gy}u; ++y)\n"
+            f"  for (unsigned int b = 0; b < {gx}u; ++b) {{\n")
+    call = f"{kernel.name}({args});"
+    if not cooperative(kernel):
+        return (head + f"    for (unsigned int t = 0; t < {bx}u; ++t) {{\n"
+                f"      blockIdx = {{b, y, z}}; threadIdx = {{t, 0u, 0u}}; {call}\n    }}\n  }}\n}}\n")
+    n = bx * by
+    return (head +
+            f"    std::vector<Warp> ws({-(-n // 32)}); warps = ws.data();\n"
+            f"    std::barrier<> bar({n}); block_bar = &bar;\n"
+            f"    std::vector<std::thread> threads;\n"
+            f"    for (unsigned int t = 0; t < {n}u; ++t) threads.emplace_back([=, &bar] {{\n"
+            f"      blockIdx = {{b, y, z}}; threadIdx = {{t % {bx}u, t / {bx}u, 0u}}; {call}\n"
+            f"      warps[t / 32].bar.arrive_and_drop(); bar.arrive_and_drop(); }});\n"
+            f"    for (auto& th : threads) th.join();\n  }}\n}}\n")
+
+
+def _strip(source: str) -> str:
+    return "\n".join(line for line in source.splitlines() if not line.startswith("#include <cuda"))
+
+
+_LIBS: dict[str, ctypes.CDLL] = {}
+
+
+def build(kernels) -> ctypes.CDLL:
+    """One shared library holding `kernels` and a launcher for each (cached by text)."""
+    unique = {k.name: k for k in kernels}.values()  # the same kernel may run twice
+    text = SHIM + "\n".join(_strip(k.source) + "\n" + _launcher(k) for k in unique)
+    key = hashlib.sha1(text.encode()).hexdigest()
+    if key not in _LIBS:
+        tmp = tempfile.mkdtemp(prefix="nimble-emu-")
+        src, lib = os.path.join(tmp, "k.cpp"), os.path.join(tmp, "k.so")
+        with open(src, "w") as f:
+            f.write(text)
+        proc = subprocess.run([compiler(), "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC",
+                               "-fwrapv", "-w", src, "-o", lib], capture_output=True, text=True)
+        if proc.returncode:
+            raise RuntimeError(f"emulated kernels do not compile:\n{proc.stderr[-4000:]}")
+        _LIBS[key] = ctypes.CDLL(lib)
+    return _LIBS[key]
+
+
+def run(plan, args) -> tuple[list[np.ndarray], int]:
+    """Outputs of `plan` on flat `args`, and how many kernel launches were emulated."""
+    import jax
+
+    arena = interpret.Arena(plan)
+    for var, arg in zip(plan.graph.inputs, args):
+        if var in plan.memory.offsets:
+            arena.write(var, np.asarray(arg))
+    for var, value in plan.graph.consts.items():
+        if var in plan.memory.offsets:
+            arena.write(var, value)
+    kernels = [k for t in plan.tasks if t.kernel is not None and emulatable(t.kernel)
+               for k in t.kernel.launches]
+    lib = build(kernels) if kernels else None
+    base = arena.bytes.ctypes.data
+    emulated = 0
+    with jax.default_device(jax.devices("cpu")[0]):
+        for task in interpret.interleaving(plan.schedule, None):
+            k = task.kernel
+            if k is not None and emulatable(k):
+                ptrs = (ctypes.c_void_p * len(k.params))(
+                    *[base + plan.offset(v) for v in k.params])
+                for launch in k.launches:  # a scatter's copy first, then the scatter
+                    getattr(lib, f"launch_{launch.name}")(ptrs)
+                emulated += 1
+            else:
+                interpret.execute(task, arena)
+    return [interpret._output(plan, arena, a, args) for a in plan.graph.outputs], emulated
