@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool): GPU tests, then the runtime benchmark (looped,
-# blocked and GPU time), then the model suite (looped next to blocked) if asked.
+# blocked and GPU time), then the model suite (looped next to blocked), the coverage
+# benchmarks (COVERAGE=1) and the data-parallel step (DATA_PARALLEL=1) if asked.
 set -u
 export PYTHONPATH=.
 export PYTHONUNBUFFERED=1
@@ -15,3 +16,13 @@ fi
 if [ -n "${SUITE:-}" ]; then
   timeout ${SUITE_TIMEOUT:-420} python3 -m nimblejax.bench --models ${SUITE} --batch ${SUITE_BATCH:-1,32} --repeat ${SUITE_REPEAT:-50} --no-cold --json $OUT/suite.json 2>&1 | tee $OUT/suite.log | tail -60
 fi
+if [ -n "${COVERAGE:-}" ]; then
+  # Issue 13: embedding lookup / scatter-add against jax.jit, and the fuzzer's summary.
+  timeout ${COVERAGE_TIMEOUT:-200} python3 -m nimblejax.bench.indexing --out $OUT/indexing.json 2>&1 | tee $OUT/indexing.log
+  NIMBLE_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-300} timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fuzz.py 2>&1 | grep -E "nimble fuzz|passed|failed" | tee $OUT/fuzz.log
+fi
+if [ -n "${DATA_PARALLEL:-}" ]; then
+  # Issue 16: samples/s of the data-parallel step on 1 and all GPUs, nimble vs jax.jit.
+  timeout ${DP_TIMEOUT:-400} python3 -m nimblejax.bench.data_parallel --models mlp,resnet50 --per-device-batch 32 --json $OUT/data_parallel.json 2>&1 | tee $OUT/data_parallel.log
+fi
+
