@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import jax
 import networkx as nx
 
-from nimblejax.compiler.canonicalize import canonicalize
+from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize
 from nimblejax.compiler.fusion import fuse
 from nimblejax.compiler.ir import Graph, Var, fresh_ids
 from nimblejax.compiler.lowering import lower
@@ -44,7 +44,7 @@ def compile_function(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct],
 
 
 def build_plan(graph: Graph, options: Options = Options()) -> Plan:
-    check_supported(graph.nodes)
+    check_supported(graph.nodes, REWRITTEN)
     control = graph.control  # canonicalize rebuilds the graph without it
     graph = canonicalize(graph, options)
     groups = fuse(graph)

@@ -23,6 +23,10 @@ from nimblejax.compiler.ir import Graph, Node
 from nimblejax.options import Options
 
 
+# Primitives this stage replaces entirely (they need no lowering rule).
+REWRITTEN = frozenset({"split"})
+
+
 def canonicalize(graph: Graph, options: Options) -> Graph:
     nodes: list[Node] = []
     for node in graph.nodes:

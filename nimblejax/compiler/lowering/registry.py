@@ -52,12 +52,14 @@ def rule_for(node: Node) -> Rule:
     return rule
 
 
-def check_supported(nodes) -> None:
-    """Raise for the first unsupported primitive or dtype, naming the user's line."""
+def check_supported(nodes, rewritten: frozenset = frozenset()) -> None:
+    """Raise for the first unsupported primitive or dtype, naming the user's line.
+    Primitives in `rewritten` need no rule: canonicalization replaces them."""
     from nimblejax.compiler import dtypes
 
     for node in nodes:
-        rule_for(node)
+        if node.name not in rewritten:
+            rule_for(node)
     for node in nodes:
         for v in list(node.inputs) + list(node.outputs):
             if not dtypes.is_supported(v.dtype):

@@ -58,13 +58,6 @@ def pad(node: Node) -> Kernel:
     return loop_kernel("pad", out, ["pad"], body)
 
 
-@register("split", kind="kernel")
-def split(node: Node) -> Kernel:
-    """Registered so that check_supported accepts it; canonicalize/slices.py rewrites
-    every split into one slice per output before fusion, so none reaches lowering."""
-    raise AssertionError(f"split (from {node.source}) should have been rewritten into slices")
-
-
 def _clamped_starts(b: KernelBuilder, starts, limits) -> list[str]:
     # XLA clamps dynamic start indices so the slice stays inside the operand.
     out = []
