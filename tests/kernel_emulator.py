@@ -1,5 +1,6 @@
-"""Run a plan's generated kernels on the CPU, so that fuzzed programs check kernel
-semantics (index math, bounds, padding, rounding) on machines without a GPU.
+"""Run a plan's generated kernels on the CPU, so that tests (the fuzzer, sort/scan,
+indexing and integer kernels) check kernel semantics (index math, bounds, padding,
+rounding, atomics) on machines without a GPU. The one CUDA-on-the-host harness.
 
 The CPU interpreter (runtime/interpret.py) evaluates each task's equations with JAX: it
 checks the planners, not the kernels. Here the CUDA C of the plan's kernels is compiled
@@ -9,10 +10,15 @@ cooperate (warp shuffles, shared memory, __syncthreads: reductions, argmax, tile
 transposes) with one OS thread per CUDA thread of a block, blocks one after another, up
 to MAX_COOPERATIVE_THREADS. Other tasks (GEMMs, library calls, larger cooperative
 launches) are evaluated with JAX as the interpreter does. Tasks run in launch order over
-an arena laid out as the memory plan says (NaN-filled, so a read past a buffer shows).
+an arena laid out as the memory plan says (NaN-filled, so a read past a buffer shows;
+afterwards the bytes between buffers must still be the fill: no kernel wrote outside its
+buffers). A task's launches (`Kernel.launches`: a scatter's copy, then the scatter) run in
+order. Atomics take one lock, so they are atomic across OS threads too. `launch` runs one
+kernel over given arrays; `compile_library` is the host compiler step, for other host code.
 
 Host math (glibc) is not CUDA's libdevice: results agree within a few ulp, not bit for
-bit. Tests using this compare with tolerances, as on the GPU.
+bit: such tests compare with tolerances, as on the GPU. Kernels that only move, compare
+or do integer math (sorts, indexing, integer ops) match JAX bit for bit.
 """
 from __future__ import annotations
 
@@ -35,6 +41,7 @@ SHIM = r"""
 #include <cstdint>
 #include <atomic>
 #include <barrier>
+#include <mutex>
 #include <thread>
 #include <vector>
 using std::isfinite;
@@ -99,11 +106,34 @@ static inline long long max(long long a, long long b) { return a > b ? a : b; }
 static inline long long min(long long a, long long b) { return a < b ? a : b; }
 static inline float max(float a, float b) { return fmaxf(a, b); }
 static inline float min(float a, float b) { return fminf(a, b); }
+// erfinv is not in glibc: Winitzki's estimate, then Newton steps on erf in double.
+static inline float erfinvf(float y) {
+  if (!(y > -1.f && y < 1.f)) return y == 1.f ? INFINITY : y == -1.f ? -INFINITY : NAN;
+  const double w = log((1.0 - y) * (1.0 + y)), a = 0.147, t = 2 / (M_PI * a) + w / 2;
+  double x = copysign(sqrt(sqrt(t * t - w / a) - t), (double)y);
+  for (int i = 0; i < 4 && y != 0.f; ++i) x -= (erf(x) - y) / (M_2_SQRTPI * exp(-x * x));
+  return (float)x; }
+static std::mutex atomic_lock;
+template <class T, class F> static inline T atomic_update(T* p, F f) {
+  std::lock_guard<std::mutex> g(atomic_lock); T old = *p; *p = f(old); return old; }
+template <class T> static inline T atomicAdd(T* p, T v) {
+  return atomic_update(p, [&](T o) { return o + v; }); }
+static inline __half atomicAdd(__half* p, __half v) { return atomic_update(p, [&](__half o) {
+  return __float2half_rn(__half2float(o) + __half2float(v)); }); }
+static inline __nv_bfloat16 atomicAdd(__nv_bfloat16* p, __nv_bfloat16 v) {
+  return atomic_update(p, [&](__nv_bfloat16 o) {
+    return __float2bfloat16_rn(__bfloat162float(o) + __bfloat162float(v)); }); }
+template <class T> static inline T atomicMin(T* p, T v) {
+  return atomic_update(p, [&](T o) { return min(o, v); }); }
+template <class T> static inline T atomicMax(T* p, T v) {
+  return atomic_update(p, [&](T o) { return max(o, v); }); }
+template <class T> static inline T atomicCAS(T* p, T cmp, T v) {
+  return atomic_update(p, [&](T o) { return o == cmp ? v : o; }); }
 """
 # Kernels that use any of these run one OS thread per CUDA thread (cooperative).
 COOPERATIVE = ("__shfl", "__syncthreads", "__shared__")
 MAX_COOPERATIVE_THREADS = 1 << 15  # larger launches go through JAX (thread start-up)
-UNSUPPORTED = ("atomic", "__ldg", "asm(", "erfinvf")  # erfinvf: not in glibc
+UNSUPPORTED = ("__ldg", "asm(")
 
 
 def compiler() -> str | None:
@@ -133,11 +163,11 @@ def _launcher(kernel) -> str:
             f"  gridDim = {{{gx}u, {gy}u, {gz}u}}; blockDim = {{{bx}u, {by}u, 1u}};\n"
             f"  for (unsigned int z = 0; z < {gz}u; ++z) for (unsigned int y = 0; y < {gy}u; ++y)\n"
             f"  for (unsigned int b = 0; b < {gx}u; ++b) {{\n")
-    call = f"{kernel.name}({args});"
+    call, n = f"{kernel.name}({args});", bx * by
     if not cooperative(kernel):
-        return (head + f"    for (unsigned int t = 0; t < {bx}u; ++t) {{\n"
-                f"      blockIdx = {{b, y, z}}; threadIdx = {{t, 0u, 0u}}; {call}\n    }}\n  }}\n}}\n")
-    n = bx * by
+        return (head + f"    for (unsigned int t = 0; t < {n}u; ++t) {{\n"
+                f"      blockIdx = {{b, y, z}}; threadIdx = {{t % {bx}u, t / {bx}u, 0u}}; {call}\n"
+                "    }\n  }\n}\n")
     return (head +
             f"    std::vector<Warp> ws({-(-n // 32)}); warps = ws.data();\n"
             f"    std::barrier<> bar({n}); block_bar = &bar;\n"
@@ -155,17 +185,15 @@ def _strip(source: str) -> str:
 _LIBS: dict[str, ctypes.CDLL] = {}
 
 
-def build(kernels) -> ctypes.CDLL:
-    """One shared library holding `kernels` and a launcher for each (cached by text)."""
-    unique = {k.name: k for k in kernels}.values()  # the same kernel may run twice
-    text = SHIM + "\n".join(_strip(k.source) + "\n" + _launcher(k) for k in unique)
-    key = hashlib.sha1(text.encode()).hexdigest()
+def compile_library(text: str, flags: tuple[str, ...] = ("-O1",)) -> ctypes.CDLL:
+    """C++ `text` built by the host compiler as a shared library (cached by text)."""
+    key = hashlib.sha1(" ".join((text, *flags)).encode()).hexdigest()
     if key not in _LIBS:
         tmp = tempfile.mkdtemp(prefix="nimble-emu-")
         src, lib = os.path.join(tmp, "k.cpp"), os.path.join(tmp, "k.so")
         with open(src, "w") as f:
             f.write(text)
-        proc = subprocess.run([compiler(), "-O1", "-std=c++20", "-pthread", "-shared", "-fPIC",
+        proc = subprocess.run([compiler(), *flags, "-std=c++20", "-pthread", "-shared", "-fPIC",
                                "-fwrapv", "-w", src, "-o", lib], capture_output=True, text=True)
         if proc.returncode:
             raise RuntimeError(f"emulated kernels do not compile:\n{proc.stderr[-4000:]}")
@@ -173,8 +201,36 @@ def build(kernels) -> ctypes.CDLL:
     return _LIBS[key]
 
 
-def run(plan, args) -> tuple[list[np.ndarray], int]:
-    """Outputs of `plan` on flat `args`, and how many kernel launches were emulated."""
+def kernels(plan) -> list:
+    """Every launch of `plan`'s tasks that `run` emulates."""
+    return [k for t in plan.tasks if t.kernel is not None and emulatable(t.kernel)
+            for k in t.kernel.launches]
+
+
+def build(kernels) -> ctypes.CDLL:
+    """One shared library holding `kernels` and a launcher for each."""
+    unique = {}
+    for k in kernels:  # the same kernel may run twice, or in several plans
+        assert unique.setdefault(k.name, k).source == k.source, f"two kernels named {k.name}"
+    return compile_library(SHIM + "\n".join(_strip(k.source) + "\n" + _launcher(k)
+                                             for k in unique.values()))
+
+
+def _launch(lib, kernel, ptrs) -> None:
+    args = (ctypes.c_void_p * len(ptrs))(*ptrs)
+    for k in kernel.launches:  # a scatter's copy first, then the scatter
+        getattr(lib, f"launch_{k.name}")(args)
+
+
+def launch(kernel, buffers: list[np.ndarray], lib=None) -> None:
+    """Run every launch of `kernel` over `buffers` (one per param, C-contiguous), in place."""
+    assert all(b.flags.c_contiguous for b in buffers)
+    _launch(lib or build(kernel.launches), kernel, [b.ctypes.data for b in buffers])
+
+
+def run(plan, args, lib=None) -> tuple[list[np.ndarray], int]:
+    """Outputs of `plan` on flat `args`, and how many tasks' kernels were emulated (from
+    `lib`, a `build` of `kernels(plan)` and maybe more, if given)."""
     import jax
 
     arena = interpret.Arena(plan)
@@ -184,20 +240,19 @@ def run(plan, args) -> tuple[list[np.ndarray], int]:
     for var, value in plan.graph.consts.items():
         if var in plan.memory.offsets:
             arena.write(var, value)
-    kernels = [k for t in plan.tasks if t.kernel is not None and emulatable(t.kernel)
-               for k in t.kernel.launches]
-    lib = build(kernels) if kernels else None
+    if lib is None and kernels(plan):
+        lib = build(kernels(plan))
     base = arena.bytes.ctypes.data
     emulated = 0
     with jax.default_device(jax.devices("cpu")[0]):
         for task in interpret.interleaving(plan.schedule, None):
-            k = task.kernel
-            if k is not None and emulatable(k):
-                ptrs = (ctypes.c_void_p * len(k.params))(
-                    *[base + plan.offset(v) for v in k.params])
-                for launch in k.launches:  # a scatter's copy first, then the scatter
-                    getattr(lib, f"launch_{launch.name}")(ptrs)
+            if task.kernel is not None and emulatable(task.kernel):
+                _launch(lib, task.kernel, [base + plan.offset(v) for v in task.kernel.params])
                 emulated += 1
             else:
                 interpret.execute(task, arena)
+    inside = np.zeros(arena.bytes.size, dtype=bool)
+    for buf, off in plan.memory.offsets.items():
+        inside[off: off + plan.sizes[buf]] = True
+    assert (arena.bytes[~inside] == interpret.NAN_BYTE).all(), "a kernel wrote out of bounds"
     return [interpret._output(plan, arena, a, args) for a in plan.graph.outputs], emulated

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernel_emulator
 import nimblejax as nimble
 from models import assert_tree_close
 
@@ -199,107 +200,10 @@ def test_gather_and_scatter_records_on_gpu_repeatedly():
 
 # ---- the generated kernels themselves, run on the CPU --------------------------------------
 # The interpreter checks plans with JAX, not our CUDA C. Here each indexing record's plan
-# runs its generated kernels compiled as C++ by the host compiler, through a small shim
-# of the CUDA built-ins they use: one call per (block, thread), in launch order (these
-# kernels have no barriers or warp shuffles, so threads may run one after another; the
-# atomics are then trivially atomic). It checks the index arithmetic, the modes, the
-# out-of-range handling and the compare-and-swap helpers against jax.jit.
-SHIM = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-struct nimble_dim { unsigned x, y, z; };
-static nimble_dim blockIdx, threadIdx, blockDim, gridDim;
-extern "C" void nimble_set_thread(unsigned b, unsigned t, unsigned nb, unsigned bd) {
-  blockIdx = {b, 0, 0}; threadIdx = {t, 0, 0}; gridDim = {nb, 1, 1}; blockDim = {bd, 1, 1};
-}
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__ __restrict
-struct uint4 { unsigned x, y, z, w; };
-#define MINMAX(T) inline T min(T a, T b) { return a < b ? a : b; } \
-                  inline T max(T a, T b) { return a > b ? a : b; }
-MINMAX(int) MINMAX(unsigned) MINMAX(long long) MINMAX(unsigned long long)
-template <class A, class B> A bits_as(B b) { A a; memcpy(&a, &b, sizeof a); return a; }
-inline float __int_as_float(unsigned b) { return bits_as<float>(b); }
-inline float __uint_as_float(unsigned b) { return bits_as<float>(b); }
-inline unsigned __float_as_uint(float f) { return bits_as<unsigned>(f); }
-typedef _Float16 __half;
-inline float __half2float(__half h) { return (float)h; }
-inline __half __float2half_rn(float f) { return (__half)f; }
-inline unsigned short __half_as_ushort(__half h) { return bits_as<unsigned short>(h); }
-inline __half __ushort_as_half(unsigned short b) { return bits_as<__half>(b); }
-struct __nv_bfloat16 { unsigned short b; };
-inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float((unsigned)h.b << 16); }
-inline __nv_bfloat16 __float2bfloat16_rn(float f) {
-  unsigned u = __float_as_uint(f);
-  if (f != f) return {(unsigned short)((u >> 16) | 0x40)};
-  u += 0x7fff + ((u >> 16) & 1);  // round to nearest even
-  return {(unsigned short)(u >> 16)};
-}
-inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.b; }
-inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short b) { return {b}; }
-template <class T> T atomicAdd(T* p, T v) { T o = *p; *p = o + v; return o; }
-inline __nv_bfloat16 atomicAdd(__nv_bfloat16* p, __nv_bfloat16 v) {
-  __nv_bfloat16 o = *p; *p = __float2bfloat16_rn(__bfloat162float(o) + __bfloat162float(v)); return o;
-}
-inline __half atomicAdd(__half* p, __half v) { __half o = *p; *p = (__half)((float)o + (float)v); return o; }
-template <class T> T atomicMin(T* p, T v) { T o = *p; *p = min(o, v); return o; }
-template <class T> T atomicMax(T* p, T v) { T o = *p; *p = max(o, v); return o; }
-template <class T> T atomicCAS(T* p, T cmp, T v) { T o = *p; if (o == cmp) *p = v; return o; }
-"""
-
-
-def _cpu_library(sources, tmp_path):
-    import ctypes
-    import shutil
-    import subprocess
-
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler")
-    body = "\n".join(s.replace("#include <cuda_fp16.h>", "").replace("#include <cuda_bf16.h>", "")
-                     for s in sources)
-    src, lib = tmp_path / "kernels.cpp", tmp_path / "kernels.so"
-    src.write_text(SHIM + body)
-    done = subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)],
-                          capture_output=True, text=True)
-    if done.returncode and "_Float16" in done.stderr:
-        pytest.skip("the host compiler has no _Float16")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return ctypes.CDLL(str(lib))
-
-
-def run_plan_on_cpu(plan, args, lib):
-    import ctypes
-    from nimblejax.runtime import interpret
-
-    arena = interpret.Arena(plan)
-    for var, arg in zip(plan.graph.inputs, args):
-        if var in plan.memory.offsets:
-            arena.write(var, np.asarray(arg))
-    for var, value in plan.graph.consts.items():
-        if var in plan.memory.offsets:
-            arena.write(var, value)
-    base = arena.bytes.ctypes.data
-    for task in plan.schedule.order:
-        assert task.kind in ("kernel", "view"), task.kind
-        for k in task.kernel.launches if task.kind == "kernel" else ():
-            fn = getattr(lib, k.name)
-            ptrs = [ctypes.c_void_p(base + plan.offset(v)) for v in k.params]
-            for blk in range(k.grid[0]):
-                for thread in range(k.block[0]):
-                    lib.nimble_set_thread(blk, thread, k.grid[0], k.block[0])
-                    fn(*ptrs)
-    # No kernel wrote outside its buffers: the arena's padding still holds the fill bytes.
-    inside = np.zeros(arena.bytes.size, dtype=bool)
-    for buf, off in plan.memory.offsets.items():
-        inside[off: off + plan.sizes[buf]] = True
-    assert (arena.bytes[~inside] == interpret.NAN_BYTE).all(), "a kernel wrote out of bounds"
-    return [interpret._output(plan, arena, a, args) for a in plan.graph.outputs]
-
-
+# runs its generated kernels on the CPU (tests/kernel_emulator.py: every launch of a task,
+# atomics and compare-and-swap included, and no kernel may write outside its buffers). It
+# checks the index arithmetic, the modes, the out-of-range handling and the
+# compare-and-swap helpers against jax.jit.
 def _cpu_records():
     from primitive_table import RECORDS
 
@@ -311,29 +215,21 @@ def _plan(record):
     return nimble.jit(record.fn, backend="interpret").plan(*a), a
 
 
-def _sources(plan) -> list[str]:
-    return [k.source for t in plan.tasks if t.kernel for k in t.kernel.launches]
-
-
-def _runs_on_cpu(plan) -> bool:
-    """Reductions (threads cooperate through shuffles and barriers) run on the GPU only."""
-    return not any(s in src for src in _sources(plan) for s in ("__shfl", "__syncthreads"))
-
-
 @pytest.fixture(scope="module")
-def cpu_library(tmp_path_factory):
-    """Every CPU-runnable record's kernels in one library (one compiler run)."""
-    plans = [p for p, _ in map(_plan, _cpu_records()) if _runs_on_cpu(p)]
-    sources = dict.fromkeys(src for p in plans for src in _sources(p))
-    return _cpu_library(sources, tmp_path_factory.mktemp("kernels"))
+def cpu_library():
+    """Every record's kernels in one library (one compiler run)."""
+    if kernel_emulator.compiler() is None:
+        pytest.skip("no host C++ compiler")
+    plans = [_plan(r)[0] for r in _cpu_records()]
+    return kernel_emulator.build([k for p in plans for k in kernel_emulator.kernels(p)])
 
 
 @pytest.mark.parametrize("record", _cpu_records(), ids=lambda r: r.id)
 def test_generated_kernels_on_cpu_match_jax(record, cpu_library):
     plan, a = _plan(record)
-    if not _runs_on_cpu(plan):
-        pytest.skip("a reduction kernel (threads cooperate): GPU only")
-    got = run_plan_on_cpu(plan, a, cpu_library)
+    assert all(t.kind in ("kernel", "view") for t in plan.tasks), [t.kind for t in plan.tasks]
+    got, emulated = kernel_emulator.run(plan, a, cpu_library)
+    assert emulated == sum(t.kind == "kernel" for t in plan.tasks)  # every kernel ran as C++
     want = jax.tree_util.tree_leaves(jax.jit(record.fn)(*a))
     assert len(got) == len(want)
     for g, w in zip(got, want):

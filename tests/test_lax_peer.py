@@ -9,15 +9,14 @@ tolerance table where the record has none). Complex dtypes must raise nimblejax'
 NotImplementedError naming the way out; anything else unsupported is a failure.
 
 The interpreter runs JAX, not the generated kernels, so two host checks stand in for
-the GPU here: the special functions' C blocks (rules_special.py) and every integer
-kernel of the suite are compiled with the host's C++ compiler, run, and compared with
-JAX. Every kernel the suite generates is compiled for sm_90 with NVRTC.
+the GPU here: the special functions' C blocks (rules_special.py, compiled in double by
+kernel_emulator.compile_library) and every integer kernel of the suite (run on the CPU by
+tests/kernel_emulator.py) are compared with JAX.
+Every kernel the suite generates is compiled for sm_90 with NVRTC.
 """
 from __future__ import annotations
 
 import ctypes
-import shutil
-import subprocess
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +26,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import kernel_emulator
 import nimblejax as nimble
 
 lax_test_util = pytest.importorskip("jax._src.internal_test_util.lax_test_util")
@@ -167,18 +167,13 @@ SPECIAL_TOL = {"regularized_incomplete_beta": 2e-5, "igamma_grad_a": 2e-5}
 
 
 @pytest.fixture(scope="module")
-def host_specials(tmp_path_factory):
+def host_specials():
     from nimblejax.compiler.lowering.rules_special import BLOCKS, host_source
 
-    if shutil.which("g++") is None:
+    if kernel_emulator.compiler() is None:
         pytest.skip("no host C++ compiler")
-    d = tmp_path_factory.mktemp("specials")
-    src = "#include <math.h>\n" + "".join(
-        'extern "C" ' + host_source(p, f"f_{p}") for p in BLOCKS)
-    (d / "s.cc").write_text(src)
-    subprocess.run(["g++", "-O2", "-shared", "-fPIC", "-o", str(d / "s.so"), str(d / "s.cc")],
-                   check=True)
-    lib = ctypes.CDLL(str(d / "s.so"))
+    lib = kernel_emulator.compile_library("#include <math.h>\n" + "".join(
+        'extern "C" ' + host_source(p, f"f_{p}") for p in BLOCKS), flags=("-O2",))
     fns = {}
     for p, (names, _) in BLOCKS.items():
         fn = getattr(lib, f"f_{p}")
@@ -229,38 +224,9 @@ def test_special_c_blocks_edge_values(host_specials):
 
 
 # ---- the integer kernels on the host ------------------------------------------------
-# Integer and bool kernels use no CUDA-only type, so with a few stand-ins for CUDA's
-# built-ins the generated source compiles as C++ for the host and runs there, one
-# "thread" at a time: the kernels' integer semantics (wrap-around at 8, 16 and 32 bits,
-# shifts, bit counts, division corners) are checked against JAX without a GPU.
-HOST_SHIM = r"""
-struct nimble_dim3 { unsigned x, y, z; };
-static nimble_dim3 blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1},
-                   threadIdx = {0, 0, 0};
-#define __global__
-static int __popc(unsigned x) { return __builtin_popcount(x); }
-static int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
-static int __mulhi(int a, int b) { return (int)(((long long)a * b) >> 32); }
-static unsigned __umulhi(unsigned a, unsigned b) {
-  return (unsigned)(((unsigned long long)a * b) >> 32); }
-template <class T> T max(T a, T b) { return a > b ? a : b; }
-template <class T> T min(T a, T b) { return a < b ? a : b; }
-"""
-
-
-def _host_runner(kernel, size: int, run: str) -> str:
-    """C++ for the host: `run(pointers)` runs `size` threads of one block of `kernel`."""
-    args = ", ".join(f"({_param_type(kernel, i)})p[{i}]" for i in range(len(kernel.params)))
-    return (f'extern "C" void {run}(void** p) {{\n  blockDim.x = {size};\n'
-            f"  for (unsigned t = 0; t < {size}; ++t) {{\n"
-            f"    threadIdx.x = t;\n    {kernel.name}({args});\n  }}\n}}\n")
-
-
-def _param_type(kernel, i: int) -> str:
-    head = kernel.source.split(f"void {kernel.name}(", 1)[1].split(")", 1)[0]
-    return head.split(", ")[i].rsplit("*", 1)[0] + "*"
-
-
+# Integer and bool kernels run on the CPU (tests/kernel_emulator.py), all in one library:
+# the kernels' integer semantics (wrap-around at 8, 16 and 32 bits, shifts, bit counts,
+# division corners) are checked bit for bit against JAX without a GPU.
 def _integer_cases():
     """The peer suite's integer cases (JAX draws their inputs: popcount and clz only of
     non-negative numbers), then records_special's full-range integer records."""
@@ -273,36 +239,21 @@ def _integer_cases():
         yield r.id, r.fn, r.args(np.random.default_rng(1))
 
 
-def test_integer_kernels_run_on_host(tmp_path):
-    if shutil.which("g++") is None:
+def test_integer_kernels_run_on_host():
+    if kernel_emulator.compiler() is None:
         pytest.skip("no host C++ compiler")
-    runs = []  # (case id, C++ function name, output, want, pointers)
-    sources = {}
-    for seed, (case_id, fn, args) in enumerate(_integer_cases()):
-        plan = nimble.jit(fn, backend="interpret").plan(*args)
-        kernels = [t.kernel for t in plan.tasks if t.kernel]
-        if len(kernels) != 1 or kernels[0].params[0] is not plan.graph.outputs[0]:
-            continue  # (one fused kernel per case is all this harness drives)
-        kernel = kernels[0]
-        inputs = {v: np.ascontiguousarray(np.asarray(a)) for v, a in zip(plan.graph.inputs, args)}
-        if any(v not in inputs for v in kernel.params[1:]):
-            continue
-        want = np.asarray(jax.jit(fn)(*args))
-        got = np.zeros(want.shape, want.dtype)
-        run = f"run_{seed}"
-        sources.setdefault(kernel.name, kernel.source)  # identical kernels are shared
-        arrays = [got] + [inputs[v] for v in kernel.params[1:]]
-        runs.append((case_id, run, got, want, kernel, arrays))
-    src = HOST_SHIM + "".join(
-        "\n".join(ln for ln in text.splitlines() if not ln.startswith("#include")) + "\n"
-        for text in sources.values())
-    src += "".join(_host_runner(k, max(1, got.size), run) for _, run, got, _, k, _ in runs)
-    (tmp_path / "k.cc").write_text(src)
-    subprocess.run(["g++", "-O1", "-shared", "-fPIC", "-o", str(tmp_path / "k.so"),
-                    str(tmp_path / "k.cc")], check=True)
-    lib = ctypes.CDLL(str(tmp_path / "k.so"))
-    for case_id, run, got, want, _, arrays in runs:
-        ptrs = [a.ctypes.data for a in arrays]
-        getattr(lib, run)((ctypes.c_void_p * len(ptrs))(*ptrs))
-        assert np.array_equal(got, want), (case_id, got.ravel()[:8], want.ravel()[:8])
-    assert len(runs) > 150, [r[0] for r in runs]
+    cases = [(case_id, fn, args, nimble.jit(fn, backend="interpret").plan(*args))
+             for case_id, fn, args in _integer_cases()]
+    lib = kernel_emulator.build([k for *_, plan in cases for k in kernel_emulator.kernels(plan)])
+    ran = []
+    for case_id, fn, args, plan in cases:
+        got, emulated = kernel_emulator.run(plan, args, lib)
+        want = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+        assert len(got) == len(want), case_id
+        for g, w in zip(got, want):
+            g, w = np.asarray(g), np.asarray(w)
+            ok = g.dtype == w.dtype and np.array_equal(g, w)
+            assert ok, (case_id, g.ravel()[:8], w.ravel()[:8])
+        if emulated:
+            ran.append(case_id)
+    assert len(ran) > 150, ran

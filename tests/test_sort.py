@@ -1,11 +1,7 @@
 """sort, top_k and split: plans against jax.jit under the interpreter, the kernels'
-shapes, the generated sort kernels run on the CPU (each block's threads emulated by
-pthreads, compared bit for bit with JAX), and the same programs on the GPU."""
+shapes, the generated sort kernels run on the CPU (tests/kernel_emulator.py: each
+block's threads as OS threads, compared bit for bit with JAX), and the same programs on the GPU."""
 from __future__ import annotations
-
-import re
-import shutil
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +9,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import kernel_emulator
 import nimblejax as nimble
 from models import assert_tree_close
 from primitive_table import RECORDS, Record
@@ -126,96 +123,6 @@ def test_sort_of_many_operands_and_keys_matches_jax():
 
 
 # ---- the generated kernels, run on the CPU --------------------------------------------
-SHIM = r"""
-#include <pthread.h>
-#include <atomic>
-#include <cstdio>
-#include <cstring>
-struct dim3 { unsigned x, y, z; };
-thread_local dim3 threadIdx;
-dim3 blockIdx, blockDim, gridDim;
-pthread_barrier_t bar;
-static std::atomic<int> or_acc;
-#define __syncthreads() pthread_barrier_wait(&bar)
-static int __syncthreads_or(int p) {
-  pthread_barrier_wait(&bar);
-  if (threadIdx.x == 0) or_acc = 0;
-  pthread_barrier_wait(&bar);
-  if (p) or_acc = 1;
-  pthread_barrier_wait(&bar);
-  return or_acc.load();
-}
-static int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
-static float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
-struct __half { unsigned short x; };
-struct __nv_bfloat16 { unsigned short x; };
-static float __half2float(__half h) { _Float16 f; memcpy(&f, &h.x, 2); return (float)f; }
-static float __bfloat162float(__nv_bfloat16 h) {
-  unsigned u = (unsigned)h.x << 16; float f; memcpy(&f, &u, 4); return f; }
-static __half __float2half_rn(float f) {
-  _Float16 h = (_Float16)f; __half r; memcpy(&r.x, &h, 2); return r; }
-static __nv_bfloat16 __float2bfloat16_rn(float f) {
-  unsigned u; memcpy(&u, &f, 4);
-  __nv_bfloat16 r;  // round to nearest even
-  r.x = (f != f) ? 0x7fc0 : (unsigned short)((u + 0x7fff + ((u >> 16) & 1)) >> 16); return r; }
-// Warp shuffles: the 32 threads of a warp meet at their own barrier.
-pthread_barrier_t warp_bar[32];
-static unsigned long long shfl_slot[1024];
-template <typename T> static T __shfl_down_sync(unsigned, T v, int off) {
-  const int t = threadIdx.x, lane = t % 32;
-  unsigned long long bits = 0; memcpy(&bits, &v, sizeof(T));
-  shfl_slot[t] = bits;
-  pthread_barrier_wait(&warp_bar[t / 32]);
-  T r = v;
-  if (lane + off < 32) memcpy(&r, &shfl_slot[t + off], sizeof(T));
-  pthread_barrier_wait(&warp_bar[t / 32]);
-  return r;
-}
-#include <cmath>
-#include <algorithm>
-using std::max; using std::min;
-#define __global__
-#define __launch_bounds__(n)
-#define __shared__ static
-#define __restrict__
-"""
-
-
-def _emulate(kernel, buffers: list[np.ndarray], tmp) -> list[np.ndarray]:
-    """Run `kernel` with one pthread per CUDA thread, one block at a time."""
-    src = re.sub(r"#include <cuda_\w+\.h>\n", "", kernel.source)
-    params = re.search(r"void (?:__launch_bounds__\(\d+\) )?(\w+)\((.*?)\)", src)
-    types = [p.rsplit(" ", 1)[0].replace("__restrict__", "") for p in params.group(2).split(", ")]
-    lines = [SHIM, src]
-    lines += [f"static char b{i}[{max(1, a.nbytes)}];" for i, a in enumerate(buffers)]
-    call = ", ".join(f"({t})b{i}" for i, t in enumerate(types))
-    lines.append(f"static void* thread(void* p) {{ threadIdx = dim3{{(unsigned)(size_t)p, 0, 0}}; "
-                 f"{params.group(1)}({call}); return nullptr; }}")
-    lines.append("int main() {")
-    for i, a in enumerate(buffers):
-        lines.append(f'  {{ FILE* f = fopen("{tmp}/b{i}", "rb"); fread(b{i}, 1, {a.nbytes}, f); '
-                     f'fclose(f); }}')
-    grid, block = kernel.grid[0], kernel.block[0]
-    lines.append(f"  gridDim = dim3{{{grid}, 1, 1}}; blockDim = dim3{{{block}, 1, 1}};")
-    lines.append(f"  pthread_barrier_init(&bar, 0, {block}); static pthread_t th[{block}];")
-    lines.append(f"  for (int w = 0; w < {block // 32}; ++w) pthread_barrier_init(&warp_bar[w], 0, 32);")
-    lines.append(f"  for (unsigned bx = 0; bx < {grid}; ++bx) {{ blockIdx = dim3{{bx, 0, 0}};")
-    lines.append(f"    for (size_t t = 0; t < {block}; ++t) pthread_create(&th[t], 0, thread, (void*)t);")
-    lines.append(f"    for (int t = 0; t < {block}; ++t) pthread_join(th[t], 0); }}")
-    for i, a in enumerate(buffers):
-        lines.append(f'  {{ FILE* f = fopen("{tmp}/b{i}", "wb"); fwrite(b{i}, 1, {a.nbytes}, f); '
-                     f'fclose(f); }}')
-    lines.append("}")
-    (tmp / "k.cpp").write_text("\n".join(lines))
-    for i, a in enumerate(buffers):
-        (tmp / f"b{i}").write_bytes(np.ascontiguousarray(a).tobytes())
-    subprocess.run(["g++", "-O1", "-std=c++17", "-w", "-o", str(tmp / "k"), str(tmp / "k.cpp"),
-                    "-lpthread"], check=True)
-    subprocess.run([str(tmp / "k")], check=True, timeout=300)
-    return [np.frombuffer((tmp / f"b{i}").read_bytes(), a.dtype).reshape(a.shape)
-            for i, a in enumerate(buffers)]
-
-
 EMULATED = ["sort", "sort-rows-of-1", "sort-row-5000-rank", "sort-nan-inf-zeros", "sort-bf16",
             "sort-u32", "sort-bool", "sort-payloads-stable", "sort-num-keys-2",
             "sort-num-keys-2-rank", "sort-argsort-axis0", "top_k-nan-inf-zeros", "top_k-f16",
@@ -229,28 +136,43 @@ SCAN_AND_ARG = ("argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cu
                 "concatenate")
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="no C++ compiler")
-@pytest.mark.parametrize("record", [r for r in SORT_RECORDS if r.id in EMULATED] + [EARLY_EXIT] +
-                         [r for r in RECORDS if r.primitive in SCAN_AND_ARG], ids=lambda r: r.id)
-def test_generated_kernel_on_cpu_matches_jax(record, tmp_path):
-    """Bit for bit, except the float scans: a serial scan rounds where XLA's does not."""
+CPU_RECORDS = ([r for r in SORT_RECORDS if r.id in EMULATED] + [EARLY_EXIT] +
+               [r for r in RECORDS if r.primitive in SCAN_AND_ARG])
+
+
+def _plan_and_tasks(record):
     args = record.args(np.random.default_rng(1))
     plan = nimble.jit(record.fn, backend="interpret").plan(*args)
+    return args, plan, [t for t in plan.tasks if t.kernel and t.eqns[-1].name == record.primitive]
+
+
+@pytest.fixture(scope="module")
+def cpu_library():
+    """Every record's kernels in one library (one compiler run)."""
+    if kernel_emulator.compiler() is None:
+        pytest.skip("no C++ compiler")
+    return kernel_emulator.build([k for r in CPU_RECORDS for t in _plan_and_tasks(r)[2]
+                                  for k in t.kernel.launches])
+
+
+@pytest.mark.parametrize("record", CPU_RECORDS, ids=lambda r: r.id)
+def test_generated_kernel_on_cpu_matches_jax(record, cpu_library):
+    """Bit for bit, except the float scans: a serial scan rounds where XLA's does not."""
+    args, plan, tasks = _plan_and_tasks(record)
     values = dict(zip(plan.graph.inputs, (np.asarray(a) for a in jax.tree_util.tree_leaves(args))))
     values.update(plan.graph.consts)
     value = lambda a: a.value if isinstance(a, Literal) else values[a]  # noqa: E731
     for n in plan.graph.nodes:  # every value, by JAX
         outs = n.primitive.bind(*map(value, n.inputs), **n.params)
         values.update(zip(n.outputs, outs if n.primitive.multiple_results else [outs]))
-    tasks = [t for t in plan.tasks if t.kernel and t.eqns[-1].name == record.primitive]
     assert tasks
-    for k, task in enumerate(tasks):
+    for task in tasks:
         outputs = task.eqns[-1].outputs
         garbage = lambda v: np.frombuffer(b"\xab" * v.nbytes, v.dtype).reshape(v.shape)  # noqa: E731
-        buffers = [garbage(v) if v in outputs else np.asarray(values[v], v.dtype)
+        buffers = [garbage(v).copy() if v in outputs else np.array(values[v], v.dtype, order="C")
                    for v in task.kernel.params]
-        (tmp_path / str(k)).mkdir()
-        got = dict(zip(task.kernel.params, _emulate(task.kernel, buffers, tmp_path / str(k))))
+        kernel_emulator.launch(task.kernel, buffers, cpu_library)  # threads as OS threads
+        got = dict(zip(task.kernel.params, buffers))
         for v in outputs:
             want = np.asarray(values[v])
             if record.primitive.startswith("cum") and jnp.issubdtype(v.dtype, jnp.inexact):
