@@ -152,18 +152,24 @@ def _copy_out(b: KernelBuilder, pairs, rows: _Rows, pos: str, src: str, out_len:
         b.emit(f"{b.output(out)}[{dst}] = {b.input(x)}[{rows.at('base', src)}];")
 
 
-def _shared_kernel(node: Node, keys: list[Var], rows: _Rows, descending: bool, raw: bool,
-                   write) -> Kernel:
-    """One block per row: the row sorted in shared memory; `write(b)` stores the
-    element of source index `si[p]` at position `p`."""
-    size = _pow2(rows.n)
-    threads = min(MAX_THREADS, max(32, size // 2))
+def _builder(node: Node) -> KernelBuilder:
+    """A kernel over all of the node's outputs and inputs, parameters in that order."""
     b = KernelBuilder()
     b.ops = [node.name]
     for out in node.outputs:
         b.output(out)
     for x in node.inputs:
         b.input(x)
+    return b
+
+
+def _shared_kernel(node: Node, keys: list[Var], rows: _Rows, descending: bool, raw: bool,
+                   write) -> Kernel:
+    """One block per row: the row sorted in shared memory; `write(b)` stores the
+    element of source index `si[p]` at position `p`."""
+    size = _pow2(rows.n)
+    threads = min(MAX_THREADS, max(32, size // 2))
+    b = _builder(node)
     _declare_tile(b, keys, size)
     b.open(f"for (long long row = blockIdx.x; row < {rows.count}; row += gridDim.x)")
     b.emit(f"const long long base = {rows.base('row', rows.n)};")
@@ -188,12 +194,7 @@ def _rank_kernel(node: Node, keys: list[Var], rows: _Rows, descending: bool, raw
     per_thread = tile // threads
     tiles = -(-rows.n // tile)
     key_types = [_key_type(k) for k in keys]
-    b = KernelBuilder()
-    b.ops = [node.name]
-    for out in node.outputs:
-        b.output(out)
-    for x in node.inputs:
-        b.input(x)
+    b = _builder(node)
     _declare_tile(b, keys, tile)
     b.open(f"for (long long w = blockIdx.x; w < {rows.count * tiles}LL; w += gridDim.x)")
     b.emit(f"const long long row = w / {tiles};")
