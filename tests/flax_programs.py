@@ -112,15 +112,9 @@ def inception_sgd_step():
     return step, (variables["params"], variables["batch_stats"], state, x, labels)
 
 
-def adamw_mlp_step():
-    """adamw MLP training step with integer labels (gather in the loss)."""
-    model = MLP()
-    r = _rng(2)
-    x = jnp.asarray(r.normal(size=(16, 20)), jnp.float32)
-    labels = jnp.asarray(r.integers(0, 10, (16,)), jnp.int32)
-    params = model.init(jax.random.PRNGKey(2), x)
-    opt = optax.adamw(1e-3, weight_decay=1e-2)
-    state = opt.init(params)
+def integer_label_step(model: nn.Module, opt) -> Callable:
+    """step(params, opt_state, x, labels) -> (params, opt_state, loss): one optax step on
+    the mean integer-label softmax cross-entropy of `model`."""
 
     def step(params, state, x, labels):
         def loss_fn(p):
@@ -131,7 +125,20 @@ def adamw_mlp_step():
         updates, state = opt.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    return step, (params, state, x, labels)
+    return step
+
+
+def adamw_mlp_step():
+    """adamw MLP training step with integer labels (gather in the loss)."""
+    model = MLP()
+    r = _rng(2)
+    x = jnp.asarray(r.normal(size=(16, 20)), jnp.float32)
+    labels = jnp.asarray(r.integers(0, 10, (16,)), jnp.int32)
+    params = model.init(jax.random.PRNGKey(2), x)
+    opt = optax.adamw(1e-3, weight_decay=1e-2)
+    state = opt.init(params)
+
+    return integer_label_step(model, opt), (params, state, x, labels)
 
 
 def _text_batch(seed: int):
@@ -157,16 +164,7 @@ def encoder_adam_step():
     opt = optax.adam(1e-3)
     state = opt.init(params)
 
-    def step(params, state, tokens, labels):
-        def loss_fn(p):
-            logits = model.apply(p, tokens)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
-
-    return step, (params, state, tokens, labels)
+    return integer_label_step(model, opt), (params, state, tokens, labels)
 
 
 def dropout_train():

@@ -81,6 +81,7 @@ def _train_step():
     """nn.Embed → mean over tokens → nn.Dense, optax integer-label cross-entropy, adam."""
     nn = pytest.importorskip("flax.linen", reason="flax is a test extra")
     optax = pytest.importorskip("optax", reason="optax is a test extra")
+    from flax_programs import integer_label_step
 
     class Model(nn.Module):
         @nn.compact
@@ -95,16 +96,7 @@ def _train_step():
     params = model.init(jax.random.PRNGKey(0), ids)
     opt_state = tx.init(params)
 
-    def step(params, opt_state, ids, labels):
-        def loss_fn(p):
-            logits = model.apply(p, ids)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step, (params, opt_state, ids, labels)
+    return integer_label_step(model, tx), (params, opt_state, ids, labels)
 
 
 def _run_steps(step, args, backend, n=3):
@@ -117,23 +109,23 @@ def _run_steps(step, args, backend, n=3):
     return params, losses
 
 
-def test_embedding_cross_entropy_adam_step_interpret():
+def _check_train_steps(backend: str) -> None:
     step, args = _train_step()
-    got_params, got_losses = _run_steps(step, args, "interpret")
+    got_params, got_losses = _run_steps(step, args, backend)
     want_params, want_losses = _run_steps(step, args, None)
     assert_tree_close(got_losses, want_losses)
     assert_tree_close(got_params, want_params)
     assert float(got_losses[-1]) < float(got_losses[0])
 
 
+def test_embedding_cross_entropy_adam_step_interpret():
+    _check_train_steps("interpret")
+
+
 # ---- GPU ---------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_embedding_cross_entropy_adam_step_gpu():
-    step, args = _train_step()
-    got_params, got_losses = _run_steps(step, args, "cuda")
-    want_params, want_losses = _run_steps(step, args, None)
-    assert_tree_close(got_losses, want_losses)
-    assert_tree_close(got_params, want_params)
+    _check_train_steps("cuda")
 
 
 @pytest.mark.gpu
