@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 GEMM_LIBRARIES = ("lt", "cublas")
 CONV_PATHS = ("auto", "cudnn", "im2col")
@@ -72,9 +72,12 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
                          f"(environment variable {_ENV[name]} or nimble.jit(..., {name}=...))")
 
 
-def from_env(base: Optional[Options] = None, **overrides: Any) -> Options:
+def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[], bool]] = None,
+             **overrides: Any) -> Options:
     """The environment's options, then `base`'s non-default fields, then `overrides`
-    (None means "not given")."""
+    (None means "not given"). `probe_cudnn()` says whether libcudnn can be found, where
+    `cudnn` is not given (api.py passes the loader's search; this module imports no
+    other nimblejax module); without it, cuDNN counts as not found."""
     env = os.environ
     values: dict[str, Any] = {
         "gemm": env.get(_ENV["gemm"], "lt"),
@@ -94,7 +97,8 @@ def from_env(base: Optional[Options] = None, **overrides: Any) -> Options:
         raise TypeError(f"unknown nimblejax option(s) {sorted(unknown)}; "
                         f"known: {[f.name for f in dataclasses.fields(Options)]}")
     if "cudnn" not in values:
-        values["cudnn"] = values["conv"] == "cudnn" or (values["conv"] == "auto" and _cudnn_found())
+        values["cudnn"] = values["conv"] == "cudnn" or (values["conv"] == "auto" and probe_cudnn is not None
+                                                        and probe_cudnn())
     return Options(**values)
 
 
@@ -109,20 +113,6 @@ def _int_or_none(text: str, name: str) -> Optional[int]:
         return int(text)
     except ValueError:
         raise ValueError(f"{_ENV[name]}={text!r} is not an integer") from None
-
-
-_CUDNN_FOUND: Optional[bool] = None
-
-
-def _cudnn_found() -> bool:
-    """Whether libcudnn can be found (a file search, once per process): it decides
-    whether convolutions may take the cuDNN path, so it is part of the options."""
-    global _CUDNN_FOUND
-    if _CUDNN_FOUND is None:
-        from nimblejax.runtime.libs import loader
-
-        _CUDNN_FOUND = loader.found("cudnn")
-    return _CUDNN_FOUND
 
 
 # ---- library discovery and tools (read here so that no other module reads the env) ----

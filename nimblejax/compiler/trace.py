@@ -15,6 +15,7 @@ import numpy as np
 from nimblejax.compiler import control
 from nimblejax.compiler import prng
 from nimblejax.compiler.ir import Atom, Graph, Literal, Node, Var
+from nimblejax.compiler.jaxprs import open_jaxpr
 
 # Call-like primitives whose body is inlined, and the params that may hold the body.
 INLINED = {
@@ -38,15 +39,6 @@ def make_graph(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> tuple[Gr
     """Trace `fun` (flat arguments, flat outputs) and return (graph, output shapes)."""
     closed, out_shapes = jax.make_jaxpr(fun, return_shape=True)(*specs)
     return jaxpr_to_graph(closed), out_shapes
-
-
-def open_jaxpr(j: Any) -> tuple[Any, list]:
-    """(jaxpr, consts) of a ClosedJaxpr, or of a Jaxpr that carries its consts (≥0.11)."""
-    inner = getattr(j, "jaxpr", j)
-    consts = getattr(j, "consts", None)
-    if consts is None:
-        consts = getattr(inner, "consts", None) or []
-    return inner, list(consts)
 
 
 def jaxpr_to_graph(closed: Any) -> Graph:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+from nimblejax.compiler.errors import UnsupportedPrimitiveError  # noqa: F401 (re-exported)
 from nimblejax.compiler.ir import Node
 
 
@@ -36,10 +37,6 @@ def register(*names: str, kind: str) -> Callable:
         return fn
 
     return deco
-
-
-class UnsupportedPrimitiveError(NotImplementedError):
-    pass
 
 
 def rule_for(node: Node) -> Rule:
