@@ -9,11 +9,14 @@ settings never share a stale plan.
 |--------------|----------------------|-----------------------------|---------------|
 | gemm         | NIMBLE_GEMM          | "lt" (cuBLASLt) / "cublas"  | runtime       |
 | conv         | NIMBLE_CONV          | "auto" / "cudnn" / "im2col" | the plan      |
-| cudnn        | (probe, or NIMBLE_CONV) | whether libcudnn is found | the plan      |
+| cudnn        | (a file search)      | whether libcudnn is found   | the plan      |
 | eager        | NIMBLE_EAGER         | launch tasks one by one     | runtime       |
 | max_streams  | NIMBLE_MAX_STREAMS   | stream cap (None: no cap)   | the plan      |
 | debug        | NIMBLE_DEBUG         | 0 / 1 (1: verify every plan)| checks        |
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
+
+Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
+convolution: `use_cudnn` in compiler/canonicalize/conv.py.
 
 Library discovery (where libcublas, libcublasLt and libcudnn are) reads its own variables
 through `library_override` and `cuda_roots` below, also only here. The benchmark CLI reads
@@ -51,12 +54,6 @@ class Options:
                                              or isinstance(self.max_streams, bool)
                                              or self.max_streams < 1):
             raise ValueError(f"max_streams must be a positive int or None, got {self.max_streams!r}")
-
-    @property
-    def use_cudnn(self) -> bool:
-        """Whether convolutions may go to cuDNN: forced by conv="cudnn", refused by
-        conv="im2col", else wherever libcudnn was found."""
-        return self.conv == "cudnn" or (self.conv == "auto" and self.cudnn)
 
     @property
     def verify(self) -> bool:
@@ -97,8 +94,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         raise TypeError(f"unknown nimblejax option(s) {sorted(unknown)}; "
                         f"known: {[f.name for f in dataclasses.fields(Options)]}")
     if "cudnn" not in values:
-        values["cudnn"] = values["conv"] == "cudnn" or (values["conv"] == "auto" and probe_cudnn is not None
-                                                        and probe_cudnn())
+        values["cudnn"] = probe_cudnn is not None and probe_cudnn()
     return Options(**values)
 
 
