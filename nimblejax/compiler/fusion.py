@@ -136,11 +136,3 @@ def _make_group(root: Node, nodes: list[Node]) -> Group:
                                for n in nodes):
         kind = "view"
     return Group(kind, root, tuple(nodes), tuple(inputs))
-
-
-def describe(groups: list[Group]) -> str:
-    lines = []
-    for g in groups:
-        ops = " ".join(n.name for n in g.nodes)
-        lines.append(f"{g.kind:9s} {g.output!r} <- {', '.join(map(repr, g.inputs))}   [{ops}]")
-    return "\n".join(lines)

@@ -27,8 +27,8 @@ def im2col_kernel(node: Node) -> Kernel:
     
     def body(b: KernelBuilder, idx: Index) -> str:
         g, m, k = idx
-        mi = b.index_vars(m, [nb] + list(out_sp), "m")
-        ki = b.index_vars(k, list(p["kernel"]) + [cg], "k")
+        mi = b.index_vars(m, [nb] + list(out_sp))
+        ki = b.index_vars(k, list(p["kernel"]) + [cg])
         batch = mi[0] if mode == "feature" else f"({g} * {nb} + {mi[0]})"
         chan = f"({g} * {cg} + {ki[-1]})" if mode == "feature" else ki[-1]
         conds, src = [], [batch]

@@ -1,12 +1,14 @@
 """One registry: primitive name → lowering rule.
 
-Rule kinds:
-- "elementwise": fusible; `fn(builder, node, idx) -> C value` computes the node's output
-  at one index inside any fused kernel (index-only ops such as broadcast, transpose and
+Rule kinds, and the signature of their `fn`:
+- "elementwise": fusible; `fn(builder: KernelBuilder, node, idx: Index) -> str`, the C
+  value of the node's output at one multi-index inside any fused kernel (called by
+  codegen.py's `KernelBuilder.value`; index-only ops such as broadcast, transpose and
   reshape are fusible too: they only rewrite the index).
-- "reduction": `fn(dtype) -> Reducer`; producers are fused into the reduction's loop.
-- "kernel": a standalone generated kernel; `fn(node, builder) -> KernelPlan`.
-- "gemm": `fn(node) -> GemmCall` (cuBLAS on the GPU).
+- "reduction": `fn(dtype) -> Reducer` (rules_reduce.py: combine, init, accumulator
+  type); producers are fused into the reduction's loop (codegen.reduction_kernel).
+- "kernel": a standalone generated kernel; `fn(node) -> Kernel`.
+- "gemm": `fn(node) -> GemmCall` (cuBLAS on the GPU), or a `Kernel` for integer types.
 - "cudnn": `fn(node) -> ConvCall` (a cuDNN convolution on the GPU).
 """
 from __future__ import annotations

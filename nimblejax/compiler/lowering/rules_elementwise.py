@@ -173,9 +173,9 @@ def reshape(b: KernelBuilder, node: Node, idx: Index) -> str:
         "long long" if out.size >= 2 ** 31 else "int", offset)
     perm = node.params.get("dimensions")
     if perm is None:
-        return b.value(x, b.index_vars(flat, x.shape, "r"))
+        return b.value(x, b.index_vars(flat, x.shape))
     # reshape(x, dimensions=perm) reads x in the order of transpose(x, perm).
-    t_idx = b.index_vars(flat, [x.shape[p] for p in perm], "r")
+    t_idx = b.index_vars(flat, [x.shape[p] for p in perm])
     src = [""] * x.ndim
     for d, p in enumerate(perm):
         src[p] = t_idx[d]

@@ -146,7 +146,7 @@ def _combine_kernel(node: Node) -> Kernel:
     itype = "long long" if n >= 2 ** 30 else "int"
     b.open(f"for ({itype} i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}; "
            f"i += (long long)gridDim.x * blockDim.x)")
-    u = b.index_vars("i", updates.shape, "i")
+    u = b.index_vars("i", updates.shape)
     batch = [u[d] for d in range(updates.ndim) if d not in window_dims]
     window = iter(u[d] for d in window_dims)
     # The update window's extent along each operand dimension.

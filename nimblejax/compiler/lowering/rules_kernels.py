@@ -159,7 +159,7 @@ def argminmax(node: Node) -> Kernel:
     b.emit("const int lane = threadIdx.x % 32;")
     b.emit(f"const long long o = (long long)blockIdx.x * {BLOCK // 32} + threadIdx.x / 32;")
     b.emit(f"if (o >= {n_out}) return;")
-    out_idx = b.index_vars("o", [x.shape[d] for d in kept], "o")
+    out_idx = b.index_vars("o", [x.shape[d] for d in kept])
     b.emit(f"{ctype} av = {dtypes.load(x.dtype, f'{b.input(x)}[0]')}; int ai = 2147483647;")
     b.emit("bool have = false;")
     b.open(f"for (int r = lane; r < {n_red}; r += 32)")
