@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nimblejax.compiler.ir import Graph, Node, Var
+from nimblejax.compiler.kinds import GroupKind, RuleKind
 from nimblejax.compiler.lowering.registry import rule_for
 
 # A node feeding more than this many kernels is materialized rather than recomputed.
@@ -29,10 +30,13 @@ MAX_INLINE_DEPTH = 96
 
 @dataclass(frozen=True, eq=False)
 class Group:
-    kind: str  # 'fused' | 'reduction' | 'kernel' | 'gemm' | 'view'
+    kind: GroupKind
     root: Node
     nodes: tuple[Node, ...]  # topological order, root last
     inputs: tuple[Var, ...]  # materialized values read
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", GroupKind(self.kind))  # a string is checked
 
     @property
     def output(self) -> Var:
@@ -59,8 +63,7 @@ def fuse(graph: Graph) -> list[Group]:
         depth[node] = 0
 
     for node in reversed(graph.nodes):
-        kind = rule_for(node).kind
-        if kind == "elementwise":
+        if rule_for(node).kind is RuleKind.ELEMENTWISE:
             groups = _inline_target(node, consumers, outputs, owner)
             if groups is not None and (len(groups) == 1 or node not in written):
                 d = 1 + max(depth[u] for u in consumers[node.outputs[0]])
@@ -89,7 +92,7 @@ def _worth_writing(graph: Graph, consumers) -> set[Node]:
     sources: dict[Node, frozenset] = {}
     chosen: set[Node] = set()
     for node in graph.nodes:
-        if rule_for(node).kind != "elementwise":
+        if rule_for(node).kind is not RuleKind.ELEMENTWISE:
             continue
         out = node.outputs[0]
         found: set = set()
@@ -112,9 +115,9 @@ def _inline_target(node: Node, consumers, outputs, owner) -> frozenset[int] | No
     groups: set[int] = set()
     for user in users:
         kind = rule_for(user).kind
-        if kind == "elementwise":
+        if kind is RuleKind.ELEMENTWISE:
             groups |= owner[user]
-        elif kind == "reduction" and user.inputs[0] is out:
+        elif kind is RuleKind.REDUCTION and user.inputs[0] is out:
             groups |= owner[user]
         else:
             return None
@@ -128,11 +131,11 @@ def _make_group(root: Node, nodes: list[Node]) -> Group:
         for a in n.inputs:
             if isinstance(a, Var) and a not in produced and a not in inputs:
                 inputs.append(a)
-    kind = rule_for(root).kind
-    kind = {"elementwise": "fused"}.get(kind, kind)
+    rule_kind = rule_for(root).kind
+    kind = GroupKind.FUSED if rule_kind is RuleKind.ELEMENTWISE else GroupKind(rule_kind.value)
     # A reshape of a row-major buffer is a view of the same bytes (outputs are copied
     # out of the arena on every call, so a view may even be an output).
-    if kind == "fused" and all(n.name in VIEW_PRIMS and n.params.get("dimensions") is None
+    if kind is GroupKind.FUSED and all(n.name in VIEW_PRIMS and n.params.get("dimensions") is None
                                for n in nodes):
-        kind = "view"
+        kind = GroupKind.VIEW
     return Group(kind, root, tuple(nodes), tuple(inputs))

@@ -21,6 +21,7 @@ import networkx as nx
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize
 from nimblejax.compiler.fusion import fuse
 from nimblejax.compiler.ir import Graph, Var, fresh_ids
+from nimblejax.compiler.kinds import TaskKind
 from nimblejax.compiler.lowering import lower
 from nimblejax.compiler.lowering.registry import check_supported
 from nimblejax.compiler.memory import plan_memory
@@ -49,12 +50,12 @@ def build_plan(graph: Graph, options: Options = Options()) -> Plan:
     graph = canonicalize(graph, options)
     groups = fuse(graph)
     all_tasks = lower(groups)
-    views = tuple(t for t in all_tasks if t.kind == "view")
+    views = tuple(t for t in all_tasks if t.kind is TaskKind.VIEW)
     storage: dict[Var, Var] = {}
     for t in views:
         src = t.inputs[0]
         storage[t.outputs[0]] = storage.get(src, src)
-    tasks = [t for t in all_tasks if t.kind != "view"]
+    tasks = [t for t in all_tasks if t.kind is not TaskKind.VIEW]
     root = lambda v: storage.get(v, v)  # noqa: E731
     reads = {t: tuple(dict.fromkeys(root(v) for v in t.inputs)) for t in tasks}
     writes = {t: tuple(root(v) for v in t.outputs) for t in tasks}

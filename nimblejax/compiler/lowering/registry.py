@@ -18,20 +18,20 @@ from typing import Callable
 
 from nimblejax.compiler.errors import UnsupportedPrimitiveError  # noqa: F401 (re-exported)
 from nimblejax.compiler.ir import Node
+from nimblejax.compiler.kinds import RuleKind
 
 
 @dataclass(frozen=True)
 class Rule:
-    kind: str
+    kind: RuleKind
     fn: Callable
 
 
 RULES: dict[str, Rule] = {}
-KINDS = ("elementwise", "reduction", "kernel", "gemm", "cudnn")
 
 
-def register(*names: str, kind: str) -> Callable:
-    assert kind in KINDS, kind
+def register(*names: str, kind: RuleKind | str) -> Callable:
+    kind = RuleKind(kind)  # a misspelt kind fails here, at import
 
     def deco(fn: Callable) -> Callable:
         for n in names:

@@ -22,6 +22,7 @@ import numpy as np
 
 from nimblejax.compiler.ir import Node, Var
 from nimblejax.compiler import dtypes
+from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import BLOCK, PRELUDE, Index, KernelBuilder, blocks_for, linear
 from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 from nimblejax.compiler.lowering.registry import register
@@ -43,7 +44,7 @@ def _start(b: KernelBuilder, indices: Var, batch: Index, k: int) -> str:
 
 
 # ---- gather ----------------------------------------------------------------------------
-@register("gather", kind="elementwise")
+@register("gather", kind=RuleKind.ELEMENTWISE)
 def gather(b: KernelBuilder, node: Node, idx: Index) -> str:
     operand, indices = node.inputs
     out = node.outputs[0]
@@ -95,7 +96,7 @@ def _fill_value(value, dtype) -> str:
 SCATTERS = ("scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max")
 
 
-@register(*SCATTERS, kind="kernel")
+@register(*SCATTERS, kind=RuleKind.KERNEL)
 def scatter(node: Node) -> Kernel:
     """A copy of the operand into the output, then the updates combined in."""
     main = _combine_kernel(node)

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
+from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import BLOCK, Index, KernelBuilder, blocks_for, loop_kernel
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import Kernel
 from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 
 
-@register("concatenate", kind="kernel")
+@register("concatenate", kind=RuleKind.KERNEL)
 def concatenate(node: Node) -> Kernel:
     dim = int(node.params["dimension"])
     out = node.outputs[0]
@@ -34,7 +35,7 @@ def concatenate(node: Node) -> Kernel:
     return loop_kernel("concat", out, ["concatenate"], body)
 
 
-@register("pad", kind="kernel")
+@register("pad", kind=RuleKind.KERNEL)
 def pad(node: Node) -> Kernel:
     x, pad_value = node.inputs
     out = node.outputs[0]
@@ -67,7 +68,7 @@ def _clamped_starts(b: KernelBuilder, starts, limits) -> list[str]:
     return out
 
 
-@register("dynamic_slice", kind="kernel")
+@register("dynamic_slice", kind=RuleKind.KERNEL)
 def dynamic_slice(node: Node) -> Kernel:
     x, *starts = node.inputs
     out = node.outputs[0]
@@ -80,7 +81,7 @@ def dynamic_slice(node: Node) -> Kernel:
     return loop_kernel("dynslice", out, ["dynamic_slice"], body)
 
 
-@register("dynamic_update_slice", kind="kernel")
+@register("dynamic_update_slice", kind=RuleKind.KERNEL)
 def dynamic_update_slice(node: Node) -> Kernel:
     x, upd, *starts = node.inputs
     out = node.outputs[0]
@@ -105,7 +106,7 @@ SCANS = {"cumsum": ("({a} + {b})", lambda d: dtypes.literal(0, d)),
          "cumlogsumexp": (_LOGADDEXP, dtypes.lowest)}
 
 
-@register(*SCANS, kind="kernel")
+@register(*SCANS, kind=RuleKind.KERNEL)
 def cumulative(node: Node) -> Kernel:
     """One thread per line along `axis`, a serial scan (in the compute type)."""
     x, out = node.inputs[0], node.outputs[0]
@@ -140,7 +141,7 @@ def cumulative(node: Node) -> Kernel:
     return b.finish("scan", out, blocks_for(lines), BLOCK)
 
 
-@register("argmax", "argmin", kind="kernel")
+@register("argmax", "argmin", kind=RuleKind.KERNEL)
 def argminmax(node: Node) -> Kernel:
     """One warp per output; ties go to the lower index and NaN wins, as in XLA."""
     x, out = node.inputs[0], node.outputs[0]

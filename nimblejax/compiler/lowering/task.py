@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from nimblejax.compiler.ir import Node, Var
+from nimblejax.compiler.kinds import TaskKind
 
 
 @dataclass(frozen=True)
@@ -125,13 +126,16 @@ class Task:
     stands for (so the CPU plan interpreter can run it with JAX)."""
 
     name: str
-    kind: str  # 'kernel' | 'gemm' | 'cudnn' | 'view'
+    kind: TaskKind
     inputs: tuple[Var, ...]
     outputs: tuple[Var, ...]
     eqns: tuple[Node, ...]
     kernel: Optional[Kernel] = None
     gemm: Optional[GemmCall] = None
     conv: Optional[ConvCall] = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", TaskKind(self.kind))  # a string is checked
 
     @property
     def source(self) -> str:
