@@ -12,8 +12,11 @@ settings never share a stale plan.
 | cudnn        | (a file search)      | whether libcudnn is found   | the plan      |
 | eager        | NIMBLE_EAGER         | launch tasks one by one     | runtime       |
 | max_streams  | NIMBLE_MAX_STREAMS   | stream cap (None: no cap)   | the plan      |
-| debug        | NIMBLE_DEBUG         | 0 / 1 (1: verify every plan)| checks        |
+| debug        | NIMBLE_DEBUG         | 0 / 1 / 2 (below)           | checks        |
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
+
+`debug`: 1 verifies every plan (no races between streams); 2 also prints the program
+after every compiler pass to stderr (compiler/printing.py).
 
 Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
 convolution: `use_cudnn` in compiler/canonicalize/conv.py.
@@ -58,6 +61,10 @@ class Options:
     @property
     def verify(self) -> bool:
         return self.debug > 0
+
+    @property
+    def print_passes(self) -> bool:
+        return self.debug >= 2
 
     def replace(self, **changes: Any) -> "Options":
         return dataclasses.replace(self, **changes)
