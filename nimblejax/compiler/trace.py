@@ -1,8 +1,10 @@
 """jaxpr → graph IR: inline nested calls, bind constants and literals, drop dead code.
 
-Works across the jaxpr renames listed in DESIGN.md: nested jit is `pjit` (≤0.6) or
-`jit` (≥0.7); custom_vjp is `custom_vjp_call_jaxpr` (≤0.6) or `custom_vjp_call`
-(≥0.7); 0.11 merged ClosedJaxpr into Jaxpr.
+Works across JAX's jaxpr renames (INLINED lists both names): nested jit is `pjit`
+(≤0.6) or `jit` (≥0.7); custom_vjp is `custom_vjp_call_jaxpr` (≤0.6) or
+`custom_vjp_call` (≥0.7); 0.11 merged ClosedJaxpr into Jaxpr (jaxprs.open_jaxpr reads
+both). Loops and conds are flattened by control.py, PRNG keys and random primitives
+expanded by prng.py (docs/design.md, "Data flow").
 """
 from __future__ import annotations
 
