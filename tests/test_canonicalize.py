@@ -11,31 +11,13 @@ import numpy as np
 import pytest
 from jax import lax
 
+from graph_helpers import evaluate, names, trace
 from nimblejax.compiler.canonicalize import canonicalize
 from nimblejax.compiler.canonicalize import conv as conv_mod
 from nimblejax.compiler.canonicalize.dot import gemm_layout
-from nimblejax.compiler.ir import Graph, Literal, fresh_ids
-from nimblejax.compiler.trace import make_graph
 from nimblejax.options import Options
 
 NHWC = ("NHWC", "HWIO", "NHWC")
-
-
-def trace(fn, *args) -> Graph:
-    with fresh_ids():
-        graph, _ = make_graph(fn, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args])
-    return graph
-
-
-def evaluate(graph: Graph, args) -> list:
-    """The graph's outputs, each node run by its JAX primitive."""
-    env = dict(zip(graph.inputs, args))
-    env.update(graph.consts)
-    read = lambda a: a.value if isinstance(a, Literal) else env[a]  # noqa: E731
-    for node in graph.nodes:
-        outs = node.primitive.bind(*map(read, node.inputs), **node.params)
-        env.update(zip(node.outputs, outs if node.primitive.multiple_results else [outs]))
-    return [read(a) for a in graph.outputs]
 
 
 def check(fn, args, options=Options(), rtol=1e-5):
@@ -43,14 +25,12 @@ def check(fn, args, options=Options(), rtol=1e-5):
     graph = trace(fn, *args)
     new = canonicalize(graph, options)
     want = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
-    for got, w in zip(evaluate(new, args), want):
+    got_all = evaluate(new, args)
+    assert len(got_all) == len(want)
+    for got, w in zip(got_all, want):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(w, np.float32),
                                    rtol=rtol, atol=rtol)
     return new
-
-
-def names(graph: Graph) -> list[str]:
-    return [n.name for n in graph.nodes]
 
 
 def rand(rng, *shape):
