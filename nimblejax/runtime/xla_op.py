@@ -17,6 +17,7 @@ dispatch, result arrays) and no nimble Python runs in a steady-state call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 from dataclasses import dataclass, field
@@ -52,6 +53,9 @@ class Body:
     runners: dict = field(compare=False)
     plans: dict = field(compare=False)
     donated: frozenset = frozenset()
+    # Names the arena: bodies that differ only here share plans but not runners (the
+    # resident path's arena holds operands between calls; nothing else may write it).
+    arena: str = field(default="", compare=False)
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -81,6 +85,7 @@ class Body:
     def runner(self, avals) -> "Runner":
         """The runner of the plan for these operand types (at lowering), made once."""
         plan, key = self.plan(avals)
+        key = key + (self.arena,)
         with _lock:
             found = self.runners.get(key)
             if found is None:
@@ -135,6 +140,42 @@ def _batched(args, dims, *, body: Body):
 
 
 batching.primitive_batchers[nimble_call_p] = _batched
+
+
+# ---- resident operands ------------------------------------------------------------------
+# A top-level call of a nimble function passes XLA only the leaves that changed since
+# its previous call (api.py decides which); the others are still in the arena, where
+# an earlier call of the same runner copied them. Only api.py binds this primitive, on
+# concrete arrays, so it needs no batching or differentiation rule.
+nimble_resident_p = Primitive("nimble_resident_call")
+nimble_resident_p.multiple_results = True
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Which flat operands a resident call passes (`fresh`), and every operand's type."""
+
+    fresh: tuple
+    avals: tuple
+
+
+def resident_call(body: Body, residency: Residency, fresh_leaves: list) -> list:
+    return nimble_resident_p.bind(*fresh_leaves, body=body, residency=residency)
+
+
+@nimble_resident_p.def_abstract_eval
+def _resident_abstract(*avals, body: Body, residency: Residency):
+    return _abstract(*residency.avals, body=body)
+
+
+def _resident_lowering(ctx, *args, body: Body, residency: Residency):
+    runner = body.runner(residency.avals)
+    runner.place(_lowering_devices(ctx))
+    emit = functools.partial(runner.emit_resident, residency.fresh)
+    return mlir.lower_fun(emit, multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(nimble_resident_p, _resident_lowering)
 
 
 def call(body: Body, leaves: list) -> list:
@@ -223,6 +264,11 @@ class Runner:
     def emit(self, *xs):
         raise NotImplementedError
 
+    def emit_resident(self, fresh: tuple, *xs):
+        """`emit` with only the operands marked fresh; the others are the ones the
+        previous call of this runner had."""
+        raise NotImplementedError
+
 
 class InterpretRunner(Runner):
     """The CPU plan interpreter behind a pure_callback; each call takes another
@@ -232,6 +278,8 @@ class InterpretRunner(Runner):
         self.plan = plan
         self.out_shapes = out_shapes
         self.calls = itertools.count()
+        self.held: list = [None] * len(plan.graph.inputs)  # the operands, as the GPU arena holds them
+        self.held_lock = threading.Lock()
 
     def _run(self, *xs):
         from nimblejax.runtime import interpret
@@ -241,6 +289,21 @@ class InterpretRunner(Runner):
 
     def emit(self, *xs):
         return list(jax.pure_callback(self._run, tuple(self.out_shapes), *xs))
+
+    def _run_resident(self, fresh: tuple, *xs):
+        it = iter(xs)
+        with self.held_lock:
+            for i, f in enumerate(fresh):
+                if f:
+                    self.held[i] = np.asarray(next(it))
+                elif self.held[i] is None:
+                    raise RuntimeError(f"nimblejax: operand {i} is resident but was never passed")
+            args = list(self.held)
+        return self._run(*args)
+
+    def emit_resident(self, fresh: tuple, *xs):
+        run = functools.partial(self._run_resident, fresh)
+        return list(jax.pure_callback(run, tuple(self.out_shapes), *xs))
 
 
 class FfiRunner(Runner):
@@ -252,6 +315,8 @@ class FfiRunner(Runner):
         self.plan, self.library, self.gemm = plan, library, gemm
         self.id = 0
         self.exes: dict = {}  # device ordinal -> Executable
+        self.views: dict = {}  # fresh mask -> the id of the view that takes those operands
+        self.donated = donated
         self.buffers = list(dict.fromkeys(a for a in plan.graph.outputs if plan.output_kind(a) == "buffer"))
         self.out_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.buffers]
         self.aliases = _aliases(plan.graph.inputs, self.buffers, donated)
@@ -281,10 +346,40 @@ class FfiRunner(Runner):
                                             out_src, [a.nbytes for a in self.buffers],
                                             plan_id=self.id, device=ordinal)
         self.exes[ordinal] = exe
+        for fresh, view in self.views.items():
+            self._register_view(fresh, view, ordinal)
+
+    def _register_view(self, fresh: tuple, view_id: int, ordinal: int) -> int:
+        plan, exe = self.plan, self.exes[ordinal]
+        taken = [v for v, f in zip(plan.graph.inputs, fresh) if f]
+        in_dst = [exe.base + plan.offset(v) if _in_arena(plan, v) else 0 for v in taken]
+        in_bytes = [v.nbytes if _in_arena(plan, v) else 0 for v in taken]
+        return self.library.register_view(self.id, in_dst, in_bytes, view_id=view_id, device=ordinal)
+
+    def _view(self, fresh: tuple) -> int:
+        if all(fresh):
+            return self.id
+        view = self.views.get(fresh)
+        if view is None:
+            view = 0
+            for ordinal in self.exes:
+                view = self._register_view(fresh, view, ordinal)
+            self.views[fresh] = view
+        return view
+
+    def emit_resident(self, fresh: tuple, *xs):
+        inputs = [v for v, f in zip(self.plan.graph.inputs, fresh) if f]
+        donated = [i for i, f in enumerate(fresh) if f]
+        donated = frozenset(k for k, i in enumerate(donated) if i in self.donated)
+        return self._emit(self._view(fresh), inputs, _aliases(inputs, self.buffers, donated), xs)
 
     def emit(self, *xs):
+        return self._emit(self.id, self.plan.graph.inputs, self.aliases, xs)
+
+    def _emit(self, plan_id: int, inputs: list, aliases: dict, xs) -> list:
+        """The custom call of registration `plan_id`, whose operands `xs` are `inputs`."""
         made = jax.ffi.ffi_call(TARGET, self.out_specs,
-                                input_output_aliases=self.aliases)(*xs, plan=np.int64(self.id))
+                                input_output_aliases=aliases)(*xs, plan=np.int64(plan_id))
         made = list(made) if isinstance(made, (list, tuple)) else [made]
         index = {a: i for i, a in enumerate(self.buffers)}
         outs = []
@@ -292,8 +387,8 @@ class FfiRunner(Runner):
             kind = self.plan.output_kind(a)
             if kind == "buffer":
                 outs.append(made[index[a]])
-            elif kind == "input":
-                outs.append(xs[self.plan.graph.inputs.index(a)])
+            elif kind == "input":  # api.py passes such operands on every call
+                outs.append(xs[list(inputs).index(a)])
             else:
                 value = a.value if kind == "literal" else self.plan.graph.consts[a]
                 outs.append(jnp.asarray(value, dtype=a.dtype))
