@@ -234,51 +234,68 @@ class NimbleFunction:
         the previous call's leaves, so an identical object holds identical data and its
         id cannot be reused; numpy arrays are mutable and always passed; a donated or
         deleted array is always passed (JAX then reports it). Calls under a JAX
-        transformation, and calls whose signature changed, pass every leaf."""
+        transformation, and calls whose signature changed, pass every leaf.
+
+        The steady state (same tree, same resident leaves as last call) is one pass over
+        the leaves, with no hashing of signatures and no Python frame per leaf."""
         statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
-        if statics:
-            self._check_hashable(statics)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         with self._lock:
-            call = self._resident_plan(leaves, in_tree, statics)
-            if call is None:
-                self._resident = None
-                return self._op_jit_fn(*args, **kwargs)
-            fn, fresh, record = call
-            outs = fn(*[x for x, f in zip(leaves, fresh) if f])
+            last = self._resident
+            fresh = None
+            if (last is not None and last.in_tree == in_tree and last.statics == statics
+                    and last.precision == jax.config.jax_default_matmul_precision):
+                fresh = [not (c and a is b) for a, b, c in zip(leaves, last.leaves, last.candidate)]
+                if any(map(_is_deleted, [a for a, f in zip(leaves, fresh) if not f])):
+                    fresh = [f or a.is_deleted() for a, f in zip(leaves, fresh)]
+                changed = [i for i, f in enumerate(fresh) if f]
+                for i in changed:  # a fresh leaf must keep its signature (else: replan)
+                    x, sig = leaves[i], last.sigs[i]
+                    if type(x) is _ArrayImpl:
+                        if x.shape != sig[0] or x.dtype != sig[1] or x.weak_type != sig[2]:
+                            fresh = None
+                            break
+                    elif isinstance(x, jax.core.Tracer) or not _is_array_like(x) or _signature(x) != sig:
+                        fresh = None
+                        break
+            if fresh is not None and fresh == last.fresh:
+                fn, record = last.fn, last
+            else:
+                record = self._resident_record(leaves, in_tree, statics, fresh, last)
+                if record is None:
+                    self._resident = None
+                    return self._op_jit_fn(*args, **kwargs)
+                fn, changed = record.fn, [i for i, f in enumerate(record.fresh) if f]
+            outs = fn(*[leaves[i] for i in changed])
+            record.leaves = leaves
+            for i in changed:
+                record.candidate[i] = type(leaves[i]) is _ArrayImpl and i not in record.always_fresh
             self._resident = record
         return jax.tree_util.tree_unflatten(record.out_tree, outs)
 
-    def _resident_plan(self, leaves: list, in_tree, statics):
-        """(jitted call, fresh mask, record of this call), or None for the full path."""
-        last = self._resident
-        same = last is not None and last.in_tree == in_tree and last.statics == statics
-        if same:
-            fresh = tuple(not (a is b and type(a) is _ArrayImpl) or i in last.always_fresh
-                          or a.is_deleted() for i, (a, b) in enumerate(zip(leaves, last.leaves)))
-            sigs = last.sigs
-            for i, f in enumerate(fresh):
-                if f and not same_signature(leaves[i], sigs[i]):
-                    same = False
-                    break
-        if not same:
+    def _resident_record(self, leaves: list, in_tree, statics, fresh, last) -> Optional["_Resident"]:
+        """The record (and jitted call) of a call passing the `fresh` leaves; every leaf
+        when `fresh` is None (a first call, a new signature). None: take the full path."""
+        if fresh is None:
             if any(isinstance(x, jax.core.Tracer) or not _is_array_like(x) for x in leaves):
                 return None  # under a transformation, or a bad argument: the full path says
             sigs = tuple(_signature(x) for x in leaves)
-            fresh = (True,) * len(leaves)
-        elif any(isinstance(x, jax.core.Tracer) for x, f in zip(leaves, fresh) if f):
-            return None
+            fresh = [True] * len(leaves)
+        else:
+            sigs = last.sigs
         precision = jax.config.jax_default_matmul_precision
-        key = (in_tree, statics, sigs, fresh, precision)
+        key = (in_tree, statics, sigs, tuple(fresh), precision)
         made = self._resident_fns.get(key)
         if made is None:
-            made = self._resident_fns[key] = self._make_resident(in_tree, statics, sigs, fresh)
+            made = self._resident_fns[key] = self._make_resident(in_tree, statics, sigs, tuple(fresh))
         if made is False:
             return None
         fn, always_fresh, out_tree = made
         if not all(fresh[i] for i in always_fresh):
             return None  # cannot happen: always_fresh leaves are never resident
-        return fn, fresh, _Resident(in_tree, statics, leaves, sigs, always_fresh, out_tree())
+        candidate = [type(x) is _ArrayImpl and i not in always_fresh for i, x in enumerate(leaves)]
+        return _Resident(in_tree, statics, precision, sigs, always_fresh, out_tree(), list(fresh), fn,
+                         leaves, candidate)
 
     def _make_resident(self, in_tree, statics, sigs, fresh):
         """The jitted call that passes the `fresh` leaves, or False where this signature
@@ -447,25 +464,23 @@ class NimbleFunction:
 from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402  (the concrete jax.Array type)
 
 
-@dataclass(frozen=True)
 class _Resident:
-    """The XLA path's previous call: its leaves (held, so their ids stay theirs) and
-    their signatures; `always_fresh` leaves are passed every call (donated ones, and
-    ones the plan returns as they are)."""
+    """The XLA path's previous call: its leaves (held, so their ids stay theirs), their
+    signatures, which of them may be resident next call (`candidate`: concrete
+    jax.Arrays not in `always_fresh`, the donated leaves and those the plan returns as
+    they are), and the jitted call that passed its `fresh` leaves."""
 
-    in_tree: Any
-    statics: tuple
-    leaves: list
-    sigs: tuple
-    always_fresh: frozenset
-    out_tree: Any
+    __slots__ = ("in_tree", "statics", "precision", "sigs", "always_fresh", "out_tree", "fresh",
+                 "fn", "leaves", "candidate")
+
+    def __init__(self, in_tree, statics, precision, sigs, always_fresh, out_tree, fresh, fn,
+                 leaves, candidate) -> None:
+        self.in_tree, self.statics, self.precision, self.sigs = in_tree, statics, precision, sigs
+        self.always_fresh, self.out_tree, self.fresh, self.fn = always_fresh, out_tree, fresh, fn
+        self.leaves, self.candidate = leaves, candidate
 
 
-def same_signature(x: Any, sig: tuple) -> bool:
-    """Whether a fresh leaf has the signature `sig` (shape, dtype, weak type)."""
-    if type(x) is _ArrayImpl:
-        return x.shape == sig[0] and x.dtype == sig[1] and x.weak_type == sig[2]
-    return _is_array_like(x) and _signature(x) == sig
+_is_deleted = _ArrayImpl.is_deleted
 
 
 def _interpret_runner(plan: Plan, output: str) -> Callable[[list], list]:
