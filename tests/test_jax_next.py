@@ -24,27 +24,26 @@ from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 r = np.random.default_rng(7)
 
 
-def _shaped(x):
-    return jax.core.ShapedArray(x.shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+def log2_function():
+    """lax.log2 where this JAX has it; else a stand-in primitive named log2 with the
+    `accuracy` param JAX's transcendental primitives take."""
+    if hasattr(lax, "log2"):
+        return lax.log2
+    from jax._src.core import ShapedArray
 
-
-def log2_primitive() -> Primitive:
-    real = getattr(lax, "log2_p", None)
-    if real is not None:
-        return real
     p = Primitive("log2")
     p.def_impl(lambda x, **_: jnp.log2(x))
-    p.def_abstract_eval(lambda x, **_: _shaped(x))
-    return p
+    p.def_abstract_eval(lambda x, **_: ShapedArray(x.shape, x.dtype, weak_type=x.weak_type))
+    return lambda x: p.bind(x, accuracy=None)
 
 
-LOG2 = log2_primitive()
+LOG2 = log2_function()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_log2_kernel(dtype):
     def f(x):
-        return LOG2.bind(x, accuracy=None) * 3.0
+        return LOG2(x) * 3.0
 
     # Powers of two (exact in every type), values around them and a spread.
     x = np.concatenate([2.0 ** np.arange(-6, 7), r.uniform(0.01, 50.0, 51)]).astype(np.float32)
