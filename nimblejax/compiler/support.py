@@ -15,7 +15,8 @@ Every primitive of JAX is in exactly one group:
 NOT_SUPPORTED lists primitives of JAX 0.10.2 (the installed version when it was
 written) and those that jax-ml/jax main at cec06d1 (2026-08-08, version 0.11.1.dev)
 adds: the audit runs on newer versions too. `python -m nimblejax.compiler.support`
-prints the counts of each group for the installed JAX.
+prints the counts of each group for the installed JAX (and any primitive in none);
+`--markdown` prints the README's table.
 """
 from __future__ import annotations
 
@@ -214,8 +215,11 @@ def summary(names) -> str:
 def main(argv: list[str]) -> int:
     import json
 
+    if "--markdown" in argv:  # README's table
+        print(markdown_table(), end="")
+        return 0
     names, skipped = installed_primitives()
-    if "--json" in argv:
+    if "--json" in argv:  # for tests/test_primitive_audit.py
         print(json.dumps({"primitives": names, "skipped": skipped}))
         return 0
     print(summary(names))
@@ -223,8 +227,6 @@ def main(argv: list[str]) -> int:
         print(f"  unclassified: {name} ({', '.join(names[name][:2])})")
     if skipped:
         print("modules not importable here: " + ", ".join(skipped))
-    if "--markdown" in argv:
-        print(markdown_table(), end="")
     return 0
 
 
