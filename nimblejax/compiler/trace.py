@@ -2,7 +2,8 @@
 
 Works across the jaxpr renames listed in DESIGN.md: nested jit is `pjit` (≤0.6) or
 `jit` (≥0.7); custom_vjp is `custom_vjp_call_jaxpr` (≤0.6) or `custom_vjp_call`
-(≥0.7); 0.11 merged ClosedJaxpr into Jaxpr.
+(≥0.7); 0.11 merged ClosedJaxpr into Jaxpr; after 0.11.0 `closed_call` and `call` are
+one `eval_jaxpr` primitive (`call_jaxpr` param; custom_vjp's forward emits it).
 """
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ INLINED = {
     "jit": ("jaxpr",),
     "closed_call": ("call_jaxpr",),
     "core_call": ("call_jaxpr",),
+    "call": ("call_jaxpr",),
+    "eval_jaxpr": ("call_jaxpr", "jaxpr"),
     "custom_jvp_call": ("call_jaxpr", "jaxpr"),
     "custom_vjp_call": ("call_jaxpr", "fun_jaxpr", "jaxpr"),
     "custom_vjp_call_jaxpr": ("fun_jaxpr", "call_jaxpr"),
@@ -30,8 +33,9 @@ INLINED = {
     "checkpoint": ("jaxpr",),
     "custom_lin": (),  # only appears under linearize; never in a plain jaxpr
 }
-# Primitives that are the identity on values.
-IDENTITY = frozenset({"stop_gradient", "optimization_barrier"})
+# Primitives that are the identity on values (`name`: jax.ad_checkpoint.checkpoint_name,
+# a tag for remat policies).
+IDENTITY = frozenset({"stop_gradient", "optimization_barrier", "name"})
 
 
 def make_graph(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> tuple[Graph, Any]:

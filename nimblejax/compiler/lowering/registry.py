@@ -45,10 +45,13 @@ class UnsupportedPrimitiveError(NotImplementedError):
 def rule_for(node: Node) -> Rule:
     rule = RULES.get(node.name)
     if rule is None:
+        from nimblejax.compiler.support import reason  # why it is not supported, if known
+
+        why = reason(node.name)
         raise UnsupportedPrimitiveError(
             f"nimblejax has no lowering rule for primitive '{node.name}' "
-            f"(from {node.source}). Use nimble.jit(..., backend=\"jax\") to run this "
-            f"function with plain jax.jit.")
+            f"(from {node.source}){f': {why}' if why else ''}. Use "
+            f"nimble.jit(..., backend=\"jax\") to run this function with plain jax.jit.")
     return rule
 
 
