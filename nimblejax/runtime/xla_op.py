@@ -9,7 +9,8 @@ dispatch, result arrays) and no nimble Python runs in a steady-state call.
   - on the cuda backend, an XLA FFI custom call to runtime/ffi/handler.cc: it copies the
     operands into the plan's arena with one copy kernel, launches the captured graph on
     XLA's stream, and copies the results out with one copy kernel;
-  - on the interpret backend, a `jax.pure_callback` into the CPU plan interpreter;
+  - on the interpret backend, a host callback into the CPU plan interpreter (the
+    callback of `jax.pure_callback`, without its copy of the operands onto a JAX device);
 - batching (vmap): the same primitive over the batched function, planned as a whole;
 - differentiation: a custom VJP whose backward pass is itself a nimble plan (the VJP of
   f, recomputing the forward inside the backward plan).
@@ -111,7 +112,7 @@ def _impl(*args, body: Body):
 def _lowering(ctx, *args, body: Body):
     runner = body.runner(ctx.avals_in)
     runner.place(_lowering_devices(ctx))
-    return mlir.lower_fun(runner.emit, multiple_results=True)(ctx, *args)
+    return runner.lower(ctx, *args)
 
 
 def _lowering_devices(ctx) -> list:
@@ -261,6 +262,10 @@ class Runner:
     def place(self, devices) -> None:
         """Make the plan runnable on these (local) devices."""
 
+    def lower(self, ctx, *args):
+        """The MLIR of one call (the lowering of `emit`)."""
+        return mlir.lower_fun(self.emit, multiple_results=True)(ctx, *args)
+
     def emit(self, *xs):
         raise NotImplementedError
 
@@ -271,8 +276,15 @@ class Runner:
 
 
 class InterpretRunner(Runner):
-    """The CPU plan interpreter behind a pure_callback; each call takes another
-    interleaving of the streams."""
+    """The CPU plan interpreter behind a host callback; each call takes another
+    interleaving of the streams.
+
+    The callback is `jax.pure_callback`'s, emitted directly so that the interpreter gets
+    the operands as the NumPy arrays XLA hands over: `jax.pure_callback` first copies
+    them onto a JAX CPU device, and on the CPU that copy (above about 128 KiB) waits for
+    a worker thread of JAX's CPU client, which every device of a shard_map over host
+    devices may be holding while it waits in this callback. The interpreter then runs
+    the equations on a CPU client of its own (`interpret.device()`)."""
 
     def __init__(self, plan: Plan, out_shapes) -> None:
         self.plan = plan
@@ -280,12 +292,35 @@ class InterpretRunner(Runner):
         self.calls = itertools.count()
         self.held: list = [None] * len(plan.graph.inputs)  # the operands, as the GPU arena holds them
         self.held_lock = threading.Lock()
+        # The constants' host values now, outside any callback (a jax.Array keeps them),
+        # so that no callback waits for one still being computed by JAX's CPU client.
+        for value in plan.graph.consts.values():
+            np.asarray(value)
 
     def _run(self, *xs):
         from nimblejax.runtime import interpret
 
         outs = interpret.run(self.plan, [np.asarray(x) for x in xs], seed=next(self.calls))
         return tuple(np.asarray(o, dtype=s.dtype).reshape(s.shape) for o, s in zip(outs, self.out_shapes))
+
+    def lower(self, ctx, *args):
+        from nimblejax.runtime import interpret
+
+        direct = _host_callback()
+        cpus = [d for d in _lowering_devices(ctx) if d.platform == "cpu"]
+        if len(cpus) > 1 and (direct is None or not interpret.own_device()):
+            raise NotImplementedError(
+                f"backend='interpret' cannot run inside a computation over {len(cpus)} CPU "
+                f"devices with this JAX (jax {jax.__version__}): its callback would wait for "
+                "worker threads of JAX's CPU client that the computation holds. Run it on "
+                "one device.")
+        if direct is None:
+            return super().lower(ctx, *args)
+        emit, op_sharding = direct
+        sharding = op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+        results, _, _ = emit(ctx, self._run, None, list(args), ctx.avals_in, ctx.avals_out,
+                             has_side_effect=False, returns_token=False, sharding=sharding)
+        return results
 
     def emit(self, *xs):
         return list(jax.pure_callback(self._run, tuple(self.out_shapes), *xs))
@@ -295,7 +330,7 @@ class InterpretRunner(Runner):
         with self.held_lock:
             for i, f in enumerate(fresh):
                 if f:
-                    self.held[i] = np.asarray(next(it))
+                    self.held[i] = np.array(next(it))  # a copy: XLA may reuse its buffer
                 elif self.held[i] is None:
                     raise RuntimeError(f"nimblejax: operand {i} is resident but was never passed")
             args = list(self.held)
@@ -304,6 +339,17 @@ class InterpretRunner(Runner):
     def emit_resident(self, fresh: tuple, *xs):
         run = functools.partial(self._run_resident, fresh)
         return list(jax.pure_callback(run, tuple(self.out_shapes), *xs))
+
+
+def _host_callback():
+    """(emit_python_callback, the op sharding jax.pure_callback gives it), the pieces of
+    jax.pure_callback's lowering; None for a JAX without them."""
+    try:
+        from jax._src.callback import _callback_op_sharding
+
+        return mlir.emit_python_callback, _callback_op_sharding
+    except (ImportError, AttributeError):
+        return None
 
 
 class FfiRunner(Runner):
