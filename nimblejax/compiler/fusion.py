@@ -1,11 +1,14 @@
 """Fusion: partition the graph's nodes into groups, one group per kernel.
 
 Walking the nodes backwards, an elementwise node is *inlined* (recomputed inside its
-consumers' kernels) when all of its consumers are elementwise nodes or reductions, its
-value is not a graph output, and recomputing it in several kernels reads no more than
+consumers' kernels) when all of its consumers are elementwise nodes, reductions or kernels
+that fuse that operand (a rule registered with `fuses`, the scatter family), its value
+is not a graph output, and recomputing it in several kernels reads no more than
 reading it would (see _worth_writing); otherwise it roots a kernel of its own and its
 value is materialized in a buffer. A reduction roots a kernel into whose loop its operand's
-producers are inlined. This is XLA's loop/input fusion with producer duplication,
+producers are inlined. A scatter roots a kernel that computes its operand straight into
+its output (`zeros(...).at[ids].add(g)` writes the table once) and its indices and
+updates where it reads them. This is XLA's loop/input fusion with producer duplication,
 kept deliberately simple.
 """
 from __future__ import annotations
@@ -62,6 +65,8 @@ def fuse(graph: Graph) -> list[Group]:
         kind = rule_for(node).kind
         if kind == "elementwise":
             groups = _inline_target(node, consumers, outputs, owner)
+            if groups is not None and _strided_into_kernel(node, groups, roots):
+                groups = None
             if groups is not None and (len(groups) == 1 or node not in written):
                 d = 1 + max(depth[u] for u in consumers[node.outputs[0]])
                 if d <= MAX_INLINE_DEPTH:
@@ -111,14 +116,28 @@ def _inline_target(node: Node, consumers, outputs, owner) -> frozenset[int] | No
         return None
     groups: set[int] = set()
     for user in users:
-        kind = rule_for(user).kind
-        if kind == "elementwise":
+        rule = rule_for(user)
+        if rule.kind == "elementwise":
             groups |= owner[user]
-        elif kind == "reduction" and user.inputs[0] is out:
+        elif rule.kind == "reduction" and user.inputs[0] is out:
+            groups |= owner[user]
+        elif rule.fuses and all(k in rule.fuses for k, a in enumerate(user.inputs) if a is out):
             groups |= owner[user]
         else:
             return None
     return frozenset(groups) if len(groups) <= MAX_DUPLICATION else None
+
+
+def _strided_into_kernel(node: Node, groups, roots) -> bool:
+    """A transpose that moves its input's innermost axis stays out of a kernel rule's
+    group (a scatter's loops read its operands one element per thread, so it would read
+    a row apart per thread): it gets the tiled transpose kernel of its own."""
+    if node.name != "transpose":
+        return False
+    perm = tuple(node.params["permutation"])
+    if not perm or perm[-1] == len(perm) - 1:
+        return False
+    return any(rule_for(roots[g]).fuses for g in groups)
 
 
 def _make_group(root: Node, nodes: list[Node]) -> Group:

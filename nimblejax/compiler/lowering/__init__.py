@@ -40,7 +40,9 @@ def lower_group(group: Group) -> Task:
             return Task(name, "gemm", group.inputs, group.outputs, group.nodes, gemm=made)
         kernel = made
     else:
-        kernel = rule_for(root).fn(root)
+        rule = rule_for(root)
+        # A kernel rule that fuses some operands' producers computes them itself.
+        kernel = rule.fn(root, inlined) if rule.fuses else rule.fn(root)
     return Task(kernel.name, "kernel", tuple(v for v in kernel.params if v not in group.outputs),
                 group.outputs, group.nodes, kernel=kernel)
 

@@ -5,7 +5,11 @@ Rule kinds:
   at one index inside any fused kernel (index-only ops such as broadcast, transpose and
   reshape are fusible too: they only rewrite the index).
 - "reduction": `fn(dtype) -> Reducer`; producers are fused into the reduction's loop.
-- "kernel": a standalone generated kernel; `fn(node, builder) -> KernelPlan`.
+- "kernel": a standalone generated kernel; `fn(node) -> Kernel`. A kernel rule registered
+  with `fuses=(positions...)` also takes elementwise producers of those operands:
+  fusion.py inlines them into its group and the rule is called as `fn(node, inlined)`
+  (value → the inlined node that computes it), computing them where it reads them (a
+  scatter's operand, indices and updates).
 - "gemm": `fn(node) -> GemmCall` (cuBLAS on the GPU).
 - "cudnn": `fn(node) -> ConvCall` (a cuDNN convolution on the GPU).
 """
@@ -21,18 +25,20 @@ from nimblejax.compiler.ir import Node
 class Rule:
     kind: str
     fn: Callable
+    fuses: tuple[int, ...] = ()  # kernel rules: operands whose producers may be inlined
 
 
 RULES: dict[str, Rule] = {}
 KINDS = ("elementwise", "reduction", "kernel", "gemm", "cudnn")
 
 
-def register(*names: str, kind: str) -> Callable:
+def register(*names: str, kind: str, fuses: tuple[int, ...] = ()) -> Callable:
     assert kind in KINDS, kind
+    assert not fuses or kind == "kernel", "only kernel rules take fused operands"
 
     def deco(fn: Callable) -> Callable:
         for n in names:
-            RULES[n] = Rule(kind, fn)
+            RULES[n] = Rule(kind, fn, tuple(fuses))
         return fn
 
     return deco

@@ -12,7 +12,7 @@ class Kernel:
     """A generated CUDA C kernel. Its pointer arguments are `params`, in order.
 
     `pre`: kernels launched before this one on the same stream, with the same `params`
-    (a scatter first copies its operand into its output: a grid-wide step)."""
+    (a scatter first computes or copies its operand into its output: a grid-wide step)."""
 
     name: str
     source: str
