@@ -393,6 +393,81 @@ def test_fused_scatter_kernels_compile_for_hopper_and_before():
     assert "v4.f32" not in ampere and all(f".entry {n}(" in ampere for n in kernels)
 
 
+# ---- a scatter that is the last reader of its operand's buffer updates it in place ----------
+def _gemm_then_scatters(a, w, i, u):
+    x = a @ w                                 # a buffer of the plan's own (a GEMM's output)
+    y = x.at[i].add(u)                        # its only reader: updated in place
+    z = y.at[i[:7]].max(u[:7] * 2.0)          # and again
+    return z.sum(0), jnp.tanh(z)
+
+
+def _in_place_args(seed=10, dtype=jnp.float32):
+    r = _rng(seed)
+    return (jnp.asarray(r.normal(size=(V, 16)), dtype), jnp.asarray(r.normal(size=(16, D)), dtype),
+            _ids(r), _vals(r, dtype, (N, D)))
+
+
+def test_scatter_updates_its_operand_in_place_when_it_is_the_last_reader():
+    a = _in_place_args()
+    plan = nimble.jit(_gemm_then_scatters, backend="interpret").plan(*a)
+    scatters = [t for t in plan.tasks if "scatter" in t.name]
+    assert len(scatters) == 2
+    gemm = [t for t in plan.tasks if t.kind == "gemm"]
+    for t in scatters:
+        # One launch (no copy), its output in its operand's bytes, the operand not a param.
+        assert len(t.kernel.launches) == 1 and t.aliases
+        (out, operand), = t.aliases
+        assert plan.offset(out) == plan.offset(operand) == plan.offset(gemm[0].outputs[0])
+        assert operand not in t.kernel.params and operand in t.inputs
+    assert_tree_close(nimble.jit(_gemm_then_scatters, backend="interpret")(*a),
+                      jax.jit(_gemm_then_scatters)(*a))
+
+
+@pytest.mark.parametrize("fn, in_place", [
+    (lambda a, w, i, u: (a @ w).at[i].add(u), True),  # the scatter's output is an output
+    (lambda a, w, i, u: ((a @ w).at[i].add(u), (a @ w).sum()), False),  # read twice
+    (lambda a, w, i, u: (lambda x: (x, x.at[i].add(u)))(a @ w), False),  # an output itself
+    (lambda a, w, i, u: jnp.tanh((a @ w).reshape(-1, 4).at[i].add(1.0)), False),  # a view
+    (lambda a, w, i, u: a.at[i, :D].add(u), False),  # an argument: never written
+    (lambda a, w, i, u: (a * 2.0).at[i, 3:3 + D].add(u), False),  # fused: computed, no copy
+    # The transpose keeps its tiled kernel (not fused), whose output is updated in place.
+    (lambda a, w, i, u: jnp.tanh(w.T.at[i % D].add(u[:, :1])), True),
+], ids=["gemm-output", "read-twice", "output", "view", "argument", "fused", "transposed"])
+def test_scatter_updates_in_place_only_a_buffer_nothing_else_reads(fn, in_place):
+    """Only a buffer that a task of the plan writes, read by the scatter alone, is
+    updated in place; the others are copied (or, fused, computed) into the output."""
+    a = _in_place_args()
+    plan = nimble.jit(fn, backend="interpret").plan(*a)
+    (t,) = [t for t in plan.tasks if "scatter" in t.name]
+    assert bool(t.aliases) == in_place
+    assert len(t.kernel.launches) == (1 if in_place else 2)
+    assert_tree_close(nimble.jit(fn, backend="interpret")(*a), jax.jit(fn)(*a))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_in_place_scatters_on_parallel_streams_match_jax(dtype):
+    """Two GEMM → scatter-add → scatter-max chains on two streams: the interpreter in
+    random interleavings, and the generated kernels on the CPU (both builds)."""
+    def chain(a, w, i, u):
+        return (a @ w).at[i].add(u).at[i[:7]].max(u[:7] * 2.0)
+
+    def fn(a, w, i, u):
+        return chain(a, w, i, u), chain(a * 2, w, i[::-1], u)
+
+    a = _in_place_args(11, dtype)
+    want = jax.jit(fn)(*a)
+    plan = nimble.jit(fn, backend="interpret").plan(*a)
+    assert plan.schedule.num_streams >= 2 and sum(bool(t.aliases) for t in plan.tasks) == 4
+    from nimblejax.runtime import interpret
+
+    for seed in range(4):
+        assert_tree_close(tuple(interpret.run(plan, a, seed=seed)), want)
+    if kernel_emulator.compiler() is not None:
+        for arch in (None, 900):
+            lib = kernel_emulator.build(kernel_emulator.kernels(plan), arch=arch)
+            assert_tree_close(tuple(kernel_emulator.run(plan, a, lib)[0]), want)
+
+
 # ---- the generated kernels themselves, run on the CPU --------------------------------------
 # The interpreter checks plans with JAX, not our CUDA C. Here each indexing record's plan
 # runs its generated kernels on the CPU (tests/kernel_emulator.py: every launch of a task,

@@ -8,11 +8,13 @@ reading it would (see _worth_writing); otherwise it roots a kernel of its own an
 value is materialized in a buffer. A reduction roots a kernel into whose loop its operand's
 producers are inlined. A scatter roots a kernel that computes its operand straight into
 its output (`zeros(...).at[ids].add(g)` writes the table once) and its indices and
-updates where it reads them. This is XLA's loop/input fusion with producer duplication,
-kept deliberately simple.
+updates where it reads them; a scatter that is the only reader of an operand buffer the
+plan writes updates that buffer in place (`_in_place`). This is XLA's loop/input fusion
+with producer duplication, kept deliberately simple.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from nimblejax.compiler.ir import Graph, Node, Var
@@ -36,6 +38,7 @@ class Group:
     root: Node
     nodes: tuple[Node, ...]  # topological order, root last
     inputs: tuple[Var, ...]  # materialized values read
+    in_place: bool = False  # the root's rule updates its `in_place` operand's buffer
 
     @property
     def output(self) -> Var:
@@ -80,8 +83,29 @@ def fuse(graph: Graph) -> list[Group]:
         for gid in owner.get(node, ()):
             members[gid].append(node)
     groups = [_make_group(roots[gid], members[gid]) for gid in sorted(roots, reverse=True)]
+    groups = _in_place(groups, consumers, outputs)
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(groups, key=lambda g: order[g.root])
+
+
+def _in_place(groups: list[Group], consumers, outputs) -> list[Group]:
+    """Mark the groups whose rule may update an operand in place (rule `in_place`: a
+    scatter) where that is safe: the operand is a buffer a task of the plan writes (not
+    an argument, a constant or a view, which share bytes with others), no graph output,
+    and the root is its only reader (reading it once), so that nothing reads its old
+    value after the update starts. The scatter then skips its copy."""
+    made = {v: g for g in groups for v in g.outputs}
+    marked = []
+    for g in groups:
+        k = rule_for(g.root).in_place
+        if k is not None and g.kind == "kernel":
+            x = g.root.inputs[k]
+            if (isinstance(x, Var) and x in made and made[x].kind != "view" and x not in outputs
+                    and consumers.get(x) == [g.root]
+                    and sum(a is x for a in g.root.inputs) == 1):
+                g = dataclasses.replace(g, in_place=True)
+        marked.append(g)
+    return marked
 
 
 def _worth_writing(graph: Graph, consumers) -> set[Node]:

@@ -42,7 +42,13 @@ def lower_group(group: Group) -> Task:
     else:
         rule = rule_for(root)
         # A kernel rule that fuses some operands' producers computes them itself.
-        kernel = rule.fn(root, inlined) if rule.fuses else rule.fn(root)
+        extra = {"in_place": True} if group.in_place else {}
+        kernel = rule.fn(root, inlined, **extra) if rule.fuses else rule.fn(root, **extra)
+        if group.in_place:  # the operand is read where the output is written
+            operand = root.inputs[rule.in_place]
+            inputs = (operand,) + tuple(v for v in kernel.params if v not in group.outputs)
+            return Task(kernel.name, "kernel", inputs, group.outputs, group.nodes,
+                        kernel=kernel, aliases=((group.output, operand),))
     return Task(kernel.name, "kernel", tuple(v for v in kernel.params if v not in group.outputs),
                 group.outputs, group.nodes, kernel=kernel)
 

@@ -20,7 +20,9 @@ launch computes the operand where it would copy it (`zeros((vocab, dim)).at[ids]
 an embedding's gradient, writes the table once: a 16-byte fill, no zero buffer, no
 copy), the second reads the indices and updates through their producers. On Hopper a
 scatter-add along the operand's rows takes 2 or 4 neighbouring elements per thread and
-one vector atomic (float2/float4, half2, bfloat162).
+one vector atomic (float2/float4, half2, bfloat162). A scatter that is the only reader of
+an operand buffer the plan writes itself (a GEMM's output, another scatter's) updates
+it in place: the second launch alone (fusion.py `_in_place`, `Task.aliases`).
 """
 from __future__ import annotations
 
@@ -110,16 +112,21 @@ _VECTOR_ARCH = 900
 _VECTOR = {"float32": (4, 2), "float16": (2,), "bfloat16": (2,)}
 
 
-@register(*SCATTERS, kind="kernel", fuses=(0, 1, 2))
-def scatter(node: Node, inlined: Mapping[Var, Node] = {}) -> Kernel:
+@register(*SCATTERS, kind="kernel", fuses=(0, 1, 2), in_place=0)
+def scatter(node: Node, inlined: Mapping[Var, Node] = {}, in_place: bool = False) -> Kernel:
     """Two launches of one task, with the same parameters: the operand computed (its
     elementwise producers `inlined`: `zeros(...)` is a fill, never a buffer) or copied
     into the output, then one thread per update element (or per few neighbouring
     ones) combining it in. The indices' and updates' producers are computed where they
-    are read."""
+    are read. `in_place` (the scatter is the last reader of its operand's buffer, which
+    the output then shares: fusion.py): the second launch alone."""
     out = node.outputs[0]
-    params = _materialized(node, inlined)
+    params = _materialized(node, inlined, in_place)
     combine, grid, helper = _combine_kernel(node, inlined, params)
+    if in_place:
+        name = kernel_name("scatter", combine.ops, out.dtype, "in place\n" + combine.text(helper))
+        return Kernel(name, PRELUDE + combine.text(helper).replace("NAME", name, 1), (grid, 1, 1),
+                      (BLOCK, 1, 1), combine.params())
     init, init_grid = _init_kernel(node, inlined, params)
     main_text, init_text = combine.text(helper), init.text()
     # Both texts in the hash: two scatters may share a combine and differ in their init.
@@ -130,9 +137,10 @@ def scatter(node: Node, inlined: Mapping[Var, Node] = {}) -> Kernel:
                   (BLOCK, 1, 1), combine.params(), pre=(first,))
 
 
-def _materialized(node: Node, inlined: Mapping[Var, Node]) -> tuple[Var, ...]:
+def _materialized(node: Node, inlined: Mapping[Var, Node], in_place: bool) -> tuple[Var, ...]:
     """The buffers the scatter reads, its fused producers' inputs in their place, in
-    the order operand, indices, updates (the parameters of both launches)."""
+    the order operand (not read when in place), indices, updates (the parameters of
+    both launches)."""
     found: list[Var] = []
     seen: set = set()
 
@@ -147,7 +155,7 @@ def _materialized(node: Node, inlined: Mapping[Var, Node]) -> tuple[Var, ...]:
         for x in producer.inputs:
             visit(x)
 
-    for a in node.inputs:
+    for a in node.inputs[1:] if in_place else node.inputs:
         visit(a)
     return tuple(found)
 

@@ -132,6 +132,10 @@ class Task:
     kernel: Optional[Kernel] = None
     gemm: Optional[GemmCall] = None
     conv: Optional[ConvCall] = None
+    # (output, input) pairs: the output is computed in the input's bytes (a scatter that
+    # is the last reader of its operand updates it in place); the plan gives them one
+    # buffer.
+    aliases: tuple[tuple[Var, Var], ...] = ()
 
     @property
     def source(self) -> str:
