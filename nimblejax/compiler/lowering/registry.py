@@ -5,14 +5,21 @@ Rule kinds:
   at one index inside any fused kernel (index-only ops such as broadcast, transpose and
   reshape are fusible too: they only rewrite the index).
 - "reduction": `fn(dtype) -> Reducer`; producers are fused into the reduction's loop.
-- "kernel": a standalone generated kernel; `fn(node, builder) -> KernelPlan`.
+- "kernel": a standalone generated kernel; `fn(node) -> Kernel`. A kernel rule registered
+  with `fuses=(positions...)` also takes elementwise producers of those operands:
+  fusion.py inlines them into its group and the rule is called as `fn(node, inlined)`
+  (value → the inlined node that computes it), computing them where it reads them (a
+  scatter's operand, indices and updates). One registered with `in_place=k` may compute
+  its output in the bytes of operand k when it is that value's only reader and the value
+  is a buffer of the plan's own (fusion.py decides, `Group.in_place`): it is then called
+  with `in_place=True` and must not read operand k's old bytes except where it writes.
 - "gemm": `fn(node) -> GemmCall` (cuBLAS on the GPU).
 - "cudnn": `fn(node) -> ConvCall` (a cuDNN convolution on the GPU).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from nimblejax.compiler.ir import Node
 
@@ -21,18 +28,22 @@ from nimblejax.compiler.ir import Node
 class Rule:
     kind: str
     fn: Callable
+    fuses: tuple[int, ...] = ()  # kernel rules: operands whose producers may be inlined
+    in_place: Optional[int] = None  # kernel rules: the operand the output may update
 
 
 RULES: dict[str, Rule] = {}
 KINDS = ("elementwise", "reduction", "kernel", "gemm", "cudnn")
 
 
-def register(*names: str, kind: str) -> Callable:
+def register(*names: str, kind: str, fuses: tuple[int, ...] = (),
+             in_place: Optional[int] = None) -> Callable:
     assert kind in KINDS, kind
+    assert (not fuses and in_place is None) or kind == "kernel", "only kernel rules"
 
     def deco(fn: Callable) -> Callable:
         for n in names:
-            RULES[n] = Rule(kind, fn)
+            RULES[n] = Rule(kind, fn, tuple(fuses), in_place)
         return fn
 
     return deco
