@@ -34,7 +34,7 @@ constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
 constexpr int kMaxEntries = 64;              // copies per kernel launch
 constexpr unsigned kThreads = 256;
 constexpr unsigned long long kBytesPerBlock = kThreads * 16ull;  // uint4/thread
-constexpr unsigned kMaxBlocksX = 64;
+constexpr unsigned kMaxBlocksX = 1024;  // enough blocks to fill an H100 (132 SMs) on large copies
 
 struct Driver {
   CUresult (*GraphLaunch)(CUgraphExec, CUstream);
