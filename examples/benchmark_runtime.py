@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 
 import jax
@@ -29,6 +30,7 @@ from models import branchy_args, branchy_mlp  # noqa: E402
 from nimblejax.bench.timing import blocked_us, concurrent_jax, looped_us, nimble_gpu_us  # noqa: E402
 
 FRESH = 16  # distinct input arrays cycled through (no identity cache can help)
+ROUNDS = 5  # alternating rounds of every configuration
 
 
 def trivial(x):
@@ -54,6 +56,11 @@ def leaves_step(params, x):
     return new, sum(jnp.sum(p) for p in new)
 
 
+def read_leaves(xs):
+    """Reads N arrays: the host cost per leaf of a call."""
+    return sum(jnp.sum(x) for x in xs)
+
+
 def rand(rng, *shape, scale=1.0):
     return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32)
 
@@ -75,6 +82,11 @@ def cases(rng):
     inputs = [rand(rng, 64) for _ in range(FRESH)]
     yield "step over 96 parameter leaves, fed back", leaves_step, [(leaves, inputs[0])], \
         _feed_state([(x,) for x in inputs]), (0,)
+    for n in (32, 200):
+        same = [rand(rng, 256) for _ in range(n)]
+        yield f"read {n} leaves, the same arrays every call", read_leaves, [(same,)] * FRESH, None, ()
+        fresh = [([rand(rng, 256) for _ in range(n)],) for _ in range(FRESH)]
+        yield f"read {n} leaves, fresh arrays every call", read_leaves, fresh, None, ()
 
 
 def _feed_state(data):
@@ -109,11 +121,20 @@ def measure(fn, arg_sets, feed, donate, calls: int) -> dict:
         got = jax.tree_util.tree_map(np.asarray, f(*_fresh_copies(arg_sets, donate)[0]))
         err = max(float(np.max(np.abs(g - w)) / (np.max(np.abs(w)) + 1e-30))
                   for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
-        looped = looped_us(f, _fresh_copies(arg_sets, donate), feed, calls=calls)
-        blocked = None if feed is not None else blocked_us(f, arg_sets, calls=calls)
-        gpu = nimble_gpu_us(f) if label.startswith("nimble") else looped
-        rows[label] = dict(looped_us=looped, blocked_us=blocked, gpu_us=gpu, max_rel_err=err,
+        rows[label] = dict(looped_rounds=[], blocked_rounds=[], max_rel_err=err,
                            path=getattr(f, "call_path", None))
+    # The host is shared: the configurations alternate in rounds, medians of the rounds.
+    for _ in range(ROUNDS):
+        for label, f in configs.items():
+            rows[label]["looped_rounds"].append(
+                looped_us(f, _fresh_copies(arg_sets, donate), feed, calls=calls, repeats=1))
+            if feed is None:
+                rows[label]["blocked_rounds"].append(blocked_us(f, arg_sets, calls=calls // 2))
+    for label, f in configs.items():
+        r = rows[label]
+        r["looped_us"] = statistics.median(r["looped_rounds"])
+        r["blocked_us"] = statistics.median(r["blocked_rounds"]) if r["blocked_rounds"] else None
+        r["gpu_us"] = nimble_gpu_us(f) if label.startswith("nimble") else r["looped_us"]
     best_looped = min(r["looped_us"] for k, r in rows.items() if k.startswith("jax"))
     blocked = [r["blocked_us"] for k, r in rows.items() if k.startswith("jax") and r["blocked_us"]]
     for r in rows.values():

@@ -124,6 +124,8 @@ class NimbleFunction:
         self._plans: dict = {}  # the XLA-operation path's plans, per body and signature
         self._runners: dict = {}  # and their runners (made when lowered)
         self._entry: Optional[Callable] = None  # what a call runs, chosen on the first call
+        self._resident: Optional[_Resident] = None  # the XLA path's last call (api docs)
+        self._resident_fns: dict = {}  # (tree, statics, sig, mask, precision) -> jitted call
 
     # ---- public -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -218,7 +220,8 @@ class NimbleFunction:
             self._library = _ffi_library(required=path == "ffi")
             if self._library is None:
                 return "python", self._call_direct
-        return "xla", self._op_jit()
+        self._op_jit_fn = self._op_jit()
+        return "xla", self._call_xla
 
     def _resolve_backend(self) -> str:
         backend = self.backend or default_backend()
@@ -232,6 +235,105 @@ class NimbleFunction:
         return backend
 
     # ---- the XLA-operation path -----------------------------------------------------
+    def _call_xla(self, *args, **kwargs):
+        """A top-level call on the XLA path. A leaf that is the very jax.Array of the
+        previous call (a parameter in a serving loop) is not passed again: its data is
+        still in the arena of the resident runner, where that call copied it, so JAX
+        dispatches only the leaves that changed. A jax.Array is immutable and we hold
+        the previous call's leaves, so an identical object holds identical data and its
+        id cannot be reused; numpy arrays are mutable and always passed; a donated or
+        deleted array is always passed (JAX then reports it). Calls under a JAX
+        transformation, and calls whose signature changed, pass every leaf.
+
+        The steady state (same tree, same resident leaves as last call) is one pass over
+        the leaves, with no hashing of signatures and no Python frame per leaf."""
+        statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
+        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+        with self._lock:
+            last = self._resident
+            fresh = None
+            if (last is not None and last.in_tree == in_tree and last.statics == statics
+                    and last.precision == jax.config.jax_default_matmul_precision):
+                fresh = [not (c and a is b) for a, b, c in zip(leaves, last.leaves, last.candidate)]
+                if any(map(_is_deleted, [a for a, f in zip(leaves, fresh) if not f])):
+                    fresh = [f or a.is_deleted() for a, f in zip(leaves, fresh)]
+                changed = [i for i, f in enumerate(fresh) if f]
+                for i in changed:  # a fresh leaf must keep its signature (else: replan)
+                    x, sig = leaves[i], last.sigs[i]
+                    if type(x) is _ArrayImpl:
+                        if x.shape != sig[0] or x.dtype != sig[1] or x.weak_type != sig[2]:
+                            fresh = None
+                            break
+                    elif isinstance(x, jax.core.Tracer) or not _is_array_like(x) or _signature(x) != sig:
+                        fresh = None
+                        break
+            if fresh is not None and fresh == last.fresh:
+                fn, record = last.fn, last
+            else:
+                record = self._resident_record(leaves, in_tree, statics, fresh, last)
+                if record is None:
+                    self._resident = None
+                    return self._op_jit_fn(*args, **kwargs)
+                fn, changed = record.fn, [i for i, f in enumerate(record.fresh) if f]
+            outs = fn(*[leaves[i] for i in changed])
+            record.leaves = leaves
+            for i in changed:
+                record.candidate[i] = type(leaves[i]) is _ArrayImpl and i not in record.always_fresh
+            self._resident = record
+        return jax.tree_util.tree_unflatten(record.out_tree, outs)
+
+    def _resident_record(self, leaves: list, in_tree, statics, fresh, last) -> Optional["_Resident"]:
+        """The record (and jitted call) of a call passing the `fresh` leaves; every leaf
+        when `fresh` is None (a first call, a new signature). None: take the full path."""
+        if fresh is None:
+            if any(isinstance(x, jax.core.Tracer) or not _is_array_like(x) for x in leaves):
+                return None  # under a transformation, or a bad argument: the full path says
+            sigs = tuple(_signature(x) for x in leaves)
+            fresh = [True] * len(leaves)
+        else:
+            sigs = last.sigs
+        precision = jax.config.jax_default_matmul_precision
+        key = (in_tree, statics, sigs, tuple(fresh), precision)
+        made = self._resident_fns.get(key)
+        if made is None:
+            made = self._resident_fns[key] = self._make_resident(in_tree, statics, sigs, tuple(fresh))
+        if made is False:
+            return None
+        fn, always_fresh, out_tree = made
+        if not all(fresh[i] for i in always_fresh):
+            return None  # cannot happen: always_fresh leaves are never resident
+        candidate = [type(x) is _ArrayImpl and i not in always_fresh for i, x in enumerate(leaves)]
+        return _Resident(in_tree, statics, precision, sigs, always_fresh, out_tree(), list(fresh), fn,
+                         leaves, candidate)
+
+    def _make_resident(self, in_tree, statics, sigs, fresh):
+        """The jitted call that passes the `fresh` leaves, or False where this signature
+        takes the full path (typed PRNG keys in or out)."""
+        from nimblejax.runtime import xla_op
+
+        specs = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in sigs]
+        out_tree_box: list = []
+        flat_fun = self._flat_fun(in_tree, statics, out_tree_box)
+        out_specs = jax.eval_shape(flat_fun, *specs)
+        if any(xla_op.key_impl(s) is not None for s in list(specs) + list(out_specs)):
+            return False
+        donated = self._donated_leaves(in_tree)
+        precision = jax.config.jax_default_matmul_precision
+        body = xla_op.Body((id(self), in_tree, statics, donated, precision), flat_fun,
+                           self._plan_flat, self._make_runner(), self._runners, self._plans, donated,
+                           arena="resident")
+        avals = tuple(jax.core.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type) for s in specs)
+        plan, _ = body.plan(avals)
+        passthrough = {a for a in plan.graph.outputs if plan.output_kind(a) == "input"}
+        always_fresh = frozenset(donated) | frozenset(
+            i for i, v in enumerate(plan.graph.inputs) if v in passthrough)
+        fresh = tuple(f or i in always_fresh for i, f in enumerate(fresh))
+        residency = xla_op.Residency(fresh, avals)
+        positions = [i for i, f in enumerate(fresh) if f]
+        donate = tuple(k for k, i in enumerate(positions) if i in donated)
+        fn = jax.jit(lambda *xs: xla_op.resident_call(body, residency, list(xs)), donate_argnums=donate)
+        return fn, always_fresh, lambda: out_tree_box[-1]
+
     def _op_jit(self) -> Callable:
         return jax.jit(self._op_call, static_argnums=self.static_argnums,
                        static_argnames=self.static_argnames, donate_argnums=self.donate_argnums)
@@ -366,6 +468,28 @@ class NimbleFunction:
                 donated.update(range(start, start + child.num_leaves))
             start += child.num_leaves
         return frozenset(donated)
+
+
+from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402  (the concrete jax.Array type)
+
+
+class _Resident:
+    """The XLA path's previous call: its leaves (held, so their ids stay theirs), their
+    signatures, which of them may be resident next call (`candidate`: concrete
+    jax.Arrays not in `always_fresh`, the donated leaves and those the plan returns as
+    they are), and the jitted call that passed its `fresh` leaves."""
+
+    __slots__ = ("in_tree", "statics", "precision", "sigs", "always_fresh", "out_tree", "fresh",
+                 "fn", "leaves", "candidate")
+
+    def __init__(self, in_tree, statics, precision, sigs, always_fresh, out_tree, fresh, fn,
+                 leaves, candidate) -> None:
+        self.in_tree, self.statics, self.precision, self.sigs = in_tree, statics, precision, sigs
+        self.always_fresh, self.out_tree, self.fresh, self.fn = always_fresh, out_tree, fresh, fn
+        self.leaves, self.candidate = leaves, candidate
+
+
+_is_deleted = _ArrayImpl.is_deleted
 
 
 def _interpret_runner(plan: Plan, output: str) -> Callable[[list], list]:

@@ -13,7 +13,9 @@ launches) are evaluated with JAX as the interpreter does. Tasks run in launch or
 an arena laid out as the memory plan says (NaN-filled, so a read past a buffer shows;
 afterwards the bytes between buffers must still be the fill: no kernel wrote outside its
 buffers). A task's launches (`Kernel.launches`: a scatter's copy, then the scatter) run in
-order. Atomics take one lock, so they are atomic across OS threads too. `launch` runs one
+order. Atomics take one lock, so they are atomic across OS threads too. __CUDA_ARCH__ is
+undefined unless `build(..., arch=900)` defines it: a kernel's `#if __CUDA_ARCH__ >= 900`
+branch (a scatter-add's vector atomics) runs then, its other branch otherwise. `launch` runs one
 kernel over given arrays; `compile_library` is the host compiler step, for other host code.
 
 Host math (glibc) is not CUDA's libdevice: results agree within a few ulp, not bit for
@@ -123,6 +125,29 @@ static inline __half atomicAdd(__half* p, __half v) { return atomic_update(p, [&
 static inline __nv_bfloat16 atomicAdd(__nv_bfloat16* p, __nv_bfloat16 v) {
   return atomic_update(p, [&](__nv_bfloat16 o) {
     return __float2bfloat16_rn(__bfloat162float(o) + __bfloat162float(v)); }); }
+// Hopper's vector atomics (scatter-add's `#if __CUDA_ARCH__ >= 900` branch): each lane
+// rounds and adds as the one-element atomic does.
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(4) __half2 { __half x, y; };
+struct alignas(4) __nv_bfloat162 { __nv_bfloat16 x, y; };
+static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline __half2 __floats2half2_rn(float a, float b) {
+  return {__float2half_rn(a), __float2half_rn(b)}; }
+static inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
+  return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
+static inline float2 atomicAdd(float2* p, float2 v) { return atomic_update(p, [&](float2 o) {
+  return float2{o.x + v.x, o.y + v.y}; }); }
+static inline float4 atomicAdd(float4* p, float4 v) { return atomic_update(p, [&](float4 o) {
+  return float4{o.x + v.x, o.y + v.y, o.z + v.z, o.w + v.w}; }); }
+static inline __half2 atomicAdd(__half2* p, __half2 v) { return atomic_update(p, [&](__half2 o) {
+  return __floats2half2_rn(__half2float(o.x) + __half2float(v.x),
+                           __half2float(o.y) + __half2float(v.y)); }); }
+static inline __nv_bfloat162 atomicAdd(__nv_bfloat162* p, __nv_bfloat162 v) {
+  return atomic_update(p, [&](__nv_bfloat162 o) {
+    return __floats2bfloat162_rn(__bfloat162float(o.x) + __bfloat162float(v.x),
+                                 __bfloat162float(o.y) + __bfloat162float(v.y)); }); }
 template <class T> static inline T atomicMin(T* p, T v) {
   return atomic_update(p, [&](T o) { return min(o, v); }); }
 template <class T> static inline T atomicMax(T* p, T v) {
@@ -207,13 +232,15 @@ def kernels(plan) -> list:
             for k in t.kernel.launches]
 
 
-def build(kernels) -> ctypes.CDLL:
-    """One shared library holding `kernels` and a launcher for each."""
+def build(kernels, arch: int | None = None) -> ctypes.CDLL:
+    """One shared library holding `kernels` and a launcher for each. `arch` defines
+    __CUDA_ARCH__ (undefined by default), selecting kernels' branches for that GPU."""
     unique = {}
     for k in kernels:  # the same kernel may run twice, or in several plans
         assert unique.setdefault(k.name, k).source == k.source, f"two kernels named {k.name}"
-    return compile_library(SHIM + "\n".join(_strip(k.source) + "\n" + _launcher(k)
-                                             for k in unique.values()))
+    head = f"#define __CUDA_ARCH__ {arch}\n" if arch is not None else ""
+    return compile_library(head + SHIM + "\n".join(_strip(k.source) + "\n" + _launcher(k)
+                                                    for k in unique.values()))
 
 
 def _launch(lib, kernel, ptrs) -> None:

@@ -80,6 +80,14 @@ rec("round", lambda x: lax.round(x, lax.RoundingMethod.AWAY_FROM_ZERO), f32(40, 
 rec("round", lambda x: lax.round(x, lax.RoundingMethod.TO_NEAREST_EVEN), f32(40, lo=-5, hi=5),
     label="even")
 rec("copy", lambda x: lax.copy_p.bind(x), f32(6))
+# log2 is a primitive from jax 0.11 (lax.log2); before, jnp.log2 is log(x) / log(2), so on
+# older versions the record runs that instead. tests/test_jax_next.py checks the rule's
+# kernel with a stand-in primitive of the same name.
+LOG2 = getattr(lax, "log2", jnp.log2)
+rec("log2", LOG2, f32(5, 7, lo=0.05, hi=40), label="since-0.11")
+rec("log2", LOG2, dt(jnp.bfloat16, 33, lo=0.1, hi=8), label="since-0.11-bf16")
+rec("log2", LOG2, dt(jnp.float16, 33, lo=0.1, hi=8), label="since-0.11-f16")
+rec("log2", jax.grad(lambda x: jnp.sum(LOG2(x) * x)), f32(9, lo=0.5, hi=3), label="since-0.11-grad")
 # jax >= 0.11 only (the tanh derivative); older versions emit sub/mul instead.
 rec("one_minus_square", jax.grad(lambda x: jnp.sum(jnp.tanh(x))), f32(8), label="since-0.11")
 # ---- unary int / bool ------------------------------------------------------------
@@ -142,6 +150,27 @@ rec("rev", lambda x: lax.rev(x, (0,)), f32(5, 3))
 rec("iota", lambda x: x + lax.broadcasted_iota(jnp.float32, (4, 5), 1), f32(4, 5))
 rec("iota", lambda x: x + lax.iota(jnp.int32, 6), i32(6), label="i32")
 rec("concatenate", lambda a, b: jnp.concatenate([a, b, a], axis=1), f32(3, 2), f32(3, 5))
+# stack, unstack and tile have no rule: canonicalize/stacking.py rewrites them into
+# reshapes, slices, broadcasts and a concatenate.
+rec("stack", lambda a, b: jnp.stack([a, b, a]), f32(3, 5), f32(3, 5))
+rec("stack", lambda a, b: jnp.stack([a, b], axis=1) * 2.0, f32(3, 5), f32(3, 5), label="axis1")
+rec("stack", lambda a, b, c: jnp.stack([a, b, c], axis=-1), i32(4, 3), i32(4, 3), i32(4, 3), label="i32-last")
+rec("stack", lambda a, b: jnp.stack([a, b], axis=1), boolean(6, 2), boolean(6, 2), label="bool")
+rec("stack", lambda a, b: jnp.stack([a, b]), dt(jnp.bfloat16, 7), dt(jnp.bfloat16, 7), label="bf16")
+rec("stack", lambda x: jnp.stack([x[0, 0], 2.5, x[1, 1]]), f32(2, 2), label="scalars-literal")
+rec("stack", lambda x: jnp.stack([x]), u32(5), label="one")
+rec("stack", jax.grad(lambda a, b: jnp.sum(jnp.stack([a, b * b], axis=1) ** 2 * jnp.arange(2.0)[:, None]),
+                      argnums=(0, 1)), f32(3, 4), f32(3, 4), label="grad")
+rec("unstack", lambda x: jnp.unstack(x), f32(3, 5))
+rec("unstack", lambda x: [y * 2.0 for y in jnp.unstack(x, axis=1)], f32(4, 3, 2), label="axis1")
+rec("unstack", lambda x: jnp.unstack(x, axis=-1)[2] + 1, i32(5, 4), label="i32-one-used")
+rec("unstack", lambda x: jnp.unstack(x, axis=0), boolean(2, 6), label="bool")
+rec("unstack", jax.grad(lambda x: sum(jnp.sum(y * (k + 1)) for k, y in enumerate(jnp.unstack(x, axis=1)))),
+    f32(3, 4), label="grad")
+rec("tile", lambda x: jnp.tile(x, (2, 3)), f32(3, 4))
+rec("tile", lambda x: jnp.tile(x, (2, 1, 3)) + 1, i32(2, 5), label="i32-rank-up")
+rec("tile", lambda x: lax.tile(x, (1, 2)), boolean(3, 2), label="bool")
+rec("tile", jax.grad(lambda x: jnp.sum(jnp.tile(x, (3, 2)) ** 2)), f32(2, 3), label="grad")
 rec("pad", lambda x: lax.pad(x, 1.5, ((1, 2, 0), (-1, 1, 2))), f32(4, 5))
 rec("dynamic_slice", lambda x, i: lax.dynamic_slice(x, (i, 2), (3, 4)), f32(6, 7),
     lambda r: jnp.int32(r.integers(0, 8)))

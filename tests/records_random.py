@@ -48,3 +48,12 @@ rec("random_fold_in", lambda k, d: data(jax.vmap(jax.random.fold_in)(k, d)), typ
 
 rec("threefry2x32", jex_random.threefry_2x32, u32(2), u32(7))
 rec("threefry2x32", jex_random.threefry_2x32, u32(2), u32(4, 6), label="even")
+
+# stack / unstack on key arrays (vmapped over the key data, compiler/prng.py) and on key
+# data (jax.random's own split emits stack; on jax 0.11 it also emits unstack); both
+# rewritten by canonicalize/stacking.py.
+rec("stack", lambda a, b: data(jnp.stack([a, b], axis=1)), typed_key(3), typed_key(3), label="keys")
+rec("unstack", lambda k: [data(x) for x in jnp.unstack(k)], typed_key(3), label="keys")
+rec("unstack", lambda k: jnp.unstack(jax.random.split(k, 3)), raw_key(), label="key-data")
+rec("unstack", lambda k: [jax.random.bits(x, (4,)) for x in jnp.unstack(jax.random.split(k, 3))],
+    typed_key(), label="split-then-bits")

@@ -107,6 +107,18 @@ for label, maker in ARG_DTYPES.items():
     rec("argmin", lambda x: jnp.argmin(x, axis=0), maker, label=label)
 rec("argmax", lambda x: jnp.argmax(x, axis=-1), f32(3, 5000), label="long")
 rec("argmin", lambda x: jnp.argmin(x, axis=1), f32(4, 1, 3), label="length-1")
+# Several NaNs a row: the index is the NaN XLA's GPU fusion keeps, which depends on the
+# fusion XLA picks for the shape (nimblejax/compiler/lowering/xla_reduce_order.py).
+rec("argmax", lambda x: jnp.argmax(x, axis=1), special(jnp.float32, 4, 300), label="nan-row-vec2")
+rec("argmin", lambda x: jnp.argmin(x, axis=1), special(jnp.float16, 4, 300), label="nan-row-vec4")
+rec("argmax", lambda x: jnp.argmax(x, axis=-1), special(jnp.bfloat16, 3, 5000),
+    label="nan-row-10-warps")
+rec("argmin", lambda x: jnp.argmin(x, axis=1), special(jnp.float32, 6, 32), label="nan-multirow")
+rec("argmax", lambda x: jnp.argmax(x, axis=1), special(jnp.float16, 6, 64), label="nan-row-64")
+rec("argmin", lambda x: jnp.argmin(x, axis=1), special(jnp.float32, 2, 33, 3), label="nan-loop")
+rec("argmax", lambda x: jnp.argmax(x, axis=0), special(jnp.float32, 300, 2), label="nan-small-column")
+rec("argmin", lambda x: jnp.argmin(x, axis=0), special(jnp.float32, 128, 6), label="nan-column")
+rec("argmax", lambda x: jnp.argmax(x, axis=1), special(jnp.float32, 2, 20000), label="nan-split-row")
 # ---- split, pad, rev, concatenate --------------------------------------------------
 rec("split", lambda x: lax.split(x, (2, 5, 1), axis=1), f32(3, 8))
 rec("split", lambda x: lax.split(x, (2, 0, 5), axis=0), i32(7, 3), label="empty-piece")

@@ -97,6 +97,23 @@ def test_debug_option_prints_the_same_plan_twice_in_one_process(capsys):
         assert printing.task_line(plan, task, printing.event_numbers(plan.schedule)) in s["memory"]
 
 
+def test_debug_2_marks_a_scatter_that_updates_its_operand_in_place(capsys):
+    def f(a, w, i, u):
+        return jnp.tanh((a @ w).at[i].add(u))  # the GEMM's output, read by the scatter alone
+
+    rng = np.random.default_rng(2)
+    args = (rng.standard_normal((12, 8)).astype(np.float32),
+            rng.standard_normal((8, 4)).astype(np.float32),
+            rng.integers(0, 12, (5,)).astype(np.int32), rng.standard_normal((5, 4)).astype(np.float32))
+    plan = nimble.jit(f, backend="interpret", debug=2).plan(*args)
+    s = sections(capsys.readouterr().err)
+    (task,) = [t for t in plan.tasks if "scatter" in t.name]
+    (out, operand), = task.aliases
+    fused = [line for line in s["fuse"].splitlines() if "scatter-add" in line]
+    assert len(fused) == 1 and fused[0].endswith("  in place")
+    assert f"({out!r} in {operand!r}'s bytes)" in s["lower"]
+
+
 def test_format_bytes_is_binary():
     assert [printing.format_bytes(n) for n in (0, 1023, 1024, 1536, 3 << 20, 5 << 30, 1 << 42)] == [
         "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "3.0 MiB", "5.0 GiB", "4096.0 GiB"]

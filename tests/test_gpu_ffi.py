@@ -67,7 +67,10 @@ def test_donated_training_state_fed_back(model):
 def test_steady_state_call_runs_no_nimble_python_and_no_sync(model):
     f = nimble.jit(branchy_mlp, backend="cuda")
     xs = [rand(r, 8, 64) for _ in range(10)]
+    # Two calls make the steady state: the first passes every leaf, the second is the
+    # first with the parameters resident (its jitted call is traced and lowered then).
     jax.block_until_ready(f(model[0], xs[0]))
+    jax.block_until_ready(f(model[0], rand(r, 8, 64)))
     seen = []
 
     def profile(frame, event, arg):
@@ -85,9 +88,29 @@ def test_steady_state_call_runs_no_nimble_python_and_no_sync(model):
     nimble_frames = [s for s in seen if "nimblejax" in s and not s.endswith("api.py")]
     assert nimble_frames == []
     assert not [s for s in seen if s.startswith("SYNC:")]
-    # api.py: only NimbleFunction.__call__, one frame per call
-    assert sum(s.endswith("api.py") for s in seen) == len(xs)
+    # api.py: the call and its residency check, a few frames per call whatever the
+    # number of leaves (no compiler or runtime Python)
+    assert sum(s.endswith("api.py") for s in seen) <= 4 * len(xs)
     close(outs[-1], jax.jit(branchy_mlp)(model[0], xs[-1]))
+    # The parameters stay resident: the steady-state call passes x alone.
+    assert [k[3] for k in f._resident_fns][-1] == (False,) * len(jax.tree_util.tree_leaves(model[0])) + (True,)
+
+
+def test_resident_parameters_changed_and_deleted_on_gpu(model):
+    f = nimble.jit(branchy_mlp, backend="cuda")
+    p = jax.tree_util.tree_map(jnp.copy, model[0])
+    for _ in range(3):
+        x = rand(r, 8, 64)
+        close(f(p, x), jax.jit(branchy_mlp)(p, x))
+    leaves, tree = jax.tree_util.tree_flatten(p)
+    leaves[0] = leaves[0] * -2.0  # one parameter changes: seen at once
+    p = jax.tree_util.tree_unflatten(tree, leaves)
+    close(f(p, x), jax.jit(branchy_mlp)(p, x))
+    x2 = rand(r, 8, 64)
+    close(f(p, x2), jax.jit(branchy_mlp)(p, x2))
+    leaves[1].delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        f(p, x2)
 
 
 def test_integer_bool_and_passthrough_outputs():

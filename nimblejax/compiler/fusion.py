@@ -1,15 +1,20 @@
 """Fusion: partition the graph's nodes into groups, one group per kernel.
 
 Walking the nodes backwards, an elementwise node is *inlined* (recomputed inside its
-consumers' kernels) when all of its consumers are elementwise nodes or reductions, its
-value is not a graph output, and recomputing it in several kernels reads no more than
+consumers' kernels) when all of its consumers are elementwise nodes, reductions or kernels
+that fuse that operand (a rule registered with `fuses`, the scatter family), its value
+is not a graph output, and recomputing it in several kernels reads no more than
 reading it would (see _worth_writing); otherwise it roots a kernel of its own and its
 value is materialized in a buffer. A reduction roots a kernel into whose loop its operand's
-producers are inlined. This is XLA's loop/input fusion with producer duplication,
-kept deliberately simple.
+producers are inlined. A scatter roots a kernel that computes its operand straight into
+its output (`zeros(...).at[ids].add(g)` writes the table once) and its indices and
+updates where it reads them; a scatter that is the only reader of an operand buffer the
+plan writes updates that buffer in place (`_in_place`). This is XLA's loop/input fusion
+with producer duplication, kept deliberately simple.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from nimblejax.compiler.ir import Graph, Node, Var
@@ -34,6 +39,7 @@ class Group:
     root: Node
     nodes: tuple[Node, ...]  # topological order, root last
     inputs: tuple[Var, ...]  # materialized values read
+    in_place: bool = False  # the root's rule updates its `in_place` operand's buffer
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", GroupKind(self.kind))  # a string is checked
@@ -65,6 +71,8 @@ def fuse(graph: Graph) -> list[Group]:
     for node in reversed(graph.nodes):
         if rule_for(node).kind is RuleKind.ELEMENTWISE:
             groups = _inline_target(node, consumers, outputs, owner)
+            if groups is not None and _strided_into_kernel(node, groups, roots):
+                groups = None
             if groups is not None and (len(groups) == 1 or node not in written):
                 d = 1 + max(depth[u] for u in consumers[node.outputs[0]])
                 if d <= MAX_INLINE_DEPTH:
@@ -78,8 +86,30 @@ def fuse(graph: Graph) -> list[Group]:
         for gid in owner.get(node, ()):
             members[gid].append(node)
     groups = [_make_group(roots[gid], members[gid]) for gid in sorted(roots, reverse=True)]
+    groups = _in_place(groups, consumers, outputs)
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(groups, key=lambda g: order[g.root])
+
+
+def _in_place(groups: list[Group], consumers, outputs) -> list[Group]:
+    """Mark the groups whose rule may update an operand in place (rule `in_place`: a
+    scatter) where that is safe: the operand is a buffer a task of the plan writes (not
+    an argument, a constant or a view, which share bytes with others), no graph output,
+    and the root is its only reader (reading it once), so that nothing reads its old
+    value after the update starts. The scatter then skips its copy."""
+    made = {v: g for g in groups for v in g.outputs}
+    marked = []
+    for g in groups:
+        k = rule_for(g.root).in_place
+        if k is not None and g.kind is GroupKind.KERNEL:
+            x = g.root.inputs[k]
+            if (isinstance(x, Var) and x in made and made[x].kind is not GroupKind.VIEW
+                    and x not in outputs
+                    and consumers.get(x) == [g.root]
+                    and sum(a is x for a in g.root.inputs) == 1):
+                g = dataclasses.replace(g, in_place=True)
+        marked.append(g)
+    return marked
 
 
 def _worth_writing(graph: Graph, consumers) -> set[Node]:
@@ -114,14 +144,28 @@ def _inline_target(node: Node, consumers, outputs, owner) -> frozenset[int] | No
         return None
     groups: set[int] = set()
     for user in users:
-        kind = rule_for(user).kind
-        if kind is RuleKind.ELEMENTWISE:
+        rule = rule_for(user)
+        if rule.kind is RuleKind.ELEMENTWISE:
             groups |= owner[user]
-        elif kind is RuleKind.REDUCTION and user.inputs[0] is out:
+        elif rule.kind is RuleKind.REDUCTION and user.inputs[0] is out:
+            groups |= owner[user]
+        elif rule.fuses and all(k in rule.fuses for k, a in enumerate(user.inputs) if a is out):
             groups |= owner[user]
         else:
             return None
     return frozenset(groups) if len(groups) <= MAX_DUPLICATION else None
+
+
+def _strided_into_kernel(node: Node, groups, roots) -> bool:
+    """A transpose that moves its input's innermost axis stays out of a kernel rule's
+    group (a scatter's loops read its operands one element per thread, so it would read
+    a row apart per thread): it gets the tiled transpose kernel of its own."""
+    if node.name != "transpose":
+        return False
+    perm = tuple(node.params["permutation"])
+    if not perm or perm[-1] == len(perm) - 1:
+        return False
+    return any(rule_for(roots[g]).fuses for g in groups)
 
 
 def _make_group(root: Node, nodes: list[Node]) -> Group:

@@ -58,10 +58,12 @@ def build_plan(graph: Graph, options: Options = Options()) -> Plan:
     all_tasks = lower(groups)
     _print(options, "lower", printing.tasks_text, all_tasks)
     views = tuple(t for t in all_tasks if t.kind is TaskKind.VIEW)
+    # Values that share a buffer: views, and outputs computed in an input's bytes.
     storage: dict[Var, Var] = {}
-    for t in views:
-        src = t.inputs[0]
-        storage[t.outputs[0]] = storage.get(src, src)
+    for t in all_tasks:  # topological: a value's buffer is known before its views'
+        pairs = ((t.outputs[0], t.inputs[0]),) if t.kind is TaskKind.VIEW else t.aliases
+        for out, src in pairs:
+            storage[out] = storage.get(src, src)
     tasks = [t for t in all_tasks if t.kind is not TaskKind.VIEW]
     root = lambda v: storage.get(v, v)  # noqa: E731
     reads = {t: tuple(dict.fromkeys(root(v) for v in t.inputs)) for t in tasks}
@@ -94,13 +96,18 @@ def verify_plan(plan: Plan) -> None:
 
 
 def _task_dag(tasks, reads, writes) -> nx.DiGraph:
-    producer = {b: t for t in tasks for b in writes[t]}
+    """An edge from the last task before t (in topological order) that wrote a buffer t
+    reads. A buffer has one writer, or several in a chain of in-place updates (each
+    writer the only reader of the value before it)."""
+    last: dict = {}
     dag = nx.DiGraph()
     dag.add_nodes_from(tasks)
     for t in tasks:
         for b in reads[t]:
-            if b in producer and producer[b] is not t:
-                dag.add_edge(producer[b], t)
+            if b in last:
+                dag.add_edge(last[b], t)
+        for b in writes[t]:
+            last[b] = t
     return dag
 
 

@@ -28,7 +28,7 @@ class Plan:
     dag: nx.DiGraph
     schedule: Schedule
     memory: MemoryPlan
-    storage: Mapping[Var, Var]  # every materialized value → the buffer that holds it
+    storage: Mapping[Var, Var]  # value → the buffer holding it (views, in-place updates)
     sizes: Mapping[Var, int]
     reads: Mapping[Task, tuple[Var, ...]]
     writes: Mapping[Task, tuple[Var, ...]]

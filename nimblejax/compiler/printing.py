@@ -4,8 +4,10 @@
     trace         the graph IR, each node with its user line; loop and cond decisions
     canonicalize  the graph IR after the rewrites
     fuse          one line per group: kind, value written, values read, the primitives
+                  ("in place": a scatter updating its operand's buffer)
     lower         one line per task: kind, name, launches (grid × block) or the library
-                  call, values written and read; views
+                  call, values written and read (and an output computed in an input's
+                  bytes); views
     streams       the launch order: stream, events waited on and recorded, task
     memory        the same with each buffer's arena offset and size, then the arena
 
@@ -72,7 +74,8 @@ def groups_text(groups: Sequence[Group]) -> str:
         outs = ", ".join(map(repr, g.outputs))
         ins = ", ".join(map(repr, g.inputs))
         ops = " ".join(n.name for n in g.nodes)
-        lines.append(f"  g{i} {g.kind:<9} {outs} <- {ins}  [{ops}]")
+        place = "  in place" if g.in_place else ""  # the root updates its operand's buffer
+        lines.append(f"  g{i} {g.kind:<9} {outs} <- {ins}  [{ops}]{place}")
     return f"{len(groups)} groups\n" + "\n".join(lines)
 
 
@@ -94,7 +97,8 @@ def tasks_text(tasks: Sequence[Task]) -> str:
     for t in tasks:
         outs = ", ".join(map(repr, t.outputs))
         ins = ", ".join(map(repr, t.inputs))
-        lines.append(f"  {t.kind:<6} {t.name}  {outs} <- {ins}\n           {launch_text(t)}")
+        shared = "".join(f"  ({o!r} in {i!r}'s bytes)" for o, i in t.aliases)
+        lines.append(f"  {t.kind:<6} {t.name}  {outs} <- {ins}{shared}\n           {launch_text(t)}")
     views = sum(t.kind is TaskKind.VIEW for t in tasks)
     return f"{len(tasks) - views} tasks (+{views} views)\n" + "\n".join(lines)
 

@@ -94,25 +94,12 @@ def expand(builder: Any, eqn: Any, ins: list[Atom], source: str) -> list[Atom]:
     jaxpr, consts = open_jaxpr(closed)
     start = len(builder.nodes)
     outs = builder.inline(jaxpr, [builder.const(c) for c in consts] + list(ins), source)
-    # The user's line, not this file's, on every node (errors name it).
-    builder.nodes[start:] = [Node(m.primitive, m.inputs, m.outputs, m.params, source, m.effectful)
-                             for n in builder.nodes[start:] for m in _unstack(n, type(builder))]
+    # The user's line, not this file's, on every node (errors name it). `stack` (which
+    # threefry_split emits) and `unstack` stay: canonicalization rewrites them
+    # (canonicalize/stacking.py) wherever they come from.
+    builder.nodes[start:] = [Node(n.primitive, n.inputs, n.outputs, n.params, source, n.effectful)
+                             for n in builder.nodes[start:]]
     return outs
-
-
-def _unstack(node: Node, builder_type: type) -> list[Node]:
-    """`stack` (a primitive since JAX 0.10; threefry_split emits it) as the
-    concatenation of its operands with the new axis inserted, which lowering takes.
-    `builder_type`: the caller's trace.GraphBuilder (passed in: trace imports this module)."""
-    if node.name != "stack":
-        return [node]
-    axis = node.params["axis"]
-    fn = lambda *xs: lax.concatenate([lax.expand_dims(x, (axis,)) for x in xs], axis)  # noqa: E731
-    closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in node.inputs])
-    part = builder_type()
-    part.inline(open_jaxpr(closed)[0], list(node.inputs), node.source)
-    last = part.nodes[-1]
-    return part.nodes[:-1] + [Node(last.primitive, last.inputs, node.outputs, last.params, node.source)]
 
 
 def _key_function(name: str, params: dict, avals: list, source: str):

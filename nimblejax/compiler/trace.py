@@ -3,8 +3,10 @@
 Works across JAX's jaxpr renames (INLINED lists both names): nested jit is `pjit`
 (≤0.6) or `jit` (≥0.7); custom_vjp is `custom_vjp_call_jaxpr` (≤0.6) or
 `custom_vjp_call` (≥0.7); 0.11 merged ClosedJaxpr into Jaxpr (jaxprs.open_jaxpr reads
-both). Loops and conds are flattened by control.py, PRNG keys and random primitives
-expanded by prng.py (docs/design.md, "Data flow").
+both); after 0.11.0 `closed_call` and `call` are one `eval_jaxpr` primitive
+(`call_jaxpr` param; custom_vjp's forward emits it). Loops and conds are flattened by
+control.py, PRNG keys and random primitives expanded by prng.py (docs/design.md, "Data
+flow").
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ INLINED = {
     "jit": ("jaxpr",),
     "closed_call": ("call_jaxpr",),
     "core_call": ("call_jaxpr",),
+    "call": ("call_jaxpr",),
+    "eval_jaxpr": ("call_jaxpr", "jaxpr"),
     "custom_jvp_call": ("call_jaxpr", "jaxpr"),
     "custom_vjp_call": ("call_jaxpr", "fun_jaxpr", "jaxpr"),
     "custom_vjp_call_jaxpr": ("fun_jaxpr", "call_jaxpr"),
@@ -33,8 +37,9 @@ INLINED = {
     "checkpoint": ("jaxpr",),
     "custom_lin": (),  # only appears under linearize; never in a plain jaxpr
 }
-# Primitives that are the identity on values.
-IDENTITY = frozenset({"stop_gradient", "optimization_barrier"})
+# Primitives that are the identity on values (`name`: jax.ad_checkpoint.checkpoint_name,
+# a tag for remat policies).
+IDENTITY = frozenset({"stop_gradient", "optimization_barrier", "name"})
 
 
 def make_graph(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> tuple[Graph, Any]:

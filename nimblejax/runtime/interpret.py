@@ -4,10 +4,17 @@ Runs a plan's tasks in an order the streams and events allow, over a NumPy arena
 out exactly as the memory plan says, evaluating each task's equations with JAX on the
 CPU. A missing event or an unsafe memory reuse shows up as a wrong answer under some
 interleaving: the arena starts filled with NaN bytes, and interleavings are random.
+
+The equations run on a CPU client of the interpreter's own (`device()`), never on JAX's
+devices: the interpreter runs inside a host callback of a computation that may occupy
+every worker thread of JAX's CPU client (one per device of a shard_map over host
+devices), and work queued there (an asynchronous execution, or the asynchronous copy of
+an operand of more than about 128 KiB) would wait for a thread that never comes free.
 """
 from __future__ import annotations
 
 import random
+import threading
 from typing import Optional, Sequence
 
 import jax
@@ -57,9 +64,38 @@ class Arena:
         self.bytes[off: off + var.nbytes] = arr.reshape(-1).view(np.uint8)
 
 
+_device: Optional[tuple] = None  # (the interpreter's CPU device, whether its client is its own)
+_device_lock = threading.Lock()
+
+
+def device():
+    """The CPU device the interpreter evaluates equations on: the one device of a
+    synchronous CPU client of its own, made on first use (its executions run on the
+    calling thread, its copies on its own threads). JAX's first CPU device if this
+    jaxlib cannot make one (`own_device()` is then False)."""
+    global _device
+    if _device is None:
+        with _device_lock:
+            if _device is None:
+                try:
+                    from jax._src.lib import xla_client
+
+                    client = xla_client.make_cpu_client(asynchronous=False, num_devices=1)
+                    _device = (client.devices()[0], True)  # the device keeps its client
+                except Exception:  # noqa: BLE001 - a jaxlib without it: share JAX's device
+                    _device = (jax.devices("cpu")[0], False)
+    return _device[0]
+
+
+def own_device() -> bool:
+    """Whether `device()` belongs to a CPU client of the interpreter's own."""
+    device()
+    return _device[1]
+
+
 def run(plan: Plan, args: Sequence, seed: Optional[int] = 0) -> list[np.ndarray]:
     """Execute `plan` on flat `args`; `seed=None` runs in launch order."""
-    cpu = jax.devices("cpu")[0]
+    cpu = device()
     arena = Arena(plan)
     graph = plan.graph
     for var, arg in zip(graph.inputs, args):

@@ -9,7 +9,8 @@ dispatch, result arrays) and no nimble Python runs in a steady-state call.
   - on the cuda backend, an XLA FFI custom call to runtime/ffi/handler.cc: it copies the
     operands into the plan's arena with one copy kernel, launches the captured graph on
     XLA's stream, and copies the results out with one copy kernel;
-  - on the interpret backend, a `jax.pure_callback` into the CPU plan interpreter;
+  - on the interpret backend, a host callback into the CPU plan interpreter (the
+    callback of `jax.pure_callback`, without its copy of the operands onto a JAX device);
 - batching (vmap): the same primitive over the batched function, planned as a whole;
 - differentiation: a custom VJP whose backward pass is itself a nimble plan (the VJP of
   f, recomputing the forward inside the backward plan).
@@ -17,6 +18,7 @@ dispatch, result arrays) and no nimble Python runs in a steady-state call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import threading
 from dataclasses import dataclass, field
@@ -52,6 +54,9 @@ class Body:
     runners: dict = field(compare=False)
     plans: dict = field(compare=False)
     donated: frozenset = frozenset()
+    # Names the arena: bodies that differ only here share plans but not runners (the
+    # resident path's arena holds operands between calls; nothing else may write it).
+    arena: str = field(default="", compare=False)
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -81,6 +86,7 @@ class Body:
     def runner(self, avals) -> "Runner":
         """The runner of the plan for these operand types (at lowering), made once."""
         plan, key = self.plan(avals)
+        key = key + (self.arena,)
         with _lock:
             found = self.runners.get(key)
             if found is None:
@@ -106,7 +112,7 @@ def _impl(*args, body: Body):
 def _lowering(ctx, *args, body: Body):
     runner = body.runner(ctx.avals_in)
     runner.place(_lowering_devices(ctx))
-    return mlir.lower_fun(runner.emit, multiple_results=True)(ctx, *args)
+    return runner.lower(ctx, *args)
 
 
 def _lowering_devices(ctx) -> list:
@@ -135,6 +141,42 @@ def _batched(args, dims, *, body: Body):
 
 
 batching.primitive_batchers[nimble_call_p] = _batched
+
+
+# ---- resident operands ------------------------------------------------------------------
+# A top-level call of a nimble function passes XLA only the leaves that changed since
+# its previous call (api.py decides which); the others are still in the arena, where
+# an earlier call of the same runner copied them. Only api.py binds this primitive, on
+# concrete arrays, so it needs no batching or differentiation rule.
+nimble_resident_p = Primitive("nimble_resident_call")
+nimble_resident_p.multiple_results = True
+
+
+@dataclass(frozen=True)
+class Residency:
+    """Which flat operands a resident call passes (`fresh`), and every operand's type."""
+
+    fresh: tuple
+    avals: tuple
+
+
+def resident_call(body: Body, residency: Residency, fresh_leaves: list) -> list:
+    return nimble_resident_p.bind(*fresh_leaves, body=body, residency=residency)
+
+
+@nimble_resident_p.def_abstract_eval
+def _resident_abstract(*avals, body: Body, residency: Residency):
+    return _abstract(*residency.avals, body=body)
+
+
+def _resident_lowering(ctx, *args, body: Body, residency: Residency):
+    runner = body.runner(residency.avals)
+    runner.place(_lowering_devices(ctx))
+    emit = functools.partial(runner.emit_resident, residency.fresh)
+    return mlir.lower_fun(emit, multiple_results=True)(ctx, *args)
+
+
+mlir.register_lowering(nimble_resident_p, _resident_lowering)
 
 
 def call(body: Body, leaves: list) -> list:
@@ -220,18 +262,40 @@ class Runner:
     def place(self, devices) -> None:
         """Make the plan runnable on these (local) devices."""
 
+    def lower(self, ctx, *args):
+        """The MLIR of one call (the lowering of `emit`)."""
+        return mlir.lower_fun(self.emit, multiple_results=True)(ctx, *args)
+
     def emit(self, *xs):
+        raise NotImplementedError
+
+    def emit_resident(self, fresh: tuple, *xs):
+        """`emit` with only the operands marked fresh; the others are the ones the
+        previous call of this runner had."""
         raise NotImplementedError
 
 
 class InterpretRunner(Runner):
-    """The CPU plan interpreter behind a pure_callback; each call takes another
-    interleaving of the streams."""
+    """The CPU plan interpreter behind a host callback; each call takes another
+    interleaving of the streams.
+
+    The callback is `jax.pure_callback`'s, emitted directly so that the interpreter gets
+    the operands as the NumPy arrays XLA hands over: `jax.pure_callback` first copies
+    them onto a JAX CPU device, and on the CPU that copy (above about 128 KiB) waits for
+    a worker thread of JAX's CPU client, which every device of a shard_map over host
+    devices may be holding while it waits in this callback. The interpreter then runs
+    the equations on a CPU client of its own (`interpret.device()`)."""
 
     def __init__(self, plan: Plan, out_shapes) -> None:
         self.plan = plan
         self.out_shapes = out_shapes
         self.calls = itertools.count()
+        self.held: list = [None] * len(plan.graph.inputs)  # the operands, as the GPU arena holds them
+        self.held_lock = threading.Lock()
+        # The constants' host values now, outside any callback (a jax.Array keeps them),
+        # so that no callback waits for one still being computed by JAX's CPU client.
+        for value in plan.graph.consts.values():
+            np.asarray(value)
 
     def _run(self, *xs):
         from nimblejax.runtime import interpret
@@ -239,8 +303,53 @@ class InterpretRunner(Runner):
         outs = interpret.run(self.plan, [np.asarray(x) for x in xs], seed=next(self.calls))
         return tuple(np.asarray(o, dtype=s.dtype).reshape(s.shape) for o, s in zip(outs, self.out_shapes))
 
+    def lower(self, ctx, *args):
+        from nimblejax.runtime import interpret
+
+        direct = _host_callback()
+        cpus = [d for d in _lowering_devices(ctx) if d.platform == "cpu"]
+        if len(cpus) > 1 and (direct is None or not interpret.own_device()):
+            raise NotImplementedError(
+                f"backend='interpret' cannot run inside a computation over {len(cpus)} CPU "
+                f"devices with this JAX (jax {jax.__version__}): its callback would wait for "
+                "worker threads of JAX's CPU client that the computation holds. Run it on "
+                "one device.")
+        if direct is None:
+            return super().lower(ctx, *args)
+        emit, op_sharding = direct
+        sharding = op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
+        results, _, _ = emit(ctx, self._run, None, list(args), ctx.avals_in, ctx.avals_out,
+                             has_side_effect=False, returns_token=False, sharding=sharding)
+        return results
+
     def emit(self, *xs):
         return list(jax.pure_callback(self._run, tuple(self.out_shapes), *xs))
+
+    def _run_resident(self, fresh: tuple, *xs):
+        it = iter(xs)
+        with self.held_lock:
+            for i, f in enumerate(fresh):
+                if f:
+                    self.held[i] = np.array(next(it))  # a copy: XLA may reuse its buffer
+                elif self.held[i] is None:
+                    raise RuntimeError(f"nimblejax: operand {i} is resident but was never passed")
+            args = list(self.held)
+        return self._run(*args)
+
+    def emit_resident(self, fresh: tuple, *xs):
+        run = functools.partial(self._run_resident, fresh)
+        return list(jax.pure_callback(run, tuple(self.out_shapes), *xs))
+
+
+def _host_callback():
+    """(emit_python_callback, the op sharding jax.pure_callback gives it), the pieces of
+    jax.pure_callback's lowering; None for a JAX without them."""
+    try:
+        from jax._src.callback import _callback_op_sharding
+
+        return mlir.emit_python_callback, _callback_op_sharding
+    except (ImportError, AttributeError):
+        return None
 
 
 class FfiRunner(Runner):
@@ -252,6 +361,8 @@ class FfiRunner(Runner):
         self.plan, self.library, self.gemm = plan, library, gemm
         self.id = 0
         self.exes: dict = {}  # device ordinal -> Executable
+        self.views: dict = {}  # fresh mask -> the id of the view that takes those operands
+        self.donated = donated
         self.buffers = list(dict.fromkeys(a for a in plan.graph.outputs if plan.output_kind(a) == "buffer"))
         self.out_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.buffers]
         self.aliases = _aliases(plan.graph.inputs, self.buffers, donated)
@@ -281,10 +392,40 @@ class FfiRunner(Runner):
                                             out_src, [a.nbytes for a in self.buffers],
                                             plan_id=self.id, device=ordinal)
         self.exes[ordinal] = exe
+        for fresh, view in self.views.items():
+            self._register_view(fresh, view, ordinal)
+
+    def _register_view(self, fresh: tuple, view_id: int, ordinal: int) -> int:
+        plan, exe = self.plan, self.exes[ordinal]
+        taken = [v for v, f in zip(plan.graph.inputs, fresh) if f]
+        in_dst = [exe.base + plan.offset(v) if _in_arena(plan, v) else 0 for v in taken]
+        in_bytes = [v.nbytes if _in_arena(plan, v) else 0 for v in taken]
+        return self.library.register_view(self.id, in_dst, in_bytes, view_id=view_id, device=ordinal)
+
+    def _view(self, fresh: tuple) -> int:
+        if all(fresh):
+            return self.id
+        view = self.views.get(fresh)
+        if view is None:
+            view = 0
+            for ordinal in self.exes:
+                view = self._register_view(fresh, view, ordinal)
+            self.views[fresh] = view
+        return view
+
+    def emit_resident(self, fresh: tuple, *xs):
+        inputs = [v for v, f in zip(self.plan.graph.inputs, fresh) if f]
+        donated = [i for i, f in enumerate(fresh) if f]
+        donated = frozenset(k for k, i in enumerate(donated) if i in self.donated)
+        return self._emit(self._view(fresh), inputs, _aliases(inputs, self.buffers, donated), xs)
 
     def emit(self, *xs):
+        return self._emit(self.id, self.plan.graph.inputs, self.aliases, xs)
+
+    def _emit(self, plan_id: int, inputs: list, aliases: dict, xs) -> list:
+        """The custom call of registration `plan_id`, whose operands `xs` are `inputs`."""
         made = jax.ffi.ffi_call(TARGET, self.out_specs,
-                                input_output_aliases=self.aliases)(*xs, plan=np.int64(self.id))
+                                input_output_aliases=aliases)(*xs, plan=np.int64(plan_id))
         made = list(made) if isinstance(made, (list, tuple)) else [made]
         index = {a: i for i, a in enumerate(self.buffers)}
         outs = []
@@ -292,8 +433,8 @@ class FfiRunner(Runner):
             kind = self.plan.output_kind(a)
             if kind == "buffer":
                 outs.append(made[index[a]])
-            elif kind == "input":
-                outs.append(xs[self.plan.graph.inputs.index(a)])
+            elif kind == "input":  # api.py passes such operands on every call
+                outs.append(xs[list(inputs).index(a)])
             else:
                 value = a.value if kind == "literal" else self.plan.graph.consts[a]
                 outs.append(jnp.asarray(value, dtype=a.dtype))

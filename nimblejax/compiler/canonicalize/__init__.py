@@ -5,13 +5,15 @@ forms lowering expects, in one pass over the graph:
   the one place a convolution's path is decided);
 - long reductions with few outputs → two reductions (split.py);
 - dot_general → operands transposed into a GEMM-ready layout (dot.py);
-- split → one slice per output (slices.py).
+- split → one slice per output (slices.py);
+- stack, unstack, tile → reshapes, slices, broadcasts and a concatenate (stacking.py).
 
 (Random-number primitives and PRNG key arrays are expanded earlier, while tracing:
 compiler/prng.py.)
 
 Every rewrite emits ordinary JAX primitives (or ours with JAX reference semantics), so
-the CPU interpreter runs a canonicalized graph like any other.
+the CPU interpreter runs a canonicalized graph like any other. Values a rewrite makes
+that nothing reads (the unused outputs of an unstack or a split) are dropped at the end.
 """
 from __future__ import annotations
 
@@ -19,12 +21,13 @@ from nimblejax.compiler.canonicalize.conv import rewrite_conv
 from nimblejax.compiler.canonicalize.dot import canonicalize_dot
 from nimblejax.compiler.canonicalize.slices import rewrite_split
 from nimblejax.compiler.canonicalize.split import split_reduction
+from nimblejax.compiler.canonicalize.stacking import REWRITES as STACKING, rewrite_stacking
 from nimblejax.compiler.ir import Graph, Node
 from nimblejax.options import Options
 
 
 # Primitives this stage replaces entirely (they need no lowering rule).
-REWRITTEN = frozenset({"split"})
+REWRITTEN = frozenset({"split"}) | STACKING
 
 
 def canonicalize(graph: Graph, options: Options) -> Graph:
@@ -36,8 +39,12 @@ def canonicalize(graph: Graph, options: Options) -> Graph:
             parts = split_reduction(node)
         elif node.name == "split":
             parts = rewrite_split(node)
+        elif node.name in STACKING:
+            parts = rewrite_stacking(node)
         else:
             parts = [node]
         for part in parts:
             nodes.extend(canonicalize_dot(part) if part.name == "dot_general" else [part])
-    return Graph(graph.inputs, graph.outputs, tuple(nodes), graph.consts)
+    from nimblejax.compiler.trace import drop_dead_code
+
+    return drop_dead_code(Graph(graph.inputs, graph.outputs, tuple(nodes), graph.consts))

@@ -41,7 +41,15 @@ def lower_group(group: Group) -> Task:
             return Task(name, TaskKind.GEMM, group.inputs, group.outputs, group.nodes, gemm=made)
         kernel = made
     else:
-        kernel = rule_for(root).fn(root)
+        rule = rule_for(root)
+        # A kernel rule that fuses some operands' producers computes them itself.
+        extra = {"in_place": True} if group.in_place else {}
+        kernel = rule.fn(root, inlined, **extra) if rule.fuses else rule.fn(root, **extra)
+        if group.in_place:  # the operand is read where the output is written
+            operand = root.inputs[rule.in_place]
+            inputs = (operand,) + tuple(v for v in kernel.params if v not in group.outputs)
+            return Task(kernel.name, TaskKind.KERNEL, inputs, group.outputs, group.nodes,
+                        kernel=kernel, aliases=((group.output, operand),))
     return Task(kernel.name, TaskKind.KERNEL, tuple(v for v in kernel.params if v not in group.outputs),
                 group.outputs, group.nodes, kernel=kernel)
 

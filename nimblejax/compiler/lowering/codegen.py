@@ -130,9 +130,13 @@ class KernelBuilder:
                  for v, n in self.inputs.items()]
         return f'extern "C" __global__ void {name}({", ".join(args)})'
 
-    def finish(self, kind: str, result: Var, grid: int, block: int, prelude: str = "") -> Kernel:
+    def text(self, prelude: str = "") -> str:
+        """The kernel's text without PRELUDE, named NAME."""
         body = "\n".join(self.lines)
-        text = f"{prelude}{self.signature('NAME')} {{\n{body}\n}}\n"
+        return f"{prelude}{self.signature('NAME')} {{\n{body}\n}}\n"
+
+    def finish(self, kind: str, result: Var, grid: int, block: int, prelude: str = "") -> Kernel:
+        text = self.text(prelude)
         name = kernel_name(kind, self.ops, result.dtype, text)
         source = PRELUDE + text.replace("NAME", name, 1)
         return Kernel(name, source, (grid, 1, 1), (block, 1, 1), self.params())
@@ -203,6 +207,12 @@ def loop_kernel(kind: str, out: Var, ops: Sequence[str], body: Callable[[KernelB
     leaves an H200 at half its memory bandwidth); a plain loop finishes the tail."""
     b = KernelBuilder(inlined)
     b.ops = list(ops)
+    return b.finish(kind, out, loop_body(b, out, body, unroll), BLOCK)
+
+
+def loop_body(b: KernelBuilder, out: Var, body: Callable[[KernelBuilder, Index], str],
+              unroll: int = 1) -> int:
+    """loop_kernel's loop, emitted into `b`; returns its grid size."""
     n = out.size
     itype = "long long" if n >= 2 ** 30 else "int"  # i + a grid's stride stays in range
     if unroll > 1:
@@ -227,7 +237,7 @@ def loop_kernel(kind: str, out: Var, ops: Sequence[str], body: Callable[[KernelB
     b.store(out, "i", body(b, idx))
     while b.depth > 1:
         b.close()
-    return b.finish(kind, out, blocks_for(-(-n // unroll)), BLOCK)
+    return blocks_for(-(-n // unroll))
 
 
 # Fused kernels of at least this many elements compute UNROLL of them per thread.

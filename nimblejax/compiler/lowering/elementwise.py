@@ -13,14 +13,16 @@ _FMIN = "(({a} != {a} || {a} < {b}) ? {a} : {b})"
 UNARY_FLOAT = {
     "neg": "(-{a})", "abs": "fabsf({a})", "sign": "({a} > 0.0f ? 1.0f : ({a} < 0.0f ? -1.0f : {a}))",
     "floor": "floorf({a})", "ceil": "ceilf({a})", "exp": "expf({a})", "exp2": "exp2f({a})",
-    "log": "logf({a})", "log1p": "log1pf({a})", "expm1": "expm1f({a})", "sqrt": "sqrtf({a})",
+    "log": "logf({a})", "log2": "log2f({a})", "log1p": "log1pf({a})", "expm1": "expm1f({a})",
+    "sqrt": "sqrtf({a})",
     "rsqrt": "(1.0f / sqrtf({a}))", "cbrt": "cbrtf({a})", "sin": "sinf({a})", "cos": "cosf({a})",
     "tan": "tanf({a})", "asin": "asinf({a})", "acos": "acosf({a})", "atan": "atanf({a})",
     "sinh": "sinhf({a})", "cosh": "coshf({a})", "tanh": "tanhf({a})", "asinh": "asinhf({a})",
     "acosh": "acoshf({a})", "atanh": "atanhf({a})", "logistic": "(1.0f / (1.0f + expf(-{a})))",
     "erf": "erff({a})", "erfc": "erfcf({a})", "erf_inv": "erfinvf({a})", "lgamma": "lgammaf({a})",
     "square": "({a} * {a})", "is_finite": "isfinite({a})", "copy": "{a}",
-    # jax >= 0.11 emits this for the derivative of tanh.
+    # jax >= 0.11 emits this for the derivative of tanh. (log2, above: a primitive of its
+    # own in jax 0.11, lax.log2 / jnp.log2; log(x) / log(2) before.)
     "one_minus_square": "(1.0f - {a} * {a})",
 }
 # Signed overflow is undefined in C (compilers fold `x + y > x` to `y > 0`); XLA wraps.

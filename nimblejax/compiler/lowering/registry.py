@@ -7,14 +7,21 @@ Rule kinds, and the signature of their `fn`:
   reshape are fusible too: they only rewrite the index).
 - "reduction": `fn(dtype) -> Reducer` (rules_reduce.py: combine, init, accumulator
   type); producers are fused into the reduction's loop (codegen.reduction_kernel).
-- "kernel": a standalone generated kernel; `fn(node) -> Kernel`.
+- "kernel": a standalone generated kernel; `fn(node) -> Kernel`. A kernel rule registered
+  with `fuses=(positions...)` also takes elementwise producers of those operands:
+  fusion.py inlines them into its group and the rule is called as `fn(node, inlined)`
+  (value → the inlined node that computes it), computing them where it reads them (a
+  scatter's operand, indices and updates). One registered with `in_place=k` may compute
+  its output in the bytes of operand k when it is that value's only reader and the value
+  is a buffer of the plan's own (fusion.py decides, `Group.in_place`): it is then called
+  with `in_place=True` and must not read operand k's old bytes except where it writes.
 - "gemm": `fn(node) -> GemmCall` (cuBLAS on the GPU), or a `Kernel` for integer types.
 - "cudnn": `fn(node) -> ConvCall` (a cuDNN convolution on the GPU).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from nimblejax.compiler.errors import UnsupportedPrimitiveError  # noqa: F401 (re-exported)
 from nimblejax.compiler.ir import Node
@@ -25,17 +32,22 @@ from nimblejax.compiler.kinds import RuleKind
 class Rule:
     kind: RuleKind
     fn: Callable
+    fuses: tuple[int, ...] = ()  # kernel rules: operands whose producers may be inlined
+    in_place: Optional[int] = None  # kernel rules: the operand the output may update
 
 
 RULES: dict[str, Rule] = {}
 
 
-def register(*names: str, kind: RuleKind | str) -> Callable:
+def register(*names: str, kind: RuleKind | str, fuses: tuple[int, ...] = (),
+             in_place: Optional[int] = None) -> Callable:
     kind = RuleKind(kind)  # a misspelt kind fails here, at import
+    if (fuses or in_place is not None) and kind is not RuleKind.KERNEL:
+        raise ValueError(f"fuses/in_place are for kernel rules, not {kind} ({names})")
 
     def deco(fn: Callable) -> Callable:
         for n in names:
-            RULES[n] = Rule(kind, fn)
+            RULES[n] = Rule(kind, fn, tuple(fuses), in_place)
         return fn
 
     return deco
@@ -44,10 +56,13 @@ def register(*names: str, kind: RuleKind | str) -> Callable:
 def rule_for(node: Node) -> Rule:
     rule = RULES.get(node.name)
     if rule is None:
+        from nimblejax.compiler.unsupported import reason  # why it is not supported, if known
+
+        why = reason(node.name)
         raise UnsupportedPrimitiveError(
             f"nimblejax has no lowering rule for primitive '{node.name}' "
-            f"(from {node.source}). Use nimble.jit(..., backend=\"jax\") to run this "
-            f"function with plain jax.jit.")
+            f"(from {node.source}){f': {why}' if why else ''}. Use "
+            f"nimble.jit(..., backend=\"jax\") to run this function with plain jax.jit.")
     return rule
 
 

@@ -11,19 +11,31 @@ Semantics are XLA's (jax/_src/lax/slicing.py):
 
 Gather is fusible ("elementwise"): its output at an index is the operand at an index
 computed from the start indices, so an embedding lookup or `x[idx]` runs at copy speed
-and fuses with its consumers. A scatter is two launches of one task: a copy of the
-operand into the output, then one thread per update element combining it in (atomics
-for the combining ops; a float scatter-add therefore sums in an order that differs
-from XLA's, equal within float rounding).
+and fuses with its consumers. A scatter is two launches of one task with the same
+parameters: the operand into the output, then one thread per update element combining
+it in (atomics for the combining ops; a float scatter-add therefore sums in an order
+that differs from XLA's, equal within float rounding). Elementwise producers of the
+operand, the indices and the updates are fused into it (fusion.py, `fuses`): the first
+launch computes the operand where it would copy it (`zeros((vocab, dim)).at[ids].add(g)`,
+an embedding's gradient, writes the table once: a 16-byte fill, no zero buffer, no
+copy), the second reads the indices and updates through their producers. On Hopper a
+scatter-add along the operand's rows takes 2 or 4 neighbouring elements per thread and
+one vector atomic (float2/float4, half2, bfloat162). A scatter that is the only reader of
+an operand buffer the plan writes itself (a GEMM's output, another scatter's) updates
+it in place: the second launch alone (fusion.py `_in_place`, `Task.aliases`).
 """
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 
-from nimblejax.compiler.ir import Node, Var
+from nimblejax.compiler.ir import Literal, Node, Var
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
-from nimblejax.compiler.lowering.codegen import BLOCK, PRELUDE, Index, KernelBuilder, blocks_for, linear
+from nimblejax.compiler.lowering.codegen import (BLOCK, PRELUDE, UNROLL, UNROLL_MIN, Index,
+                                                 KernelBuilder, blocks_for, kernel_name, linear,
+                                                 loop_body)
 from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import Kernel
@@ -94,47 +106,177 @@ def _fill_value(value, dtype) -> str:
 
 # ---- scatter ---------------------------------------------------------------------------
 SCATTERS = ("scatter", "scatter-add", "scatter-mul", "scatter-min", "scatter-max")
+# Hopper adds vector atomics (float2/float4 adds; half2/bfloat162 adds are native there):
+# a scatter-add whose windows run along the operand's rows combines this many
+# neighbouring elements per atomic. Older GPUs take the one-element loop.
+_VECTOR_ARCH = 900
+_VECTOR = {"float32": (4, 2), "float16": (2,), "bfloat16": (2,)}
 
 
-@register(*SCATTERS, kind=RuleKind.KERNEL)
-def scatter(node: Node) -> Kernel:
-    """A copy of the operand into the output, then the updates combined in."""
-    main = _combine_kernel(node)
-    return Kernel(main.name, main.source, main.grid, main.block, main.params,
-                  pre=(_copy_kernel(node, main.name),))
+@register(*SCATTERS, kind=RuleKind.KERNEL, fuses=(0, 1, 2), in_place=0)
+def scatter(node: Node, inlined: Mapping[Var, Node] = {}, in_place: bool = False) -> Kernel:
+    """Two launches of one task, with the same parameters: the operand computed (its
+    elementwise producers `inlined`: `zeros(...)` is a fill, never a buffer) or copied
+    into the output, then one thread per update element (or per few neighbouring
+    ones) combining it in. The indices' and updates' producers are computed where they
+    are read. `in_place` (the scatter is the last reader of its operand's buffer, which
+    the output then shares: fusion.py): the second launch alone."""
+    out = node.outputs[0]
+    params = _materialized(node, inlined, in_place)
+    combine, grid, helper = _combine_kernel(node, inlined, params)
+    if in_place:
+        name = kernel_name("scatter", combine.ops, out.dtype, "in place\n" + combine.text(helper))
+        return Kernel(name, PRELUDE + combine.text(helper).replace("NAME", name, 1), (grid, 1, 1),
+                      (BLOCK, 1, 1), combine.params())
+    init, init_grid = _init_kernel(node, inlined, params)
+    main_text, init_text = combine.text(helper), init.text()
+    # Both texts in the hash: two scatters may share a combine and differ in their init.
+    name = kernel_name("scatter", combine.ops, out.dtype, main_text + init_text)
+    first = Kernel(name + "_init", PRELUDE + init_text.replace("NAME", name + "_init", 1),
+                   (init_grid, 1, 1), (BLOCK, 1, 1), init.params())
+    return Kernel(name, PRELUDE + main_text.replace("NAME", name, 1), (grid, 1, 1),
+                  (BLOCK, 1, 1), combine.params(), pre=(first,))
 
 
-def _builder(node: Node) -> KernelBuilder:
+def _materialized(node: Node, inlined: Mapping[Var, Node], in_place: bool) -> tuple[Var, ...]:
+    """The buffers the scatter reads, its fused producers' inputs in their place, in
+    the order operand (not read when in place), indices, updates (the parameters of
+    both launches)."""
+    found: list[Var] = []
+    seen: set = set()
+
+    def visit(a) -> None:
+        if not isinstance(a, Var) or a in seen:
+            return
+        seen.add(a)
+        producer = inlined.get(a)
+        if producer is None:
+            found.append(a)
+            return
+        for x in producer.inputs:
+            visit(x)
+
+    for a in node.inputs[1:] if in_place else node.inputs:
+        visit(a)
+    return tuple(found)
+
+
+def _builder(node: Node, inlined: Mapping[Var, Node], params: tuple[Var, ...]) -> KernelBuilder:
     """Both kernels of a scatter take the same parameters, in the same order."""
-    operand, indices, updates = node.inputs
-    b = KernelBuilder()
+    b = KernelBuilder(inlined)
     b.ops = [node.name.replace("-", "_")]  # kernel names are C identifiers
     b.output(node.outputs[0])
-    for v in (operand, indices, updates):
+    for v in params:
         b.input(v)
     return b
 
 
-def _copy_kernel(node: Node, main_name: str) -> Kernel:
-    out = node.outputs[0]
-    b = _builder(node)
-    o, x = b.outputs[out], b.inputs[node.inputs[0]]
-    vec = out.nbytes % 16 == 0  # arena offsets are 256-byte aligned
-    n = out.nbytes // 16 if vec else out.size
-    if vec:
-        o, x = f"((uint4*){o})", f"((const uint4*){x})"
+def _grid_stride(b: KernelBuilder, n: int) -> None:
+    """Open `for (i ...)`: a grid-stride loop over [0, n)."""
     itype = "long long" if n >= 2 ** 30 else "int"
     b.open(f"for ({itype} i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}; "
            f"i += (long long)gridDim.x * blockDim.x)")
-    b.emit(f"{o}[i] = {x}[i];")
-    b.close()
-    text = f"{b.signature('NAME')} {{\n" + "\n".join(b.lines) + "\n}\n"
-    name = main_name + "_init"
-    return Kernel(name, PRELUDE + text.replace("NAME", name, 1), (blocks_for(n), 1, 1),
-                  (BLOCK, 1, 1), b.params())
 
 
-def _combine_kernel(node: Node) -> Kernel:
+def _init_kernel(node: Node, inlined: Mapping[Var, Node], params) -> tuple[KernelBuilder, int]:
+    """The first launch: the output set to the operand (one write of the output). A
+    materialized operand is copied 16 bytes a thread; a uniform one (a broadcast scalar:
+    zeros, full) is stored 16 bytes a thread; any other fused operand is computed by the
+    elementwise loop."""
+    operand, out = node.inputs[0], node.outputs[0]
+    b = _builder(node, inlined, params)
+    vec = out.nbytes % 16 == 0  # arena offsets are 256-byte aligned
+    if isinstance(operand, Var) and operand not in inlined:
+        o, x = b.outputs[out], b.inputs[operand]
+        n = out.nbytes // 16 if vec else out.size
+        if vec:
+            o, x = f"((uint4*){o})", f"((const uint4*){x})"
+        _grid_stride(b, n)
+        b.emit(f"{o}[i] = {x}[i];")
+        b.close()
+        return b, blocks_for(n)
+    scalar = _uniform(operand, inlined)
+    if scalar is not None and vec:
+        n = out.nbytes // 16
+        word = _replicated_word(b, out.dtype, b.value(scalar, ("0",) * getattr(scalar, "ndim", 0)))
+        b.emit("uint4 q;")
+        b.emit(f"q.x = {word}; q.y = {word}; q.z = {word}; q.w = {word};")
+        _grid_stride(b, n)
+        b.emit(f"((uint4*){b.outputs[out]})[i] = q;")
+        b.close()
+        return b, blocks_for(n)
+    unroll = UNROLL if out.size >= UNROLL_MIN else 1
+    return b, loop_body(b, out, lambda b, idx: b.value(operand, idx), unroll)
+
+
+def _uniform(operand, inlined: Mapping[Var, Node]):
+    """The scalar a uniform operand is a broadcast of (a literal or a one-element
+    value), or None."""
+    if isinstance(operand, Literal):
+        return operand
+    producer = inlined.get(operand)
+    if producer is None or producer.name != "broadcast_in_dim":
+        return None
+    src = producer.inputs[0]
+    return src if isinstance(src, Literal) or src.size == 1 else None
+
+
+def _replicated_word(b: KernelBuilder, dtype, value: str) -> str:
+    """A 32-bit word holding the storage bits of `value` once per element it spans."""
+    st = dtypes.storage_type(dtype)
+    s = b.tmp(f"const {st}", dtypes.store(dtype, value))
+    size = np.dtype(dtype).itemsize
+    if size == 4:
+        return b.tmp("const unsigned int", f"(unsigned int){_BITS[st][0].format(x=s)}")
+    if size == 2:
+        return b.tmp("const unsigned int", f"(unsigned int){_BITS[st][0].format(x=s)} * 0x10001u")
+    return b.tmp("const unsigned int", f"(unsigned int)(unsigned char)({s}) * 0x1010101u")
+
+
+def _vector_width(node: Node) -> int:
+    """How many neighbouring elements of one window row a thread combines with one
+    vector atomic (1: none). The rows must run along the operand's last axis, start at
+    column 0 (that axis is not scattered along) and split evenly."""
+    operand, _, updates = node.inputs
+    out = node.outputs[0]
+    widths = _VECTOR.get(dtypes.name(out.dtype), ())
+    if node.name != "scatter-add" or not widths or operand.ndim == 0:
+        return 1
+    dn = node.params["dimension_numbers"]
+    last = operand.ndim - 1
+    if (last in dn.inserted_window_dims or last in getattr(dn, "operand_batching_dims", ())
+            or last in dn.scatter_dims_to_operand_dims):
+        return 1
+    window = tuple(dn.update_window_dims)
+    if not window or window[-1] != updates.ndim - 1:
+        return 1
+    for w in widths:
+        if updates.shape[-1] % w == 0 and operand.shape[last] % w == 0:
+            return w
+    return 1
+
+
+def _combine_kernel(node: Node, inlined: Mapping[Var, Node], params) -> tuple[KernelBuilder, int, str]:
+    """The second launch. One thread per update element: consecutive threads take
+    consecutive elements of a window row, so their loads and atomics are coalesced.
+    Where `_vector_width` allows, Hopper's build takes that many neighbouring elements
+    per thread and one vector atomic (the other branch of an `#if __CUDA_ARCH__`)."""
+    out, updates = node.outputs[0], node.inputs[2]
+    b = _builder(node, inlined, params)
+    width = _vector_width(node)
+    if width > 1:
+        b.lines.append(f"#if __CUDA_ARCH__ >= {_VECTOR_ARCH}")
+        _combine_loop(b, node, width)
+        b.forget()
+        b.lines.append("#else")
+    _combine_loop(b, node, 1)
+    if width > 1:
+        b.lines.append("#endif")
+    helper = _atomic_helper(node.name, out.dtype)
+    return b, blocks_for(updates.size // width), helper
+
+
+def _combine_loop(b: KernelBuilder, node: Node, width: int) -> None:
     operand, indices, updates = node.inputs
     out = node.outputs[0]
     dn = node.params["dimension_numbers"]
@@ -142,12 +284,11 @@ def _combine_kernel(node: Node) -> Kernel:
     inserted = tuple(dn.inserted_window_dims)
     batching = tuple(getattr(dn, "operand_batching_dims", ()))
     idx_batching = tuple(getattr(dn, "scatter_indices_batching_dims", ()))
-    b = _builder(node)
-    n = updates.size
-    itype = "long long" if n >= 2 ** 30 else "int"
-    b.open(f"for ({itype} i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}; "
-           f"i += (long long)gridDim.x * blockDim.x)")
-    u = b.index_vars("i", updates.shape)
+    n = updates.size // width
+    _grid_stride(b, n)
+    wide = "long long" if updates.size >= 2 ** 31 else "int"
+    first = "i" if width == 1 else b.tmp(wide, f"({wide})i * {width}")
+    u = b.index_vars(first, updates.shape)
     batch = [u[d] for d in range(updates.ndim) if d not in window_dims]
     window = iter(u[d] for d in window_dims)
     # The update window's extent along each operand dimension.
@@ -178,10 +319,38 @@ def _combine_kernel(node: Node) -> Kernel:
         start = starts.get(d)
         dst.append(off if start is None else (start if off == "0" else f"({start} + {off})"))
     at = b.tmp("long long", linear(tuple(dst), operand.shape))
-    value = b.value(updates, u)
-    b.emit(_combine(node.name, out.dtype, f"{b.outputs[out]} + {at}", value))
+    ptr = f"{b.outputs[out]} + {at}"
+    if width == 1:
+        b.emit(_combine(node.name, out.dtype, ptr, b.value(updates, u)))
+    elif isinstance(updates, Var) and updates not in b.inlined:
+        # A buffer: the thread's neighbouring updates are one aligned vector load.
+        vt = _vector_type(out.dtype, width)
+        b.emit(f"atomicAdd(({vt}*)({ptr}), ((const {vt}*){b.inputs[updates]})[i]);")
+    else:
+        values = []
+        for k in range(width):
+            idx = u if k == 0 else u[:-1] + (f"({u[-1]} + {k})",)
+            if k:  # the row's next element: the next update element too
+                b.flat[(idx, tuple(updates.shape))] = f"({first} + {k})"
+            values.append(b.value(updates, idx))
+        b.emit(_vector_add(out.dtype, ptr, values))
     b.close()
-    return b.finish("scatter", out, blocks_for(n), BLOCK, prelude=_atomic_helper(node.name, out.dtype))
+
+
+_VECTOR_TYPES = {("float32", 4): ("float4", "make_float4"), ("float32", 2): ("float2", "make_float2"),
+                 ("float16", 2): ("__half2", "__floats2half2_rn"),
+                 ("bfloat16", 2): ("__nv_bfloat162", "__floats2bfloat162_rn")}
+
+
+def _vector_type(dtype, width: int) -> str:
+    return _VECTOR_TYPES[dtypes.name(dtype), width][0]
+
+
+def _vector_add(dtype, ptr: str, values: list[str]) -> str:
+    """One vector atomic add of compute-type `values` at `ptr` (aligned to their size);
+    each lane rounds to the dtype and adds as the one-element atomic does."""
+    vt, make = _VECTOR_TYPES[dtypes.name(dtype), len(values)]
+    return f"atomicAdd(({vt}*)({ptr}), {make}({', '.join(values)}));"
 
 
 # ---- combining one value into the output ------------------------------------------------

@@ -10,6 +10,7 @@ from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import BLOCK, Index, KernelBuilder, blocks_for, loop_kernel
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import Kernel
+from nimblejax.compiler.lowering import xla_reduce_order
 from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 
 
@@ -143,7 +144,13 @@ def cumulative(node: Node) -> Kernel:
 
 @register("argmax", "argmin", kind=RuleKind.KERNEL)
 def argminmax(node: Node) -> Kernel:
-    """One warp per output; ties go to the lower index and NaN wins, as in XLA."""
+    """One warp per output; the lowest index of the best value, or, where the reduced
+    row holds a NaN, the NaN that XLA's GPU reduction returns.
+
+    JAX's reducer lets a NaN win and, between two NaNs, its first operand; which NaN
+    comes out depends on how XLA's fusion combines the row (xla_reduce_order.py). That
+    is the NaN of lowest `nan_rank`, so each lane keeps two things that combine in any
+    order: the best non-NaN value with its lowest index, and the NaN of lowest rank."""
     x, out = node.inputs[0], node.outputs[0]
     (axis,) = node.params["axes"]
     cmp = ">" if node.name == "argmax" else "<"
@@ -152,29 +159,44 @@ def argminmax(node: Node) -> Kernel:
     # Warp shuffles do not take bool, so booleans compare as int.
     ctype = "int" if dtypes.name(x.dtype) == "bool" else dtypes.compute_type(x.dtype)
     is_float = dtypes.is_float(x.dtype)
-    nan = lambda v: f"({v} != {v})" if is_float else "false"  # noqa: E731
-    better = (f"(({nan('bv')} && !{nan('av')}) || (!{nan('av')} && bv {cmp} av) || "
-              f"(({nan('bv')} == {nan('av')}) && (bv == av || {nan('bv')}) && bi < ai))")
+    warps = BLOCK // 32
+    none = "2147483647"
     b = KernelBuilder()
     b.ops = [node.name]
     b.emit("const int lane = threadIdx.x % 32;")
-    b.emit(f"const long long o = (long long)blockIdx.x * {BLOCK // 32} + threadIdx.x / 32;")
-    b.emit(f"if (o >= {n_out}) return;")
+    b.open(f"for (long long o = (long long)blockIdx.x * {warps} + threadIdx.x / 32; o < {n_out}; "
+           f"o += (long long)gridDim.x * {warps})")
     out_idx = b.index_vars("o", [x.shape[d] for d in kept])
-    b.emit(f"{ctype} av = {dtypes.load(x.dtype, f'{b.input(x)}[0]')}; int ai = 2147483647;")
-    b.emit("bool have = false;")
+    b.emit(f"{ctype} av = 0; int ai = {none};")
+    if is_float:
+        plan = xla_reduce_order.plan_for(x.shape, axis, x.dtype)
+        b.emit("long long nr = 9223372036854775807LL; int ni = 0;")
     b.open(f"for (int r = lane; r < {n_red}; r += 32)")
     full = list(out_idx)
     full.insert(axis, "r")
-    b.emit(f"{ctype} bv = {b.load(x, tuple(full))}; int bi = r;")
-    b.emit(f"if (!have || {better}) {{ av = bv; ai = bi; have = true; }}")
+    b.emit(f"const {ctype} bv = {b.load(x, tuple(full))};")
+    if is_float:
+        b.open("if (bv != bv)")
+        rank = xla_reduce_order.emit_nan_rank(b.tmp, plan, n_red, "r")
+        b.emit(f"if ({rank} < nr) {{ nr = {rank}; ni = r; }}")
+        b.close()
+        b.emit(f"else if (ai == {none} || bv {cmp} av) {{ av = bv; ai = r; }}")
+    else:
+        b.emit(f"if (ai == {none} || bv {cmp} av) {{ av = bv; ai = r; }}")
     b.close()
     b.open("for (int off = 16; off > 0; off >>= 1)")
-    b.emit(f"{ctype} bv = __shfl_down_sync(0xffffffffu, av, off);")
-    b.emit("int bi = __shfl_down_sync(0xffffffffu, ai, off);")
-    b.emit(f"if (bi != 2147483647 && (ai == 2147483647 || {better})) {{ av = bv; ai = bi; }}")
+    b.emit(f"const {ctype} bv = __shfl_down_sync(0xffffffffu, av, off);")
+    b.emit("const int bi = __shfl_down_sync(0xffffffffu, ai, off);")
+    b.emit(f"if (bi != {none} && (ai == {none} || bv {cmp} av || (bv == av && bi < ai))) "
+           "{ av = bv; ai = bi; }")
+    if is_float:
+        b.emit("const long long br = __shfl_down_sync(0xffffffffu, nr, off);")
+        b.emit("const int bn = __shfl_down_sync(0xffffffffu, ni, off);")
+        b.emit("if (br < nr) { nr = br; ni = bn; }")
     b.close()
     b.open("if (lane == 0)")
-    b.store(out, "o", f"({dtypes.compute_type(out.dtype)})ai")
+    result = "(nr != 9223372036854775807LL ? ni : ai)" if is_float else "ai"
+    b.store(out, "o", f"({dtypes.compute_type(out.dtype)}){result}")
+    b.close()
     b.close()
     return b.finish("arg", out, blocks_for(n_out * 32), BLOCK)

@@ -13,7 +13,7 @@ class Kernel:
     """A generated CUDA C kernel. Its pointer arguments are `params`, in order.
 
     `pre`: kernels launched before this one on the same stream, with the same `params`
-    (a scatter first copies its operand into its output: a grid-wide step)."""
+    (a scatter first computes or copies its operand into its output: a grid-wide step)."""
 
     name: str
     source: str
@@ -133,6 +133,10 @@ class Task:
     kernel: Optional[Kernel] = None
     gemm: Optional[GemmCall] = None
     conv: Optional[ConvCall] = None
+    # (output, input) pairs: the output is computed in the input's bytes (a scatter that
+    # is the last reader of its operand updates it in place); the plan gives them one
+    # buffer.
+    aliases: tuple[tuple[Var, Var], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", TaskKind(self.kind))  # a string is checked

@@ -160,6 +160,10 @@ def _declare(lib: ctypes.CDLL) -> None:
         ctypes.c_int, _u64_p, _u64_p,
     ]  # fmt: skip
     lib.nimble_ffi_register.restype = ctypes.c_longlong
+    lib.nimble_ffi_register_view.argtypes = [
+        ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, _u64_p, _u64_p,
+    ]  # fmt: skip
+    lib.nimble_ffi_register_view.restype = ctypes.c_longlong
     lib.nimble_ffi_unregister.argtypes = [ctypes.c_longlong]
     lib.nimble_ffi_unregister.restype = None
 
@@ -237,6 +241,21 @@ class FfiLibrary:
         if plan_id < 0:
             raise RuntimeError(f"nimblejax FFI plan registration failed: {self.last_error()}")
         return plan_id
+
+    def register_view(self, base_id: int, in_dst: Sequence[int], in_bytes: Sequence[int], *,
+                      view_id: int = 0, device: int = 0) -> int:
+        """Register a view of plan ``base_id`` on ``device``: the same arena, graph and
+        outputs, called with operands copied to ``in_dst`` only (the plan's other
+        inputs stay resident in the arena from earlier calls). Returns the view's id:
+        a new one when ``view_id`` is 0, else ``view_id`` (the view on another device).
+        Calls of a plan and of its views are serialized on one arena."""
+        if len(in_dst) != len(in_bytes):
+            raise ValueError("in_dst and in_bytes must have equal lengths")
+        view = self._lib.nimble_ffi_register_view(int(view_id), int(base_id), int(device), len(in_dst),
+                                                  _u64_array(in_dst), _u64_array(in_bytes))
+        if view < 0:
+            raise RuntimeError(f"nimblejax FFI view registration failed: {self.last_error()}")
+        return view
 
     def unregister(self, plan_id: int) -> None:
         """Forget a plan on every device; a call already running on it finishes first."""

@@ -34,7 +34,7 @@ constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
 constexpr int kMaxEntries = 64;              // copies per kernel launch
 constexpr unsigned kThreads = 256;
 constexpr unsigned long long kBytesPerBlock = kThreads * 16ull;  // uint4/thread
-constexpr unsigned kMaxBlocksX = 64;
+constexpr unsigned kMaxBlocksX = 1024;  // enough blocks to fill an H100 (132 SMs) on large copies
 
 struct Driver {
   CUresult (*GraphLaunch)(CUgraphExec, CUstream);
@@ -131,19 +131,29 @@ std::string DriverError(const char* call, CUresult rc) {
          ")";
 }
 
-// One registered plan. The arena addresses are baked into graph_exec, which
-// is why calls of one plan are serialized (mutex on the host, event on GPU).
-struct Plan {
+// One plan's arena and captured graph on one device. The arena addresses are
+// baked into graph, which is why calls of one arena are serialized (mutex on the
+// host, event on the GPU), whichever registration (operand set) they come from.
+struct Arena {
   CUgraphExec graph = nullptr;
   CUfunction copy_fn = nullptr;
-  std::vector<unsigned long long> in_dst, in_bytes, out_src, out_bytes;
+  std::vector<unsigned long long> out_src, out_bytes;
   CUevent event = nullptr;
   CUstream last_stream = nullptr;  // stream of the previous call, if any
   std::mutex mu;
-  ~Plan() {
+  ~Arena() {
     // Safe with work pending: the driver releases the event once it is done.
     if (event != nullptr) g_drv.EventDestroy(event);
   }
+};
+
+// One registration: an arena and which arena slots its operands are copied to.
+// A view of a plan (nimble_ffi_register_view) shares the arena and takes a
+// subset of the operands: the others stay resident in their slots from earlier
+// calls (the caller guarantees they hold the right data).
+struct Plan {
+  std::shared_ptr<Arena> arena;
+  std::vector<unsigned long long> in_dst, in_bytes;
 };
 
 std::mutex g_plans_mu;
@@ -154,7 +164,7 @@ std::map<std::pair<long long, int>, std::shared_ptr<Plan>> g_plans;
 long long g_next_id = 1;
 
 // Copies n (dst, src, bytes) entries with as few kernel launches as possible.
-ffi::Error CopyBatched(const Plan& plan, CUstream stream,
+ffi::Error CopyBatched(const Arena& arena, CUstream stream,
                        const std::vector<unsigned long long>& dst,
                        const std::vector<unsigned long long>& src,
                        const std::vector<unsigned long long>& bytes) {
@@ -176,7 +186,7 @@ ffi::Error CopyBatched(const Plan& plan, CUstream stream,
     unsigned grid_x = blocks < 1 ? 1 : (blocks > kMaxBlocksX ? kMaxBlocksX
                                                             : unsigned(blocks));
     void* params[] = {&table};  // the driver copies the struct at launch
-    CUresult rc = g_drv.LaunchKernel(plan.copy_fn, grid_x, table.count, 1,
+    CUresult rc = g_drv.LaunchKernel(arena.copy_fn, grid_x, table.count, 1,
                                      kThreads, 1, 1, 0, stream, params, nullptr);
     if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                    DriverError("cuLaunchKernel", rc));
@@ -206,11 +216,12 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
                                "nimblejax: plan " + std::to_string(plan_id) +
                                    " is not registered for device " +
                                    std::to_string(device));
-  if (args.size() != plan->in_dst.size() || rets.size() != plan->out_src.size())
+  Arena& arena = *plan->arena;
+  if (args.size() != plan->in_dst.size() || rets.size() != arena.out_src.size())
     return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                       "nimblejax: plan " + std::to_string(plan_id) +
                           " registered " + std::to_string(plan->in_dst.size()) +
-                          " inputs / " + std::to_string(plan->out_src.size()) +
+                          " inputs / " + std::to_string(arena.out_src.size()) +
                           " outputs, called with " + std::to_string(args.size()) +
                           " / " + std::to_string(rets.size()));
 
@@ -228,32 +239,45 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
     auto buf = rets.get<ffi::AnyBuffer>(i);
     if (buf.has_error()) return buf.error();
     ffi::AnyBuffer out = **buf;
-    ffi::Error err = CheckSize("output", i, out.size_bytes(), plan->out_bytes[i]);
+    ffi::Error err = CheckSize("output", i, out.size_bytes(), arena.out_bytes[i]);
     if (err.failure()) return err;
     out_dst[i] = reinterpret_cast<uintptr_t>(out.untyped_data());
   }
 
-  std::lock_guard<std::mutex> lock(plan->mu);
+  std::lock_guard<std::mutex> lock(arena.mu);
   // The arena is shared by all calls of this plan: if the previous call ran
   // on another stream, its graph must finish before we overwrite the inputs.
-  if (plan->last_stream != nullptr && plan->last_stream != stream) {
-    CUresult rc = g_drv.StreamWaitEvent(stream, plan->event, 0);
+  if (arena.last_stream != nullptr && arena.last_stream != stream) {
+    CUresult rc = g_drv.StreamWaitEvent(stream, arena.event, 0);
     if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                    DriverError("cuStreamWaitEvent", rc));
   }
-  ffi::Error err = CopyBatched(*plan, stream, plan->in_dst, in_src,
+  ffi::Error err = CopyBatched(arena, stream, plan->in_dst, in_src,
                                plan->in_bytes);
   if (err.failure()) return err;
-  CUresult rc = g_drv.GraphLaunch(plan->graph, stream);
+  CUresult rc = g_drv.GraphLaunch(arena.graph, stream);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuGraphLaunch", rc));
-  err = CopyBatched(*plan, stream, out_dst, plan->out_src, plan->out_bytes);
+  err = CopyBatched(arena, stream, out_dst, arena.out_src, arena.out_bytes);
   if (err.failure()) return err;
-  rc = g_drv.EventRecord(plan->event, stream);
+  rc = g_drv.EventRecord(arena.event, stream);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuEventRecord", rc));
-  plan->last_stream = stream;
+  arena.last_stream = stream;
   return ffi::Error::Success();
+}
+
+// Adds `plan` under `plan_id` (0: a new id) for `device`; returns the id or -1.
+long long AddPlan(long long plan_id, int device, std::shared_ptr<Plan> plan) {
+  std::lock_guard<std::mutex> lock(g_plans_mu);
+  long long id = plan_id > 0 ? plan_id : g_next_id++;
+  if (id >= g_next_id) g_next_id = id + 1;
+  if (!g_plans.emplace(std::make_pair(id, device), std::move(plan)).second) {
+    t_last_error = "nimble_ffi_register: plan " + std::to_string(id) +
+                   " is already registered for device " + std::to_string(device);
+    return -1;
+  }
+  return id;
 }
 
 }  // namespace
@@ -289,28 +313,51 @@ NIMBLE_EXPORT long long nimble_ffi_register(
     t_last_error = "nimble_ffi_register: invalid arguments";
     return -1;
   }
-  auto plan = std::make_shared<Plan>();
-  plan->graph = static_cast<CUgraphExec>(graph_exec);
-  plan->copy_fn = static_cast<CUfunction>(copy_fn);
-  plan->in_dst.assign(in_dst, in_dst + n_in);
-  plan->in_bytes.assign(in_bytes, in_bytes + n_in);
-  plan->out_src.assign(out_src, out_src + n_out);
-  plan->out_bytes.assign(out_bytes, out_bytes + n_out);
-  CUresult rc = g_drv.EventCreate(&plan->event, kEventDisableTiming);
+  auto arena = std::make_shared<Arena>();
+  arena->graph = static_cast<CUgraphExec>(graph_exec);
+  arena->copy_fn = static_cast<CUfunction>(copy_fn);
+  arena->out_src.assign(out_src, out_src + n_out);
+  arena->out_bytes.assign(out_bytes, out_bytes + n_out);
+  CUresult rc = g_drv.EventCreate(&arena->event, kEventDisableTiming);
   if (rc != 0) {
-    plan->event = nullptr;
+    arena->event = nullptr;
     t_last_error = DriverError("cuEventCreate", rc);
     return -1;
   }
-  std::lock_guard<std::mutex> lock(g_plans_mu);
-  long long id = plan_id > 0 ? plan_id : g_next_id++;
-  if (id >= g_next_id) g_next_id = id + 1;
-  if (!g_plans.emplace(std::make_pair(id, device), std::move(plan)).second) {
-    t_last_error = "nimble_ffi_register: plan " + std::to_string(id) +
-                   " is already registered for device " + std::to_string(device);
+  auto plan = std::make_shared<Plan>();
+  plan->arena = std::move(arena);
+  plan->in_dst.assign(in_dst, in_dst + n_in);
+  plan->in_bytes.assign(in_bytes, in_bytes + n_in);
+  return AddPlan(plan_id, device, std::move(plan));
+}
+
+// Registers a view of plan `base_id` on `device` under `view_id` (0: a new id):
+// the same arena and graph, called with the n_in operands copied to in_dst
+// (the other inputs stay resident in the arena). Returns the view's id or -1.
+NIMBLE_EXPORT long long nimble_ffi_register_view(
+    long long view_id, long long base_id, int device, int n_in,
+    const unsigned long long* in_dst, const unsigned long long* in_bytes) {
+  if (nimble_ffi_init() != 0) return -1;
+  if (view_id < 0 || n_in < 0 || (n_in > 0 && (in_dst == nullptr || in_bytes == nullptr))) {
+    t_last_error = "nimble_ffi_register_view: invalid arguments";
     return -1;
   }
-  return id;
+  std::shared_ptr<Plan> base;
+  {
+    std::lock_guard<std::mutex> lock(g_plans_mu);
+    auto it = g_plans.find({base_id, device});
+    if (it != g_plans.end()) base = it->second;
+  }
+  if (!base) {
+    t_last_error = "nimble_ffi_register_view: plan " + std::to_string(base_id) +
+                   " is not registered for device " + std::to_string(device);
+    return -1;
+  }
+  auto plan = std::make_shared<Plan>();
+  plan->arena = base->arena;
+  plan->in_dst.assign(in_dst, in_dst + n_in);
+  plan->in_bytes.assign(in_bytes, in_bytes + n_in);
+  return AddPlan(view_id, device, std::move(plan));
 }
 
 // A call already running keeps its shared_ptr, so the plan outlives it.

@@ -1,0 +1,138 @@
+"""The XLA call path's resident operands (api.py `_call_xla`): a leaf that is the very
+jax.Array of the previous call is not passed again, its data stays in the runner's
+arena. The interpret backend keeps its operands as the GPU arena does, so a wrong
+residency decision is a wrong answer here too."""
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nimblejax as nimble
+
+
+def layer(p, x):
+    return jnp.tanh(x @ p["w"] + p["b"]) * p["s"]
+
+
+def params(seed: int) -> dict:
+    r = np.random.default_rng(seed)
+    return {"w": jnp.asarray(r.normal(size=(16, 16)), jnp.float32),
+            "b": jnp.asarray(r.normal(size=16), jnp.float32),
+            "s": jnp.asarray(r.normal(size=16), jnp.float32)}
+
+
+def fresh_x(r) -> jax.Array:
+    return jnp.asarray(r.normal(size=(4, 16)), jnp.float32)
+
+
+def masks(f) -> list:
+    """The fresh masks of the jitted calls made so far, in order of first use."""
+    return [key[3] for key in f._resident_fns]
+
+
+def close(got, want) -> None:
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
+def test_unchanged_parameters_are_not_passed_again():
+    f, r, p = nimble.jit(layer, backend="interpret"), np.random.default_rng(0), params(1)
+    for _ in range(4):
+        x = fresh_x(r)
+        close(f(p, x), layer(p, x))
+    # (b, s, w, x): the first call passes everything, the others only x.
+    assert masks(f) == [(True,) * 4, (False, False, False, True)]
+    assert f.cache_size == 1
+
+
+def test_a_changed_leaf_is_always_seen():
+    f, r, p = nimble.jit(layer, backend="interpret"), np.random.default_rng(0), params(1)
+    x = fresh_x(r)
+    f(p, x)
+    for name in ("w", "b", "s"):
+        p = dict(p, **{name: p[name] * 2 + 1})  # a new object with new values
+        close(f(p, x), layer(p, x))
+    # Equal values in a new object are passed too (identity, not equality, decides).
+    p = {k: jnp.array(v) for k, v in p.items()}
+    close(f(p, x), layer(p, x))
+    assert (True, True, True, False) in masks(f)
+
+
+def test_numpy_leaves_are_never_resident():
+    f, r = nimble.jit(layer, backend="interpret"), np.random.default_rng(0)
+    p = {k: np.array(v) for k, v in params(2).items()}
+    x = fresh_x(r)
+    close(f(p, x), layer(p, x))
+    p["w"] *= -1.5  # mutated in place: the same object with new data
+    close(f(p, x), layer(p, x))
+    assert all(m[:3] == (True, True, True) for m in masks(f))
+
+
+def test_a_deleted_parameter_is_caught():
+    f, r, p = nimble.jit(layer, backend="interpret"), np.random.default_rng(0), params(3)
+    f(p, fresh_x(r))
+    p["w"].delete()  # as a donation elsewhere would
+    with pytest.raises(RuntimeError, match="deleted"):
+        f(p, fresh_x(r))
+    with pytest.raises(RuntimeError, match="deleted"):
+        jax.jit(layer)(p, fresh_x(r))
+
+
+def test_donated_state_is_always_passed():
+    def step(state, x):
+        return {k: v * 0.5 + jnp.sum(x) for k, v in state.items()}
+
+    f = nimble.jit(step, donate_argnums=0, backend="interpret")
+    r, x = np.random.default_rng(0), None
+    state = params(4)
+    want = params(4)
+    for _ in range(3):
+        x = fresh_x(r)
+        want = jax.jit(step)(want, x)
+        state = f(state, x)
+        jax.tree_util.tree_map(close, state, want)
+    assert all(m[:3] == (True, True, True) for m in masks(f))
+
+
+def test_a_new_signature_passes_everything_then_resides_again():
+    f, r, p = nimble.jit(layer, backend="interpret"), np.random.default_rng(0), params(5)
+    f(p, fresh_x(r))
+    for rows in (4, 7, 7, 4, 4):
+        x = jnp.asarray(r.normal(size=(rows, 16)), jnp.float32)
+        close(f(p, x), layer(p, x))
+    assert f.cache_size == 2
+
+
+def test_transformations_take_the_full_path():
+    f, r, p = nimble.jit(layer, backend="interpret"), np.random.default_rng(0), params(6)
+    x = fresh_x(r)
+    f(p, x)
+    loss = lambda fn: lambda p, x: jnp.sum(fn(p, x) ** 2)  # noqa: E731
+    got = jax.grad(loss(f))(p, x)
+    jax.tree_util.tree_map(close, got, jax.grad(loss(layer))(p, x))
+    close(jax.vmap(f, in_axes=(None, 0))(p, x[None]), jax.vmap(layer, in_axes=(None, 0))(p, x[None]))
+    close(f(p, x), layer(p, x))  # and the top-level path still holds the right data
+
+
+def test_two_threads_with_their_own_parameters():
+    f = nimble.jit(layer, backend="interpret")
+    errors: list = []
+
+    def worker(seed: int) -> None:
+        r, p = np.random.default_rng(seed), params(seed)
+        try:
+            for _ in range(12):
+                x = fresh_x(r)
+                close(f(p, x), layer(p, x))
+        except AssertionError as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in (10, 11)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors[0]
