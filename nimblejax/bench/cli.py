@@ -61,8 +61,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         prog="nimblejax-bench",
         description="Benchmark nimble.jit against jax.jit on published models. By default: "
                     "jax.jit against nimble's multi-stream graph, looped and GPU time, "
-                    f"about {DEFAULT_BUDGET_S:g} s of timed calls per row (a few minutes at most "
-                    "for every model at batch 1 and 32 on one H100); --full is the long run.")
+                    f"about {DEFAULT_BUDGET_S:g} s of timed calls per row; every model at batch 1 "
+                    "and 32 takes about 1m45s on one H100 once the compile caches are filled "
+                    "(the first run on a machine about 4m45s: XLA compiles jax.jit's programs). "
+                    "Rows are printed as they are measured; progress and an ETA go to stderr. "
+                    "--full is the long run. Without a GPU: nimble's plans, nothing timed.")
     ap.add_argument("--models", default="all",
                     help=f"comma list of models, or 'all' (default): {', '.join(MODELS)}")
     ap.add_argument("--batch", default="1,32", help="comma list of batch sizes (default 1,32)")
