@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -40,11 +42,24 @@ def default_backend() -> str:
     if gpu_available():
         return "cuda"
     if not _warned_no_gpu:
-        warnings.warn("nimblejax: no CUDA GPU is visible; nimble.jit falls back to jax.jit "
-                      "(backend='jax'). Pass backend='interpret' to check a plan on the CPU.",
-                      stacklevel=3)
+        _warn_at_user_line("nimblejax: no CUDA GPU is visible; nimble.jit falls back to jax.jit "
+                           "(backend='jax'). Pass backend='interpret' to check a plan on the CPU.")
         _warned_no_gpu = True
     return "jax"
+
+
+# Frames of these packages are not the user's: a warning names the first frame outside them.
+_INTERNAL_PREFIXES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                           for m in (sys.modules[__name__.rpartition(".")[0]], jax))
+
+
+def _warn_at_user_line(message: str, category: type = UserWarning) -> None:
+    """warnings.warn pointing at the user's line: the first frame outside nimblejax and
+    jax (a nimble function may be called from inside jax.jit, vmap or grad)."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_PREFIXES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] = (),
@@ -413,16 +428,22 @@ class NimbleFunction:
         static_pos = dict((k, v) for k, v in statics if isinstance(k, int))
         static_kw = dict((k, v) for k, v in statics if isinstance(k, str))
 
-        def flat_fun(*flat):
+        def full_args(flat) -> tuple[list, dict]:
             dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, flat)
             it = iter(dyn_args)
             n = len(dyn_args) + len(static_pos)
-            full = [static_pos[i] if i in static_pos else next(it) for i in range(n)]
-            out = self.fun(*full, **dyn_kwargs, **static_kw)
+            return ([static_pos[i] if i in static_pos else next(it) for i in range(n)],
+                    dict(dyn_kwargs, **static_kw))
+
+        def flat_fun(*flat):
+            args, kwargs = full_args(flat)
+            out = self.fun(*args, **kwargs)
             out_leaves, out_tree = jax.tree_util.tree_flatten(out)
             out_tree_box.append(out_tree)
             return out_leaves
 
+        _name_like(flat_fun, self.fun, in_tree.num_leaves, *full_args(list(range(in_tree.num_leaves))),
+                   self.static_argnums, self.static_argnames)
         return flat_fun
 
     def _trace(self, leaves, in_tree, statics):
@@ -481,6 +502,27 @@ class _Resident:
 
 
 _is_deleted = _ArrayImpl.is_deleted
+
+
+def _name_like(flat_fun: Callable, fun: Callable, num_leaves: int, args: list, kwargs: dict,
+               static_argnums: tuple, static_argnames: tuple) -> None:
+    """Make JAX's tracing errors about `flat_fun` name `fun` and its arguments, as jax.jit
+    does ("while tracing the function f at file:line ... the argument x"): JAX's debug
+    info for `fun` at these arguments (flat leaves in flat_fun's order), on flat_fun."""
+    try:
+        from jax._src import api_util
+
+        dbg = api_util.debug_info("jit", fun, args, kwargs, static_argnums=static_argnums,
+                                  static_argnames=static_argnames)
+        if len(dbg.arg_names or ()) != num_leaves:
+            return  # names and flat_fun's arguments disagree: keep JAX's generic names
+        save = getattr(api_util, "save_wrapped_fun_debug_info", None)
+        if save is not None:
+            save(flat_fun, dbg)
+        else:
+            flat_fun.__fun_debug_info__ = dbg
+    except Exception:  # noqa: BLE001 - only a nicer message is lost (a JAX without this API)
+        pass
 
 
 def _interpret_runner(plan: Plan, output: str) -> Callable[[list], list]:
