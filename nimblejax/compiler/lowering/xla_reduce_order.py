@@ -41,6 +41,12 @@ The arrangement, as XLA chooses it (openxla/xla):
 A shuffle-down tree over 2^b lanes puts lane l at position bitreverse_b(l).
 
 Integer and bool argmax have no NaN, so their result does not depend on the order.
+
+Checked against jax.jit on an H100 (jax 0.11.2) for 52 shapes and float32, float16 and
+bfloat16 (tests/data/argmax_gpu_probe.json.gz: 13078 rows with two or more NaNs, all
+reproduced). Version-dependent: ROW_ELEMENTS_PER_THREAD below; a fusion whose input is
+wider or narrower than the argmax operand (XLA fusing a convert producer into the
+reduce) would get another vector size than this model assumes.
 """
 from __future__ import annotations
 
@@ -123,8 +129,10 @@ def _split_params(r: int, bound: int, is_row: bool) -> tuple[int, int]:
 
 def _stage2_bits(bits: int, bf16: bool) -> int:
     """The input width of a split reduction's second fusion: its parameters are the
-    first one's outputs, the values (bfloat16 ones come as float32: measured, (2, 50257)
-    on the H100) and the int32 indices."""
+    first one's outputs, the values and the int32 indices. XLA reduces bfloat16 values
+    as float32 (the optimized HLO reduces a convert to f32 inside the fusion, whose
+    parameter stays bf16), so a bfloat16 split hands float32 to its second stage
+    (measured: (64, 50257) and (8, 300000) rows on the H100; float16 stays 16-bit)."""
     return 32 if bf16 else min(bits, 32)
 
 
