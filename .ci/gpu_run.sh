@@ -5,16 +5,25 @@
 set -u
 export PYTHONPATH=.
 export PYTHONUNBUFFERED=1
+# jax would take 75% of the GPU at start-up in each test worker.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import jax, cupy; print('jax', jax.__version__, 'cupy', cupy.__version__, jax.devices())"
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu -q ${PYTEST_FLAGS:-} -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee $OUT/pytest_gpu.log | tail -40
+  timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu -q -rf ${PYTEST_FLAGS:--n 4} -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee $OUT/pytest_gpu.log | grep -E "^FAILED|passed|failed" | tail -40
 fi
 if [ -z "${SKIP_RUNTIME:-}" ]; then
   timeout ${BENCH_TIMEOUT:-200} python3 examples/benchmark_runtime.py --json $OUT/bench.json 2>&1 | tee $OUT/bench.log
 fi
 if [ -n "${SUITE:-}" ]; then
   timeout ${SUITE_TIMEOUT:-420} python3 -m nimblejax.bench --models ${SUITE} --batch ${SUITE_BATCH:-1,32} --repeat ${SUITE_REPEAT:-50} --no-cold --json $OUT/suite.json 2>&1 | tee $OUT/suite.log | tail -60
+fi
+if [ -n "${BENCH_MAIN:-}" ]; then
+  # The main command with its defaults: wall time and when each row appeared.
+  start=$(date +%s)
+  timeout ${BENCH_MAIN_TIMEOUT:-400} python3 -m nimblejax.bench --json $OUT/bench_main.json 2>$OUT/bench_main.err \
+    | while IFS= read -r line; do echo "[+$(( $(date +%s) - start ))s] $line"; done | tee $OUT/bench_main.log
+  echo "bench main: $(( $(date +%s) - start )) s"
 fi
 if [ -n "${COVERAGE:-}" ]; then
   # Issue 13: embedding lookup / scatter-add against jax.jit, and the fuzzer's summary.

@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 import nimblejax as nimble  # noqa: E402
+from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
 from models import branchy_args, branchy_mlp  # noqa: E402
 from nimblejax.bench.timing import blocked_us, concurrent_jax, looped_us, nimble_gpu_us  # noqa: E402
 
@@ -152,6 +153,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--calls", type=int, default=200)
     opts = ap.parse_args()
+    require_gpu(__file__)
     import cupy
 
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()

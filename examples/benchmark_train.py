@@ -21,6 +21,7 @@ from jax import lax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import nimblejax as nimble  # noqa: E402
+from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
 from nimblejax.bench.timing import e2e_us, nimble_gpu_us, throughput_us  # noqa: E402
 from train_models import TRAIN_MODELS, batch, make_train_step  # noqa: E402
 
@@ -87,6 +88,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--skip-convs", action="store_true")
     opts = ap.parse_args()
+    require_gpu(__file__)
     import cupy
 
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()

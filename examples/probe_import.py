@@ -10,10 +10,12 @@ from jax._src import xla_bridge
 from jax._src.lib import _jax
 
 from nimblejax.bench.timing import median_us
+from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
 
 
 
 
+require_gpu(__file__)
 backend = xla_bridge.get_backend("gpu")
 s = cupy.cuda.Stream(non_blocking=True)
 

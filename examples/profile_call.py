@@ -15,6 +15,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import nimblejax as nimble  # noqa: E402
+from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
 from nimblejax.bench.timing import median_us  # noqa: E402
 from models import branchy_args, branchy_mlp  # noqa: E402
 
@@ -22,6 +23,7 @@ from models import branchy_args, branchy_mlp  # noqa: E402
 
 
 def main() -> None:
+    require_gpu(__file__)
     import cupy
 
     args = branchy_args(np.random.default_rng(0), branches=8, layers=6, width=256, batch=1)

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import nimblejax as nimble
+from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
 from nimblejax.bench.timing import looped_us
 
 
@@ -38,6 +39,7 @@ def frames_per_call(f, args, calls=10) -> dict:
 
 
 def main() -> None:
+    require_gpu(__file__)
     rng = np.random.default_rng(0)
     print("| leaves | jax.jit looped µs | nimble looped µs | nimble GPU µs (graph) |")
     print("|---|---|---|---|")

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 import nimblejax as nimble
+from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
 from nimblejax.bench import timing
 from nimblejax.bench.models import MODELS
 from nimblejax.bench.profile import summarize, task_times
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--json")
     opts = ap.parse_args()
+    require_gpu(__file__)
     names = list(MODELS) if opts.models == "all" else opts.models.split(",")
     report = []
     for batch in [int(b) for b in opts.batch.split(",")]:

@@ -9,9 +9,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import nimblejax as nimble  # noqa: E402
+from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
 from nimblejax.bench.timing import median_us  # noqa: E402
 from train_models import TRAIN_MODELS, batch, make_train_step  # noqa: E402
 
+require_gpu(__file__)
 init, apply = TRAIN_MODELS["resnet"]
 step = make_train_step(apply)
 rng = np.random.default_rng(0)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
 import threading
 import warnings
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from nimblejax import options as options_mod
 from nimblejax.compiler.pipeline import compile_function
 from nimblejax.compiler.plan import Plan
 from nimblejax.options import Options
+from nimblejax.runtime.xla_op import HELD, PASSED
 
 BACKENDS = ("cuda", "interpret", "jax")
 OUTPUTS = ("jax", "cupy", "numpy")
@@ -40,9 +43,8 @@ def default_backend() -> str:
     if gpu_available():
         return "cuda"
     if not _warned_no_gpu:
-        warnings.warn("nimblejax: no CUDA GPU is visible; nimble.jit falls back to jax.jit "
-                      "(backend='jax'). Pass backend='interpret' to check a plan on the CPU.",
-                      stacklevel=3)
+        _warn_at_user_line("nimblejax: no CUDA GPU is visible; nimble.jit falls back to jax.jit "
+                           "(backend='jax'). Pass backend='interpret' to check a plan on the CPU.")
         _warned_no_gpu = True
     return "jax"
 
@@ -54,6 +56,20 @@ def _cudnn_found() -> bool:
     from nimblejax.runtime.libs import loader
 
     return loader.found("cudnn")
+
+
+# Frames of these packages are not the user's: a warning names the first frame outside them.
+_INTERNAL_PREFIXES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                           for m in (sys.modules[__name__.rpartition(".")[0]], jax))
+
+
+def _warn_at_user_line(message: str, category: type = UserWarning) -> None:
+    """warnings.warn pointing at the user's line: the first frame outside nimblejax and
+    jax (a nimble function may be called from inside jax.jit, vmap or grad)."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_PREFIXES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] = (),
@@ -236,79 +252,70 @@ class NimbleFunction:
 
     # ---- the XLA-operation path -----------------------------------------------------
     def _call_xla(self, *args, **kwargs):
-        """A top-level call on the XLA path. A leaf that is the very jax.Array of the
-        previous call (a parameter in a serving loop) is not passed again: its data is
-        still in the arena of the resident runner, where that call copied it, so JAX
-        dispatches only the leaves that changed. A jax.Array is immutable and we hold
-        the previous call's leaves, so an identical object holds identical data and its
-        id cannot be reused; numpy arrays are mutable and always passed; a donated or
-        deleted array is always passed (JAX then reports it). Calls under a JAX
-        transformation, and calls whose signature changed, pass every leaf.
-
-        The steady state (same tree, same resident leaves as last call) is one pass over
-        the leaves, with no hashing of signatures and no Python frame per leaf."""
+        """A top-level call on the XLA path, passing JAX only the leaves that changed:
+        - a leaf that is the very jax.Array of the previous call (a parameter in a
+          serving loop) is HELD: its data is still in the resident runner's arena,
+          where that call copied it;
+        - a leaf that is the very jax.Array the previous call returned as flat output
+          j (training state fed back) is copied inside the arena from j's buffer;
+        - every other leaf is PASSED, and JAX dispatches only those.
+        A jax.Array is immutable and we hold the previous call's leaves and results,
+        so the same object means the same data and its id cannot be reused. numpy
+        arrays (mutable) are always passed, and so is a deleted array (JAX then says
+        so). Calls under a JAX transformation, and calls whose signature changed,
+        pass every leaf. The steady state (the same sources as last call) is one pass
+        over the leaves, with no hashing of signatures and no Python frame per leaf."""
         statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
         with self._lock:
             last = self._resident
-            fresh = None
+            sources = None
             if (last is not None and last.in_tree == in_tree and last.statics == statics
                     and last.precision == jax.config.jax_default_matmul_precision):
-                fresh = [not (c and a is b) for a, b, c in zip(leaves, last.leaves, last.candidate)]
-                if any(map(_is_deleted, [a for a, f in zip(leaves, fresh) if not f])):
-                    fresh = [f or a.is_deleted() for a, f in zip(leaves, fresh)]
-                changed = [i for i, f in enumerate(fresh) if f]
-                for i in changed:  # a fresh leaf must keep its signature (else: replan)
-                    x, sig = leaves[i], last.sigs[i]
-                    if type(x) is _ArrayImpl:
-                        if x.shape != sig[0] or x.dtype != sig[1] or x.weak_type != sig[2]:
-                            fresh = None
-                            break
-                    elif isinstance(x, jax.core.Tracer) or not _is_array_like(x) or _signature(x) != sig:
-                        fresh = None
-                        break
-            if fresh is not None and fresh == last.fresh:
-                fn, record = last.fn, last
+                sources = _sources(leaves, last)
+            if sources is not None and sources == last.sources:
+                record = last
             else:
-                record = self._resident_record(leaves, in_tree, statics, fresh, last)
+                record = self._resident_record(leaves, in_tree, statics, sources, last)
                 if record is None:
                     self._resident = None
                     return self._op_jit_fn(*args, **kwargs)
-                fn, changed = record.fn, [i for i, f in enumerate(record.fresh) if f]
-            outs = fn(*[leaves[i] for i in changed])
-            record.leaves = leaves
-            for i in changed:
-                record.candidate[i] = type(leaves[i]) is _ArrayImpl and i not in record.always_fresh
+            outs = record.fn(*[leaves[i] for i in record.passed])
+            record.leaves, record.outs, record.out_ids = leaves, outs, None
+            for i in record.not_held:
+                record.candidate[i] = type(leaves[i]) is _ArrayImpl and i not in record.never_held
             self._resident = record
         return jax.tree_util.tree_unflatten(record.out_tree, outs)
 
-    def _resident_record(self, leaves: list, in_tree, statics, fresh, last) -> Optional["_Resident"]:
-        """The record (and jitted call) of a call passing the `fresh` leaves; every leaf
-        when `fresh` is None (a first call, a new signature). None: take the full path."""
-        if fresh is None:
+    def _resident_record(self, leaves: list, in_tree, statics, sources, last) -> Optional["_Resident"]:
+        """The record (and jitted call) of a call whose operands come from `sources`;
+        every leaf passed when `sources` is None (a first call, a new signature). None:
+        take the full path."""
+        if sources is None:
             if any(isinstance(x, jax.core.Tracer) or not _is_array_like(x) for x in leaves):
                 return None  # under a transformation, or a bad argument: the full path says
             sigs = tuple(_signature(x) for x in leaves)
-            fresh = [True] * len(leaves)
+            sources = [PASSED] * len(leaves)
         else:
             sigs = last.sigs
         precision = jax.config.jax_default_matmul_precision
-        key = (in_tree, statics, sigs, tuple(fresh), precision)
+        key = (in_tree, statics, sigs, tuple(sources), precision)
         made = self._resident_fns.get(key)
         if made is None:
-            made = self._resident_fns[key] = self._make_resident(in_tree, statics, sigs, tuple(fresh))
+            made = self._resident_fns[key] = self._make_resident(in_tree, statics, sigs, tuple(sources))
         if made is False:
             return None
-        fn, always_fresh, out_tree = made
-        if not all(fresh[i] for i in always_fresh):
-            return None  # cannot happen: always_fresh leaves are never resident
-        candidate = [type(x) is _ArrayImpl and i not in always_fresh for i, x in enumerate(leaves)]
-        return _Resident(in_tree, statics, precision, sigs, always_fresh, out_tree(), list(fresh), fn,
-                         leaves, candidate)
+        fn, never_held, never_fed, feedable, out_tree = made
+        if any(sources[i] != PASSED for i in never_fed) or any(sources[i] == HELD for i in never_held):
+            return None  # cannot happen: _sources never picks these
+        candidate = [type(x) is _ArrayImpl and i not in never_held for i, x in enumerate(leaves)]
+        return _Resident(in_tree, statics, precision, sigs, never_held, never_fed, feedable, out_tree(),
+                         list(sources), fn, leaves, candidate)
 
-    def _make_resident(self, in_tree, statics, sigs, fresh):
-        """The jitted call that passes the `fresh` leaves, or False where this signature
-        takes the full path (typed PRNG keys in or out)."""
+    def _make_resident(self, in_tree, statics, sigs, sources):
+        """(the jitted call passing the PASSED leaves, leaves never held, leaves never
+        fed, feedable outputs, out tree), or False where this signature takes the full
+        path (typed PRNG keys in or out)."""
         from nimblejax.runtime import xla_op
 
         specs = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in sigs]
@@ -324,15 +331,17 @@ class NimbleFunction:
                            arena="resident")
         avals = tuple(jax.core.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type) for s in specs)
         plan, _ = body.plan(avals)
-        passthrough = {a for a in plan.graph.outputs if plan.output_kind(a) == "input"}
-        always_fresh = frozenset(donated) | frozenset(
-            i for i, v in enumerate(plan.graph.inputs) if v in passthrough)
-        fresh = tuple(f or i in always_fresh for i, f in enumerate(fresh))
-        residency = xla_op.Residency(fresh, avals)
-        positions = [i for i, f in enumerate(fresh) if f]
+        # A leaf the plan returns as it is must be an operand (XLA hands it back); a
+        # donated leaf is consumed by the call, so it is never held.
+        returned = {a for a in plan.graph.outputs if plan.output_kind(a) == "input"}
+        never_fed = frozenset(i for i, v in enumerate(plan.graph.inputs) if v in returned)
+        never_held = never_fed | frozenset(donated)
+        feedable = frozenset(j for j, a in enumerate(plan.graph.outputs) if plan.output_kind(a) == "buffer")
+        residency = xla_op.Residency(sources, avals)
+        positions = [i for i, src in enumerate(sources) if src == PASSED]
         donate = tuple(k for k, i in enumerate(positions) if i in donated)
         fn = jax.jit(lambda *xs: xla_op.resident_call(body, residency, list(xs)), donate_argnums=donate)
-        return fn, always_fresh, lambda: out_tree_box[-1]
+        return fn, never_held, never_fed, feedable, lambda: out_tree_box[-1]
 
     def _op_jit(self) -> Callable:
         return jax.jit(self._op_call, static_argnums=self.static_argnums,
@@ -422,16 +431,22 @@ class NimbleFunction:
         static_pos = dict((k, v) for k, v in statics if isinstance(k, int))
         static_kw = dict((k, v) for k, v in statics if isinstance(k, str))
 
-        def flat_fun(*flat):
+        def full_args(flat) -> tuple[list, dict]:
             dyn_args, dyn_kwargs = jax.tree_util.tree_unflatten(in_tree, flat)
             it = iter(dyn_args)
             n = len(dyn_args) + len(static_pos)
-            full = [static_pos[i] if i in static_pos else next(it) for i in range(n)]
-            out = self.fun(*full, **dyn_kwargs, **static_kw)
+            return ([static_pos[i] if i in static_pos else next(it) for i in range(n)],
+                    dict(dyn_kwargs, **static_kw))
+
+        def flat_fun(*flat):
+            args, kwargs = full_args(flat)
+            out = self.fun(*args, **kwargs)
             out_leaves, out_tree = jax.tree_util.tree_flatten(out)
             out_tree_box.append(out_tree)
             return out_leaves
 
+        _name_like(flat_fun, self.fun, in_tree.num_leaves, *full_args(list(range(in_tree.num_leaves))),
+                   self.static_argnums, self.static_argnames)
         return flat_fun
 
     def _trace(self, leaves, in_tree, statics):
@@ -474,22 +489,78 @@ from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402  (the concrete 
 
 
 class _Resident:
-    """The XLA path's previous call: its leaves (held, so their ids stay theirs), their
-    signatures, which of them may be resident next call (`candidate`: concrete
-    jax.Arrays not in `always_fresh`, the donated leaves and those the plan returns as
-    they are), and the jitted call that passed its `fresh` leaves."""
+    """The XLA path's previous call: its leaves and flat results (held, so their ids stay
+    theirs), the leaves' signatures, where each operand came from (`sources`), which
+    leaves may be HELD next call (`candidate`: concrete jax.Arrays not in `never_held`),
+    which results may be fed back (`feedable`: in an arena buffer of their own), and
+    the jitted call that passed its `passed` leaves."""
 
-    __slots__ = ("in_tree", "statics", "precision", "sigs", "always_fresh", "out_tree", "fresh",
-                 "fn", "leaves", "candidate")
+    __slots__ = ("in_tree", "statics", "precision", "sigs", "never_held", "never_fed", "feedable",
+                 "out_tree", "sources", "passed", "not_held", "fn", "leaves", "candidate", "outs",
+                 "out_ids")
 
-    def __init__(self, in_tree, statics, precision, sigs, always_fresh, out_tree, fresh, fn,
-                 leaves, candidate) -> None:
+    def __init__(self, in_tree, statics, precision, sigs, never_held, never_fed, feedable, out_tree,
+                 sources, fn, leaves, candidate) -> None:
         self.in_tree, self.statics, self.precision, self.sigs = in_tree, statics, precision, sigs
-        self.always_fresh, self.out_tree, self.fresh, self.fn = always_fresh, out_tree, fresh, fn
+        self.never_held, self.never_fed, self.feedable = never_held, never_fed, feedable
+        self.out_tree, self.sources, self.fn = out_tree, sources, fn
+        self.passed = [i for i, src in enumerate(sources) if src == PASSED]
+        self.not_held = [i for i, src in enumerate(sources) if src != HELD]
         self.leaves, self.candidate = leaves, candidate
+        self.outs: list = []
+        self.out_ids: Optional[dict] = None  # id(result) -> flat index, made when needed
+
+
+def _sources(leaves: list, last: _Resident) -> Optional[list]:
+    """Where each leaf's data comes from this call (PASSED, HELD or a previous result),
+    or None when a leaf that is not held changed its signature (the plan changes)."""
+    sources = [HELD if (c and a is b) else PASSED
+               for a, b, c in zip(leaves, last.leaves, last.candidate)]
+    if any(map(_is_deleted, [a for a, s in zip(leaves, sources) if s == HELD])):
+        sources = [PASSED if s == HELD and a.is_deleted() else s for a, s in zip(leaves, sources)]
+    passed = [i for i, s in enumerate(sources) if s == PASSED]
+    if passed and last.feedable:
+        if last.out_ids is None:
+            last.out_ids = {id(o): j for j, o in enumerate(last.outs) if j in last.feedable}
+        for i in passed:
+            x = leaves[i]
+            j = last.out_ids.get(id(x))
+            if j is not None and last.outs[j] is x and i not in last.never_fed and not x.is_deleted():
+                sources[i] = j
+    for i, src in enumerate(sources):  # a leaf that is not held must keep its signature
+        if src == HELD:
+            continue
+        x, sig = leaves[i], last.sigs[i]
+        if type(x) is _ArrayImpl:
+            if x.shape != sig[0] or x.dtype != sig[1] or x.weak_type != sig[2]:
+                return None
+        elif isinstance(x, jax.core.Tracer) or not _is_array_like(x) or _signature(x) != sig:
+            return None
+    return sources
 
 
 _is_deleted = _ArrayImpl.is_deleted
+
+
+def _name_like(flat_fun: Callable, fun: Callable, num_leaves: int, args: list, kwargs: dict,
+               static_argnums: tuple, static_argnames: tuple) -> None:
+    """Make JAX's tracing errors about `flat_fun` name `fun` and its arguments, as jax.jit
+    does ("while tracing the function f at file:line ... the argument x"): JAX's debug
+    info for `fun` at these arguments (flat leaves in flat_fun's order), on flat_fun."""
+    try:
+        from jax._src import api_util
+
+        dbg = api_util.debug_info("jit", fun, args, kwargs, static_argnums=static_argnums,
+                                  static_argnames=static_argnames)
+        if len(dbg.arg_names or ()) != num_leaves:
+            return  # names and flat_fun's arguments disagree: keep JAX's generic names
+        save = getattr(api_util, "save_wrapped_fun_debug_info", None)
+        if save is not None:
+            save(flat_fun, dbg)
+        else:
+            flat_fun.__fun_debug_info__ = dbg
+    except Exception:  # noqa: BLE001 - only a nicer message is lost (a JAX without this API)
+        pass
 
 
 def _interpret_runner(plan: Plan, output: str) -> Callable[[list], list]:

@@ -113,7 +113,7 @@ rec("argmax", lambda x: jnp.argmax(x, axis=1), special(jnp.float32, 4, 300), lab
 rec("argmin", lambda x: jnp.argmin(x, axis=1), special(jnp.float16, 4, 300), label="nan-row-vec4")
 rec("argmax", lambda x: jnp.argmax(x, axis=-1), special(jnp.bfloat16, 3, 5000),
     label="nan-row-10-warps")
-rec("argmin", lambda x: jnp.argmin(x, axis=1), special(jnp.float32, 6, 32), label="nan-multirow")
+rec("argmin", lambda x: jnp.argmin(x, axis=1), special(jnp.float32, 6, 32), label="nan-row-32")
 rec("argmax", lambda x: jnp.argmax(x, axis=1), special(jnp.float16, 6, 64), label="nan-row-64")
 rec("argmin", lambda x: jnp.argmin(x, axis=1), special(jnp.float32, 2, 33, 3), label="nan-loop")
 rec("argmax", lambda x: jnp.argmax(x, axis=0), special(jnp.float32, 300, 2), label="nan-small-column")

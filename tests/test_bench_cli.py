@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -51,16 +52,30 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(api, "gpu_available", lambda: True)
 
 
+def _table_rows(out: str, model: str) -> list[str]:
+    """The streamed table's lines of one model (fixed-width columns, model first)."""
+    return [line for line in out.splitlines() if line.split()[:1] == [model]]
+
+
 def test_no_gpu_plans_every_model(no_gpu, tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     assert cli.main(["--tiny", "--models", "mlp,lstm", "--json", str(out_json)]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.count(NO_GPU_LINE) == 1
     assert [line for line in out.splitlines() if NO_GPU_LINE in line][0].startswith(NO_GPU_LINE)
-    table_rows = [line for line in out.splitlines() if line.startswith("│")]
-    assert sum("mlp" in r for r in table_rows) == 2 and sum("lstm" in r for r in table_rows) == 2
+    assert len(_table_rows(out, "mlp")) == 2 and len(_table_rows(out, "lstm")) == 2
+    # Every row says why it is not timed and what the plan decided: the note is never empty.
+    for line in _table_rows(out, "mlp") + _table_rows(out, "lstm"):
+        assert "not timed (no GPU); critical path" in line, line
+    assert "ETA" in captured.err and "ETA" not in out  # progress goes to stderr only
     data = json.loads(out_json.read_text())
-    assert data["meta"]["mode"] == "plan" and data["meta"]["gpu"] is None
+    meta = data["meta"]
+    assert meta["mode"] == "plan" and meta["gpu"] is None
+    # Only what was done: nothing was timed, so no timing settings.
+    for key in ("repeat", "cold_caches", "configs", "budget_s", "timed", "loops"):
+        assert key not in meta, key
+    assert meta["plan_options"]["max_streams"] is None
     rows = data["rows"]
     assert [(r["model"], r["batch"]) for r in rows] == [("mlp", 1), ("mlp", 32), ("lstm", 1), ("lstm", 32)]
     for r in rows:
@@ -68,8 +83,30 @@ def test_no_gpu_plans_every_model(no_gpu, tmp_path, capsys):
         assert r["tasks"] == sum(r["task_kinds"].values()) > 0
         assert r["kernels"] == r["task_kinds"].get("kernel", 0)
         assert r["streams"] >= 1 and r["events"] >= 0 and r["arena_bytes"] > 0
+        assert r["note"].startswith("not timed (no GPU); ")
+        assert not any(k.endswith("_ms") or k.startswith("compile") for k in r), r
     lstm = [r for r in rows if r["model"] == "lstm"][0]
     assert lstm["streams"] > 1  # the input projections run beside the recurrence
+
+
+def test_plan_notes_name_the_decisions():
+    from nimblejax.bench.cli import plan_notes
+
+    fn, args = MODELS["resnet50"].abstract(32, tiny=True)
+    import nimblejax as nimble
+
+    f = nimble.jit(fn, backend="interpret", cudnn=False)
+    plan, plan_options = f.plan(*args), f.options
+    note = plan_notes(plan, plan_options, batch=32)
+    assert f"critical path {plan.critical_path} of {len(plan.tasks)} tasks" in note
+    assert "im2col+GEMM" in note and "no cuDNN found here" in note
+    assert "no cuDNN" not in plan_notes(plan, plan_options, batch=1)  # im2col anyway at batch 1
+    # im2col chosen, not for want of libcudnn: no such note.
+    assert "no cuDNN" not in plan_notes(plan, plan_options.replace(conv="im2col"), batch=32)
+    chain = nimble.jit(lambda x: jnp.sin(jnp.cos(x)) * 2, backend="interpret").plan(
+        jax.ShapeDtypeStruct((4, 4), jnp.float32))
+    if chain.critical_path == len(chain.tasks):
+        assert plan_notes(chain, plan_options).startswith("a chain")
 
 
 def test_unsupported_model_is_a_row_not_a_crash(no_gpu, monkeypatch, tmp_path, capsys):
@@ -86,18 +123,21 @@ def test_unsupported_model_is_a_row_not_a_crash(no_gpu, monkeypatch, tmp_path, c
 
 
 def test_timing_path_on_cpu(fake_gpu, monkeypatch, tmp_path, capsys):
-    """The GPU path end to end, with nimble's interpreter in place of the GPU: every
-    configuration is a row, errors are recorded and the next model still runs."""
+    """The GPU path end to end (--full: every configuration), with nimble's interpreter
+    in place of the GPU: every configuration is a row, errors are recorded and the next
+    model still runs."""
     monkeypatch.setitem(MODELS, "fake", _fake_spec())
     out_json = tmp_path / "bench.json"
     plot = tmp_path / "speedups.png"
-    argv = ["--tiny", "--models", "fake,mlp", "--batch", "2", "--repeat", "2", "--no-cold",
+    argv = ["--full", "--tiny", "--models", "fake,mlp", "--batch", "2", "--repeat", "2", "--no-cold",
             "--nimble-backend", "interpret", "--json", str(out_json), "--plot", str(plot)]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert NO_GPU_LINE not in out
     data = json.loads(out_json.read_text())
-    assert data["meta"]["mode"] == "gpu"
+    assert data["meta"]["mode"] == "gpu" and data["meta"]["run"] == "full"
+    assert data["meta"]["repeat"] == 2 and data["meta"]["cold_caches"] is False
+    assert data["meta"]["timed"] == ["looped", "e2e", "gpu"]
     rows = data["rows"]
     fake = [r for r in rows if r["model"] == "fake"]
     mlp = {r["config"]: r for r in rows if r["model"] == "mlp"}
@@ -110,10 +150,12 @@ def test_timing_path_on_cpu(fake_gpu, monkeypatch, tmp_path, capsys):
         assert r["status"] == "ok", r
         assert r["max_rel_err"] < 2e-3
         assert r["e2e_ms"] > 0 and r["speedup_e2e"] > 0
+        assert r["looped_ms"] > 0 and r["speedup_looped"] > 0
         assert r["compile_cold_s"] > 0 and r["compile_warm_s"] > 0
-        assert r["tasks"] > 0
+        assert r["tasks"] > 0 and r["timed_calls"] == 2
     assert mlp["nimble 1-stream"]["streams"] == 1
     assert mlp["nimble multi-stream"]["streams"] > 1
+    assert data["summary"]["geomeans"], data["summary"]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -122,13 +164,170 @@ def test_timing_path_on_cpu(fake_gpu, monkeypatch, tmp_path, capsys):
         assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_default_run_records_what_it_did(fake_gpu, tmp_path, capsys):
+    """No flags (bar the CPU stand-ins): jax.jit against nimble multi-stream, looped and
+    GPU time within a time budget, first-call times, and the geomeans at the end."""
+    out_json = tmp_path / "bench.json"
+    argv = ["--tiny", "--models", "mlp", "--batch", "2", "--nimble-backend", "interpret",
+            "--budget", "0.05", "--json", str(out_json)]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    data = json.loads(out_json.read_text())
+    meta = data["meta"]
+    assert meta["run"] == "default" and meta["configs"] == ["jax.jit", "nimble multi-stream"]
+    assert meta["budget_s"] == 0.05 and "repeat" not in meta and meta["cold_caches"] is False
+    assert meta["timed"] == ["looped", "gpu"]
+    rows = {r["config"]: r for r in data["rows"]}
+    assert list(rows) == ["jax.jit", "nimble multi-stream"]
+    for r in rows.values():
+        assert r["status"] == "ok", r
+        assert r["looped_ms"] > 0 and r["first_call_s"] > 0 and r["timed_calls"] >= 2
+        assert "e2e_ms" not in r and "compile_cold_s" not in r and "compile_warm_s" not in r
+    assert rows["nimble multi-stream"]["gpu_ms"] is None  # the interpreter has no GPU time
+    assert rows["nimble multi-stream"]["speedup_looped"] > 0
+    (g,) = data["summary"]["geomeans"]
+    assert g["config"] == "nimble multi-stream" and g["batch"] == 2
+    assert g["looped"] == pytest.approx(rows["nimble multi-stream"]["speedup_looped"])
+    out = captured.out.splitlines()
+    header = [i for i, line in enumerate(out) if line.startswith("model ")]
+    assert len(header) == 1
+    h = out[header[0]]
+    assert h.index("looped ms") < h.index("GPU ms") < h.index("speedup looped") < h.index("note")
+    assert "e2e" not in h and "compile cold" not in h and "first call s" in h
+    assert out[-2].startswith("geomean speedup of nimble multi-stream over jax.jit, batch 2: looped")
+    assert "ETA" in captured.err and "estimated" in captured.err
+
+
+class _Log:
+    """A stdout that records each write and flush, in order with the fake timers' calls."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+
+    def write(self, text: str) -> int:
+        self.events.append(("write", text))
+        return len(text)
+
+    def flush(self) -> None:
+        self.events.append(("flush", None))
+
+    def isatty(self) -> bool:
+        return False
+
+
+def test_rows_stream_as_they_are_measured(fake_gpu, monkeypatch, tmp_path):
+    """With fake timers: each row is written and flushed right after its own
+    measurements, before the next configuration is timed, when stdout is not a terminal."""
+    from nimblejax.bench import timing
+
+    events: list = []
+
+    def fake(name, us):
+        def timer(*args, **kwargs):
+            events.append(("measure", name))
+            return us
+        return timer
+
+    monkeypatch.setattr(timing, "looped_us", fake("looped", 1000.0))
+    monkeypatch.setattr(timing, "throughput_us", fake("gpu", 800.0))
+    monkeypatch.setattr(timing, "e2e_us", fake("e2e", 1200.0))
+    monkeypatch.setattr(sys, "stdout", _Log(events))
+    stderr = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    argv = ["--tiny", "--models", "mlp,lstm", "--batch", "2", "--nimble-backend", "interpret",
+            "--repeat", "3"]
+    assert cli.main(argv) == 0
+    writes = [(i, text) for i, (kind, text) in enumerate(events) if kind == "write"]
+    rows = [(i, text) for i, text in writes if text.split()[:1] in (["mlp"], ["lstm"])]
+    assert [t.split()[0] for _, t in rows] == ["mlp", "mlp", "lstm", "lstm"]
+    measures = [i for i, (kind, _) in enumerate(events) if kind == "measure"]
+    for (i, text), (j, _) in zip(rows, rows[1:] + [(len(events), None)]):
+        assert events[i + 1] == ("flush", None), text  # flushed at once
+        later = [m for m in measures if i < m < j]
+        earlier = [m for m in measures if m < i]
+        assert earlier, text  # printed after its own measurements ...
+        # ... and before the next row's: the next row's timers all run after this line.
+        if j < len(events):
+            assert later, text
+    jax_row = rows[0][1]
+    assert "1.000" in jax_row and "0.800" in jax_row  # looped ms, then GPU ms
+    err = stderr.getvalue()
+    assert "[1/2] mlp batch 2: jax.jit" in err and "[2/2] lstm batch 2" in err
+    assert "ETA" in err and "\r" not in err  # a log: one line per step
+
+
+def test_progress_eta_from_priors_and_elapsed_time():
+    now = [0.0]
+    buf = io.StringIO()
+    progress = cli.Progress(["a", "b"], {"a": 10.0, "b": 30.0}.get, stream=buf, clock=lambda: now[0])
+    assert progress.estimate_s() == 40.0
+    progress.step("a")
+    now[0] = 20.0  # a took twice its prior: b is expected to as well
+    progress.finish("a")
+    assert progress.estimate_s() == 60.0
+    progress.step("b")
+    assert buf.getvalue().splitlines()[-1] == "[2/2] b  (0m20s elapsed, ETA 1m00s)"
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    tty = Tty()
+    progress = cli.Progress(["a"], lambda u: 1.0, stream=tty, clock=lambda: 0.0)
+    progress.step("a")
+    progress.clear()
+    assert tty.getvalue() == "\r\x1b[K[1/1] a  (0m00s elapsed, ETA 0m01s)\r\x1b[K"
+
+
+def test_estimate_of_the_default_run_fits_two_minutes_when_warm():
+    """The priors (measured on an H100) put the default run of the whole suite under two
+    minutes once the compile caches are filled, and say the first run takes longer."""
+    opts = cli.parse_args([])
+    units = [(m, b) for m in opts.model_names for b in opts.batches]
+    warm = sum(cli.prior_s(m, b, opts, "gpu", warm=True) for m, b in units)
+    cold = sum(cli.prior_s(m, b, opts, "gpu", warm=False) for m, b in units)
+    assert warm < 120 < cold
+    full = cli.parse_args(["--full"])
+    assert sum(cli.prior_s(m, b, full, "gpu") for m, b in units) > 4 * cold
+
+
 def test_configs_and_models_options(no_gpu):
     opts = cli.parse_args(["--models", "mlp", "--configs", "jax,multi-stream,eager", "--batch", "4"])
-    assert opts.config_keys == ["jax", "nimble", "nimble-eager"]
+    assert opts.config_keys == ["jax", "nimble-eager", "nimble"]  # jax.jit first, always
     assert opts.batches == [4] and opts.model_names == ["mlp"]
-    assert cli.parse_args([]).model_names == list(MODELS)
+    default = cli.parse_args([])
+    assert default.model_names == list(MODELS) and default.batches == [1, 32]
+    assert default.config_keys == ["jax", "nimble"] and default.repeat is None
+    assert default.budget == cli.DEFAULT_BUDGET_S and not default.full and not default.cold
+    full = cli.parse_args(["--full"])
+    assert full.config_keys == list(cli.CONFIGS) and full.repeat == cli.FULL_REPEAT and full.cold
+    assert not cli.parse_args(["--full", "--no-cold"]).cold
+    assert cli.parse_args(["--full", "--repeat", "7"]).repeat == 7
+    assert cli.parse_args(["--timeline", "t.png"]).timeline == "t.png"
     with pytest.raises(SystemExit):
         cli.parse_args(["--models", "no_such_model"])
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--budget", "0"])
+
+
+def test_timeline_paths():
+    one = cli.parse_args(["--models", "mlp", "--batch", "1"])
+    assert cli.timeline_path("t.png", "mlp", 1, one) == "t.png"
+    many = cli.parse_args([])
+    assert cli.timeline_path("out/t.png", "bert", 32, many) == "out/t_bert_b32.png"
+
+
+def test_geomeans_per_config_and_batch():
+    rows = [{"model": m, "batch": 1, "config": c, "status": "ok", "speedup_looped": s,
+             "speedup_gpu": 2 * s}
+            for m, s in (("a", 1.0), ("b", 4.0)) for c in ("jax.jit", "nimble multi-stream")]
+    rows.append({"model": "c", "batch": 1, "config": "nimble multi-stream", "status": "error"})
+    g = cli.geomeans(rows)
+    assert g == [{"config": "nimble multi-stream", "batch": 1, "looped": pytest.approx(2.0),
+                  "looped_models": 2, "gpu": pytest.approx(4.0), "gpu_models": 2}]
+    (line,) = report.geomean_lines(g)
+    assert line == ("geomean speedup of nimble multi-stream over jax.jit, batch 1: "
+                    "looped 2.00x (2 models), GPU time 4.00x (2 models)")
 
 
 @pytest.mark.parametrize("name, want", [("float32", "float32"), ("bfloat16", "bfloat16"),
@@ -178,12 +377,13 @@ def _fabricated() -> dict:
             for i, config in enumerate(cli.CONFIGS.values()):
                 rows.append({"model": model, "batch": batch, "config": config, "status": "ok",
                              "e2e_ms": 1.0 + i / 10, "gpu_ms": 0.8 + i / 10,
+                             "looped_ms": 0.9 + i / 10,
                              "tasks": 120, "kernels": 70, "gemms": 50, "streams": 4, "events": 9,
                              "arena_bytes": 300 * 2**20, "arena_input_bytes": 100 * 2**20,
                              "xla_temp_bytes": 150 * 2**20, "compile_cold_s": 12.5,
                              "compile_warm_s": 1.5, "max_rel_err": 1e-4})
     rows.append({"model": "inception_v3", "batch": 1, "config": "nimble eager", "status": "ok",
-                 "e2e_ms": 2.0, "tasks": 30, "kernels": 10, "gemms": 8,
+                 "e2e_ms": 2.0, "looped_ms": 1.5, "tasks": 30, "kernels": 10, "gemms": 8,
                  "task_kinds": {"kernel": 10, "gemm": 8, "cudnn": 12}})
     rows.append({"model": "nasnet_mobile", "batch": 1, "config": "nimble multi-stream",
                  "status": "error", "error": "KernelLaunchError: too many resources\nsecond line"})
@@ -226,9 +426,13 @@ def test_json_roundtrip(tmp_path):
 
 def test_plot_from_fabricated_results(tmp_path):
     pytest.importorskip("matplotlib")
-    labels, series = report.speedup_series(_fabricated()["rows"])
+    labels, series = report.speedup_series(_fabricated()["rows"])  # looped
     assert labels == ["resnet50 b1", "resnet50 b32", "bert b1", "bert b32", "inception_v3 b1"]
     assert set(series) == set(cli.CONFIGS.values())
+    assert series["jax.jit"][0] == pytest.approx(1.0)
+    gpu_labels, _ = report.speedup_series(_fabricated()["rows"], "speedup_gpu")
+    assert gpu_labels == labels[:4]  # the eager inception row has no GPU time
+    assert [f for f, _ in report.PLOTTED] == ["speedup_looped", "speedup_gpu"]
     path = tmp_path / "speedups.png"
     assert report.plot_speedups(_fabricated(), str(path)) is None
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -62,6 +62,9 @@ def test_donated_training_state_fed_back(model):
         x = rand(r, 8, 64)
         p_n, p_j = f(p_n, x), ref(p_j, x)
     close(p_n, p_j)
+    # The state is fed back inside the arena: only x is passed to JAX.
+    n = len(jax.tree_util.tree_leaves(p_n))
+    assert [k[3] for k in f._resident_fns][-1] == tuple(range(n)) + (-1,)
 
 
 def test_steady_state_call_runs_no_nimble_python_and_no_sync(model):
@@ -93,7 +96,7 @@ def test_steady_state_call_runs_no_nimble_python_and_no_sync(model):
     assert sum(s.endswith("api.py") for s in seen) <= 4 * len(xs)
     close(outs[-1], jax.jit(branchy_mlp)(model[0], xs[-1]))
     # The parameters stay resident: the steady-state call passes x alone.
-    assert [k[3] for k in f._resident_fns][-1] == (False,) * len(jax.tree_util.tree_leaves(model[0])) + (True,)
+    assert [k[3] for k in f._resident_fns][-1] == (-2,) * len(jax.tree_util.tree_leaves(model[0])) + (-1,)
 
 
 def test_resident_parameters_changed_and_deleted_on_gpu(model):

@@ -29,8 +29,12 @@ def fresh_x(r) -> jax.Array:
     return jnp.asarray(r.normal(size=(4, 16)), jnp.float32)
 
 
+P, H = -1, -2  # a leaf passed to JAX, a leaf held in the arena (xla_op.PASSED, HELD)
+
+
 def masks(f) -> list:
-    """The fresh masks of the jitted calls made so far, in order of first use."""
+    """The operand sources of the jitted calls made so far, in order of first use:
+    P, H or the index of the previous call's result fed back."""
     return [key[3] for key in f._resident_fns]
 
 
@@ -44,7 +48,7 @@ def test_unchanged_parameters_are_not_passed_again():
         x = fresh_x(r)
         close(f(p, x), layer(p, x))
     # (b, s, w, x): the first call passes everything, the others only x.
-    assert masks(f) == [(True,) * 4, (False, False, False, True)]
+    assert masks(f) == [(P,) * 4, (H, H, H, P)]
     assert f.cache_size == 1
 
 
@@ -58,7 +62,7 @@ def test_a_changed_leaf_is_always_seen():
     # Equal values in a new object are passed too (identity, not equality, decides).
     p = {k: jnp.array(v) for k, v in p.items()}
     close(f(p, x), layer(p, x))
-    assert (True, True, True, False) in masks(f)
+    assert (P, P, P, H) in masks(f)
 
 
 def test_numpy_leaves_are_never_resident():
@@ -68,7 +72,7 @@ def test_numpy_leaves_are_never_resident():
     close(f(p, x), layer(p, x))
     p["w"] *= -1.5  # mutated in place: the same object with new data
     close(f(p, x), layer(p, x))
-    assert all(m[:3] == (True, True, True) for m in masks(f))
+    assert all(m[:3] == (P, P, P) for m in masks(f))
 
 
 def test_a_deleted_parameter_is_caught():
@@ -94,7 +98,30 @@ def test_donated_state_is_always_passed():
         want = jax.jit(step)(want, x)
         state = f(state, x)
         jax.tree_util.tree_map(close, state, want)
-    assert all(m[:3] == (True, True, True) for m in masks(f))
+    # Never held; fed back from the previous call's results (b, s, w: outputs 0, 1, 2).
+    assert masks(f) == [(P,) * 4, (0, 1, 2, P)]
+
+
+def test_fed_back_results_are_copied_inside_the_arena():
+    def step(state, x):
+        new = {k: jnp.tanh(v + jnp.mean(x)) for k, v in state.items()}
+        return new, jnp.sum(new["w"])
+
+    f, r = nimble.jit(step, backend="interpret"), np.random.default_rng(1)
+    state, want = params(7), params(7)
+    for k in range(4):
+        x = fresh_x(r)
+        (state, loss), (want, want_loss) = f(state, x), jax.jit(step)(want, x)
+        jax.tree_util.tree_map(close, (state, loss), (want, want_loss))
+    assert masks(f)[-1] == (0, 1, 2, P)
+    # Results swapped between positions, and the leaf the previous call read (held).
+    older = state
+    state, _ = f(state, fresh_x(r))
+    swapped = {"b": state["s"], "s": state["b"], "w": older["w"]}
+    x = fresh_x(r)
+    close(f(swapped, x)[1], step(swapped, x)[1])
+    assert masks(f)[-1] == (1, 0, H, P)
+    close(f(older, x)[1], step(older, x)[1])  # results of three calls ago: passed
 
 
 def test_a_new_signature_passes_everything_then_resides_again():

@@ -56,14 +56,6 @@ def simulate(p: Plan, elems, red, init):
         if len(warps) == 1:
             return warps[0]
         return _shuffle_tree(warps + [init] * (WARP - len(warps)), red, WARP // 2)
-    if p.kind == "multirow":
-        per_thread = []
-        for t in range(p.threads):
-            acc = init
-            for s2 in range(p.vec):
-                acc = red(acc, elems[t * p.vec + s2])
-            per_thread.append(acc)
-        return _shuffle_tree(per_thread, red, p.threads // 2)
     if p.kind == "col":
         s = p.threads
         slots = []

@@ -152,11 +152,17 @@ nimble_resident_p = Primitive("nimble_resident_call")
 nimble_resident_p.multiple_results = True
 
 
+PASSED, HELD = -1, -2  # a resident call's operand sources; j >= 0: the previous call's output j
+
+
 @dataclass(frozen=True)
 class Residency:
-    """Which flat operands a resident call passes (`fresh`), and every operand's type."""
+    """Where each flat operand of a resident call comes from (`sources`): PASSED (an
+    operand of the call), HELD (still in the arena from an earlier call) or j >= 0 (the
+    previous call's flat output j, still in the arena's output buffer: a training loop
+    feeding its state back); and every operand's type."""
 
-    fresh: tuple
+    sources: tuple
     avals: tuple
 
 
@@ -172,7 +178,7 @@ def _resident_abstract(*avals, body: Body, residency: Residency):
 def _resident_lowering(ctx, *args, body: Body, residency: Residency):
     runner = body.runner(residency.avals)
     runner.place(_lowering_devices(ctx))
-    emit = functools.partial(runner.emit_resident, residency.fresh)
+    emit = functools.partial(runner.emit_resident, residency.sources)
     return mlir.lower_fun(emit, multiple_results=True)(ctx, *args)
 
 
@@ -269,9 +275,8 @@ class Runner:
     def emit(self, *xs):
         raise NotImplementedError
 
-    def emit_resident(self, fresh: tuple, *xs):
-        """`emit` with only the operands marked fresh; the others are the ones the
-        previous call of this runner had."""
+    def emit_resident(self, sources: tuple, *xs):
+        """`emit` with only the operands whose source is PASSED (Residency)."""
         raise NotImplementedError
 
 
@@ -291,6 +296,7 @@ class InterpretRunner(Runner):
         self.out_shapes = out_shapes
         self.calls = itertools.count()
         self.held: list = [None] * len(plan.graph.inputs)  # the operands, as the GPU arena holds them
+        self.last_outs: tuple = ()  # the previous call's results, as the arena's output buffers
         self.held_lock = threading.Lock()
         # The constants' host values now, outside any callback (a jax.Array keeps them),
         # so that no callback waits for one still being computed by JAX's CPU client.
@@ -325,19 +331,22 @@ class InterpretRunner(Runner):
     def emit(self, *xs):
         return list(jax.pure_callback(self._run, tuple(self.out_shapes), *xs))
 
-    def _run_resident(self, fresh: tuple, *xs):
+    def _run_resident(self, sources: tuple, *xs):
         it = iter(xs)
         with self.held_lock:
-            for i, f in enumerate(fresh):
-                if f:
+            for i, src in enumerate(sources):
+                if src == PASSED:
                     self.held[i] = np.array(next(it))  # a copy: XLA may reuse its buffer
+                elif src >= 0:
+                    self.held[i] = self.last_outs[src]
                 elif self.held[i] is None:
                     raise RuntimeError(f"nimblejax: operand {i} is resident but was never passed")
-            args = list(self.held)
-        return self._run(*args)
+            outs = self._run(*self.held)
+            self.last_outs = outs  # as the GPU arena's output buffers keep them
+        return outs
 
-    def emit_resident(self, fresh: tuple, *xs):
-        run = functools.partial(self._run_resident, fresh)
+    def emit_resident(self, sources: tuple, *xs):
+        run = functools.partial(self._run_resident, sources)
         return list(jax.pure_callback(run, tuple(self.out_shapes), *xs))
 
 
@@ -361,7 +370,7 @@ class FfiRunner(Runner):
         self.plan, self.library, self.gemm = plan, library, gemm
         self.id = 0
         self.exes: dict = {}  # device ordinal -> Executable
-        self.views: dict = {}  # fresh mask -> the id of the view that takes those operands
+        self.views: dict = {}  # operand sources -> the id of the view registered for them
         self.donated = donated
         self.buffers = list(dict.fromkeys(a for a in plan.graph.outputs if plan.output_kind(a) == "buffer"))
         self.out_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.buffers]
@@ -392,32 +401,39 @@ class FfiRunner(Runner):
                                             out_src, [a.nbytes for a in self.buffers],
                                             plan_id=self.id, device=ordinal)
         self.exes[ordinal] = exe
-        for fresh, view in self.views.items():
-            self._register_view(fresh, view, ordinal)
+        for sources, view in self.views.items():
+            self._register_view(sources, view, ordinal)
 
-    def _register_view(self, fresh: tuple, view_id: int, ordinal: int) -> int:
+    def _register_view(self, sources: tuple, view_id: int, ordinal: int) -> int:
+        """Operands PASSED are copied in from XLA's buffers; an operand fed back from
+        output j is copied inside the arena, from j's buffer (which the previous call's
+        graph wrote and nothing has written since); HELD operands are not touched."""
         plan, exe = self.plan, self.exes[ordinal]
-        taken = [v for v, f in zip(plan.graph.inputs, fresh) if f]
-        in_dst = [exe.base + plan.offset(v) if _in_arena(plan, v) else 0 for v in taken]
-        in_bytes = [v.nbytes if _in_arena(plan, v) else 0 for v in taken]
-        return self.library.register_view(self.id, in_dst, in_bytes, view_id=view_id, device=ordinal)
+        slot = lambda v: exe.base + plan.offset(v) if _in_arena(plan, v) else 0  # noqa: E731
+        size = lambda v: v.nbytes if _in_arena(plan, v) else 0  # noqa: E731
+        passed = [v for v, src in zip(plan.graph.inputs, sources) if src == PASSED]
+        fed = [(v, plan.graph.outputs[src]) for v, src in zip(plan.graph.inputs, sources) if src >= 0]
+        return self.library.register_view(
+            self.id, [slot(v) for v in passed], [size(v) for v in passed], view_id=view_id,
+            device=ordinal, fed_dst=[slot(v) for v, _ in fed],
+            fed_src=[exe.base + plan.offset(a) for _, a in fed], fed_bytes=[size(v) for v, _ in fed])
 
-    def _view(self, fresh: tuple) -> int:
-        if all(fresh):
+    def _view(self, sources: tuple) -> int:
+        if all(src == PASSED for src in sources):
             return self.id
-        view = self.views.get(fresh)
+        view = self.views.get(sources)
         if view is None:
             view = 0
             for ordinal in self.exes:
-                view = self._register_view(fresh, view, ordinal)
-            self.views[fresh] = view
+                view = self._register_view(sources, view, ordinal)
+            self.views[sources] = view
         return view
 
-    def emit_resident(self, fresh: tuple, *xs):
-        inputs = [v for v, f in zip(self.plan.graph.inputs, fresh) if f]
-        donated = [i for i, f in enumerate(fresh) if f]
-        donated = frozenset(k for k, i in enumerate(donated) if i in self.donated)
-        return self._emit(self._view(fresh), inputs, _aliases(inputs, self.buffers, donated), xs)
+    def emit_resident(self, sources: tuple, *xs):
+        positions = [i for i, src in enumerate(sources) if src == PASSED]
+        inputs = [self.plan.graph.inputs[i] for i in positions]
+        donated = frozenset(k for k, i in enumerate(positions) if i in self.donated)
+        return self._emit(self._view(sources), inputs, _aliases(inputs, self.buffers, donated), xs)
 
     def emit(self, *xs):
         return self._emit(self.id, self.plan.graph.inputs, self.aliases, xs)

@@ -24,9 +24,11 @@ The arrangement, as XLA chooses it (openxla/xla):
   (ComputeSplitParams: R padded to k1 * k2, an inner reduce of each k2-long piece, then
   an outer one over the k1 results; each a fusion of its own, chosen by these rules).
 - xla/backends/gpu/codegen/emitters/reduction.cc, CreateReductionFusion:
-  * MultiRowReductionFusion (rows whose length is a power of two that fits one warp
-    with `v`-wide vectors): thread t of the row folds elements t*v .. t*v+v-1, then a
-    shuffle-down tree over the R/v threads;
+  * never MultiRowReductionFusion: its TryCreate sizes vectors by the fusion's smallest
+    output width, and the variadic reduce's tuple-shaped root has none
+    (hlo_fusion_analysis.cc, SmallestBitWidth skips non-arrays: INT_MAX), so the vector
+    size comes out 0 and it declines (measured: (20000, 32) and (5000, 64) rows order
+    as the row emitter's);
   * RowReductionFusion: T = min(1024, roundup(ceil(R / 16), 32)) threads per row, vector
     size v = GetVectorSizeForMlir (reduction_base.cc); thread t folds the vectors
     p = s*T + t (s = 0, 1, ...), each element of a vector in order; a shuffle-down tree
@@ -39,6 +41,12 @@ The arrangement, as XLA chooses it (openxla/xla):
 A shuffle-down tree over 2^b lanes puts lane l at position bitreverse_b(l).
 
 Integer and bool argmax have no NaN, so their result does not depend on the order.
+
+Checked against jax.jit on an H100 (jax 0.11.2) for 52 shapes and float32, float16 and
+bfloat16 (tests/data/argmax_gpu_probe.json.gz: 13078 rows with two or more NaNs, all
+reproduced). Version-dependent: ROW_ELEMENTS_PER_THREAD below; a fusion whose input is
+wider or narrower than the argmax operand (XLA fusing a convert producer into the
+reduce) would get another vector size than this model assumes.
 """
 from __future__ import annotations
 
@@ -52,13 +60,12 @@ ROW_TILE = 16                 # GetReductionTiling: row tile_x (the race-free ro
 # probe's 3x5000 rows take 320 threads); newer XLA starts its loop at 32.
 ROW_ELEMENTS_PER_THREAD = 16
 COL_TILE = 128                # GetReductionTiling: column tile_y
-CORE_COUNT = 132              # SMs of an H100 SXM / H200 (MultiRowReductionFusion's block target)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """kind: "seq" (loop fusion), "row" (threads, vec, tile), "multirow" (threads, vec),
-    "col" (slots), "split" (k1, k2, inner, outer)."""
+    """kind: "seq" (loop fusion), "row" (threads, vec, tile), "col" (slots),
+    "split" (k1, k2, inner, outer)."""
     kind: str
     threads: int = 1
     vec: int = 1
@@ -95,12 +102,6 @@ def _round_up(a: int, b: int) -> int:
     return _ceil_div(a, b) * b
 
 
-def _multirow_blocks(kept: int, r: int, v: int) -> int:
-    nr = r // v
-    tk = kept if kept * nr <= 256 else 256 // nr
-    return _ceil_div(kept, tk)
-
-
 def _split_params(r: int, bound: int, is_row: bool) -> tuple[int, int]:
     """tree_reduction_rewriter.cc, ComputeSplitParams (k1 pieces of k2 elements)."""
     k2 = math.isqrt(r)
@@ -126,10 +127,18 @@ def _split_params(r: int, bound: int, is_row: bool) -> tuple[int, int]:
     return (k2, k1) if swap else (k1, k2)
 
 
-def plan(a: int, r: int, b: int, bits: int, out_bits: int | None = None) -> Plan:
-    """XLA's arrangement for reducing the middle of (a, r, b) with `bits`-wide values
-    (the fusion's smallest input width) and `out_bits` (its smallest output width)."""
-    out_bits = min(bits, 32) if out_bits is None else out_bits
+def _stage2_bits(bits: int, bf16: bool) -> int:
+    """The input width of a split reduction's second fusion: its parameters are the
+    first one's outputs, the values and the int32 indices. XLA reduces bfloat16 values
+    as float32 (the optimized HLO reduces a convert to f32 inside the fusion, whose
+    parameter stays bf16), so a bfloat16 split hands float32 to its second stage
+    (measured: (64, 50257) and (8, 300000) rows on the H100; float16 stays 16-bit)."""
+    return 32 if bf16 else min(bits, 32)
+
+
+def plan(a: int, r: int, b: int, bits: int, bf16: bool = False) -> Plan:
+    """XLA's arrangement for reducing the middle of (a, r, b) whose fusion reads
+    `bits`-wide values (its smallest input width)."""
     if r <= 1:
         return Plan("seq")
     if b == 1:  # row reduction [1, a, r]
@@ -137,18 +146,8 @@ def plan(a: int, r: int, b: int, bits: int, out_bits: int | None = None) -> Plan
             return Plan("seq")
         if r > MIN_THREADS_X_ROW * ROW_TILE:
             k1, k2 = _split_params(r, MIN_THREADS_X_ROW * ROW_TILE, True)
-            return Plan("split", k1=k1, k2=k2, inner=plan(a * k1, k2, 1, bits, out_bits),
-                        outer=plan(a, k1, 1, min(bits, 32), out_bits))
-        if r & (r - 1) == 0:  # MultiRowReductionFusion::TryCreate
-            small, large = min(bits, out_bits), max(bits, out_bits)
-            v = min(r, 64 // small)
-            if large >= 32:
-                v = min(128 // large, v)
-            if r <= WARP * v:
-                while v > 1 and _multirow_blocks(a, r, v) < CORE_COUNT:
-                    v //= 2
-                if r <= WARP * v:
-                    return Plan("multirow", threads=r // v, vec=v)
+            return Plan("split", k1=k1, k2=k2, inner=plan(a * k1, k2, 1, bits, bf16),
+                        outer=plan(a, k1, 1, _stage2_bits(bits, bf16)))
         t = min(MIN_THREADS_X_ROW, _round_up(_ceil_div(r, ROW_ELEMENTS_PER_THREAD), WARP))
         v = _vector_size(r, t, bits)
         tile = min(ROW_ELEMENTS_PER_THREAD // v, _ceil_div(r // v, t))
@@ -159,8 +158,8 @@ def plan(a: int, r: int, b: int, bits: int, out_bits: int | None = None) -> Plan
         return Plan("seq")
     if r > WARP * COL_TILE:
         k1, k2 = _split_params(r, WARP * COL_TILE, False)
-        return Plan("split", k1=k1, k2=k2, inner=plan(a * k1, k2, b, bits, out_bits),
-                    outer=plan(a, k1, b, min(bits, 32), out_bits))
+        return Plan("split", k1=k1, k2=k2, inner=plan(a * k1, k2, b, bits, bf16),
+                    outer=plan(a, k1, b, _stage2_bits(bits, bf16)))
     if WARP % b == 0:  # SmallColumnReductionFusion
         v = _vector_size(r * b, WARP, bits)
         shared_rows = v * 128 // b
@@ -174,7 +173,7 @@ def plan(a: int, r: int, b: int, bits: int, out_bits: int | None = None) -> Plan
 def plan_for(shape, axis, dtype) -> Plan:
     import numpy as np
     bits = 8 * np.dtype(dtype).itemsize
-    return plan(*dims3(shape, axis), bits)
+    return plan(*dims3(shape, axis), bits, bf16=np.dtype(dtype).name == "bfloat16")
 
 
 def bitrev(x: int, bits: int) -> int:
@@ -187,8 +186,6 @@ def rank_span(p: Plan, r: int) -> int:
         return r
     if p.kind == "row":
         return WARP * WARP * p.tile * p.vec
-    if p.kind == "multirow":
-        return p.threads * p.vec
     if p.kind == "col":
         return p.threads * _ceil_div(r, p.threads)
     return rank_span(p.outer, p.k1) * rank_span(p.inner, p.k2)
@@ -203,9 +200,6 @@ def nan_rank(p: Plan, r: int, i: int) -> int:
         s1, t = divmod(q, p.threads)
         w, lane = divmod(t, WARP)
         return ((bitrev(w, 5) * WARP + bitrev(lane, 5)) * p.tile + s1) * p.vec + s2
-    if p.kind == "multirow":
-        t, s2 = divmod(i, p.vec)
-        return bitrev(t, p.threads.bit_length() - 1) * p.vec + s2
     if p.kind == "col":
         k, g = divmod(i, p.threads)
         return bitrev(g, p.threads.bit_length() - 1) * _ceil_div(r, p.threads) + k
@@ -239,10 +233,6 @@ def emit_nan_rank(tmp, p: Plan, r: int, i: str) -> str:
         lane = tmp("int", f"{t} & 31")
         return tmp(ll, f"(((long long){_brev_c(w, 5)} * {WARP} + {_brev_c(lane, 5)}) * {p.tile}"
                        f" + {s1}) * {p.vec} + {s2}")
-    if p.kind == "multirow":
-        t = tmp("int", f"({i}) / {p.vec}")
-        return tmp(ll, f"(long long){_brev_c(t, p.threads.bit_length() - 1)} * {p.vec}"
-                       f" + (({i}) % {p.vec})")
     if p.kind == "col":
         g = tmp("int", f"({i}) % {p.threads}")
         return tmp(ll, f"(long long){_brev_c(g, p.threads.bit_length() - 1)} * "

@@ -162,6 +162,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nimble_ffi_register.restype = ctypes.c_longlong
     lib.nimble_ffi_register_view.argtypes = [
         ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, _u64_p, _u64_p,
+        ctypes.c_int, _u64_p, _u64_p, _u64_p,
     ]  # fmt: skip
     lib.nimble_ffi_register_view.restype = ctypes.c_longlong
     lib.nimble_ffi_unregister.argtypes = [ctypes.c_longlong]
@@ -243,16 +244,21 @@ class FfiLibrary:
         return plan_id
 
     def register_view(self, base_id: int, in_dst: Sequence[int], in_bytes: Sequence[int], *,
-                      view_id: int = 0, device: int = 0) -> int:
+                      view_id: int = 0, device: int = 0, fed_dst: Sequence[int] = (),
+                      fed_src: Sequence[int] = (), fed_bytes: Sequence[int] = ()) -> int:
         """Register a view of plan ``base_id`` on ``device``: the same arena, graph and
-        outputs, called with operands copied to ``in_dst`` only (the plan's other
-        inputs stay resident in the arena from earlier calls). Returns the view's id:
-        a new one when ``view_id`` is 0, else ``view_id`` (the view on another device).
-        Calls of a plan and of its views are serialized on one arena."""
-        if len(in_dst) != len(in_bytes):
-            raise ValueError("in_dst and in_bytes must have equal lengths")
+        outputs, called with operands copied to ``in_dst`` only, and ``fed_bytes[k]``
+        bytes copied inside the arena from ``fed_src[k]`` (an output buffer, still
+        holding the previous call's result) to ``fed_dst[k]`` before the graph runs; the
+        plan's other inputs stay resident in the arena from earlier calls. Returns the
+        view's id: a new one when ``view_id`` is 0, else ``view_id`` (the view on
+        another device). Calls of a plan and of its views are serialized on one arena."""
+        if len(in_dst) != len(in_bytes) or not len(fed_dst) == len(fed_src) == len(fed_bytes):
+            raise ValueError("in_dst/in_bytes and fed_dst/fed_src/fed_bytes must have equal lengths")
         view = self._lib.nimble_ffi_register_view(int(view_id), int(base_id), int(device), len(in_dst),
-                                                  _u64_array(in_dst), _u64_array(in_bytes))
+                                                  _u64_array(in_dst), _u64_array(in_bytes), len(fed_dst),
+                                                  _u64_array(fed_dst), _u64_array(fed_src),
+                                                  _u64_array(fed_bytes))
         if view < 0:
             raise RuntimeError(f"nimblejax FFI view registration failed: {self.last_error()}")
         return view

@@ -154,6 +154,9 @@ struct Arena {
 struct Plan {
   std::shared_ptr<Arena> arena;
   std::vector<unsigned long long> in_dst, in_bytes;
+  // Copies inside the arena before the graph runs: a view's operands fed back
+  // from the previous call's results, still in the arena's output buffers.
+  std::vector<unsigned long long> fed_dst, fed_src, fed_bytes;
 };
 
 std::mutex g_plans_mu;
@@ -252,8 +255,16 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
     if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                    DriverError("cuStreamWaitEvent", rc));
   }
-  ffi::Error err = CopyBatched(arena, stream, plan->in_dst, in_src,
-                               plan->in_bytes);
+  ffi::Error err = ffi::Error::Success();
+  if (plan->fed_dst.empty()) {
+    err = CopyBatched(arena, stream, plan->in_dst, in_src, plan->in_bytes);
+  } else {  // one launch for operands and fed-back results together
+    std::vector<unsigned long long> dst(plan->in_dst), src(in_src), bytes(plan->in_bytes);
+    dst.insert(dst.end(), plan->fed_dst.begin(), plan->fed_dst.end());
+    src.insert(src.end(), plan->fed_src.begin(), plan->fed_src.end());
+    bytes.insert(bytes.end(), plan->fed_bytes.begin(), plan->fed_bytes.end());
+    err = CopyBatched(arena, stream, dst, src, bytes);
+  }
   if (err.failure()) return err;
   CUresult rc = g_drv.GraphLaunch(arena.graph, stream);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
@@ -336,9 +347,12 @@ NIMBLE_EXPORT long long nimble_ffi_register(
 // (the other inputs stay resident in the arena). Returns the view's id or -1.
 NIMBLE_EXPORT long long nimble_ffi_register_view(
     long long view_id, long long base_id, int device, int n_in,
-    const unsigned long long* in_dst, const unsigned long long* in_bytes) {
+    const unsigned long long* in_dst, const unsigned long long* in_bytes, int n_fed,
+    const unsigned long long* fed_dst, const unsigned long long* fed_src,
+    const unsigned long long* fed_bytes) {
   if (nimble_ffi_init() != 0) return -1;
-  if (view_id < 0 || n_in < 0 || (n_in > 0 && (in_dst == nullptr || in_bytes == nullptr))) {
+  if (view_id < 0 || n_in < 0 || (n_in > 0 && (in_dst == nullptr || in_bytes == nullptr)) ||
+      n_fed < 0 || (n_fed > 0 && (fed_dst == nullptr || fed_src == nullptr || fed_bytes == nullptr))) {
     t_last_error = "nimble_ffi_register_view: invalid arguments";
     return -1;
   }
@@ -357,6 +371,9 @@ NIMBLE_EXPORT long long nimble_ffi_register_view(
   plan->arena = base->arena;
   plan->in_dst.assign(in_dst, in_dst + n_in);
   plan->in_bytes.assign(in_bytes, in_bytes + n_in);
+  plan->fed_dst.assign(fed_dst, fed_dst + n_fed);
+  plan->fed_src.assign(fed_src, fed_src + n_fed);
+  plan->fed_bytes.assign(fed_bytes, fed_bytes + n_fed);
   return AddPlan(view_id, device, std::move(plan));
 }
 
