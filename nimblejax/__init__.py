@@ -1,7 +1,7 @@
 """nimblejax: ahead-of-time scheduled, multi-stream CUDA graphs for JAX functions."""
 from nimblejax.api import NimbleFunction, jit
 from nimblejax.explain import explain
-from nimblejax.compiler.lowering.registry import UnsupportedPrimitiveError
+from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.options import Options
 
 __all__ = ["jit", "explain", "NimbleFunction", "Options", "UnsupportedPrimitiveError"]

@@ -63,6 +63,15 @@ def _warn_at_user_line(message: str, category: type = UserWarning) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
+@functools.cache
+def _cudnn_found() -> bool:
+    """Whether libcudnn can be found (a file search, once per process): it decides
+    whether convolutions may take the cuDNN path, so it is part of the options."""
+    from nimblejax.runtime.libs import loader
+
+    return loader.found("cudnn")
+
+
 def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (), donate_argnums: int | Sequence[int] = (),
         backend: Optional[str] = None, output: str = "jax", options: Optional[Options] = None,
@@ -112,7 +121,7 @@ class NimbleFunction:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if options is not None and not isinstance(options, Options):
             raise TypeError(f"options must be a nimblejax.Options, got {type(options).__name__}")
-        self.options = options_mod.from_env(options, **option_overrides)
+        self.options = options_mod.from_env(options, probe_cudnn=_cudnn_found, **option_overrides)
         self.fun = fun
         functools.update_wrapper(self, fun)
         self.static_argnums, self.static_argnames = _static_positions(

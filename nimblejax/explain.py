@@ -4,15 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from nimblejax.compiler import printing
 from nimblejax.compiler.pipeline import Plan
-
-
-def _bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 class Report:
@@ -20,9 +13,7 @@ class Report:
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
-        s = plan.schedule
-        recorders = [u for u in s.order if any(src is u for src, _ in s.syncs)]
-        self.event_of = {u: i for i, u in enumerate(recorders)}
+        self.event_of = printing.event_numbers(plan.schedule)
 
     @property
     def num_tasks(self) -> int:
@@ -41,13 +32,7 @@ class Report:
         return self.plan.memory.arena_bytes
 
     def task_line(self, task) -> str:
-        p, s = self.plan, self.plan.schedule
-        waits = [f"e{self.event_of[u]}" for u in s.waits(task)]
-        rec = f" record e{self.event_of[task]}" if task in self.event_of else ""
-        wait = f" wait {','.join(waits)}" if waits else ""
-        ins = " ".join(f"{v!r}@{p.offset(v)}" for v in p.reads[task])
-        outs = " ".join(f"{v!r}@{p.offset(v)}({_bytes(v.nbytes)})" for v in p.writes[task])
-        return f"  s{s.stream[task]}{wait}{rec}  {task.name}  {outs} <- {ins}"
+        return printing.task_line(self.plan, task, self.event_of)
 
     def __str__(self) -> str:
         p = self.plan

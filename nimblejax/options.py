@@ -9,11 +9,17 @@ settings never share a stale plan.
 |--------------|----------------------|-----------------------------|---------------|
 | gemm         | NIMBLE_GEMM          | "lt" (cuBLASLt) / "cublas"  | runtime       |
 | conv         | NIMBLE_CONV          | "auto" / "cudnn" / "im2col" | the plan      |
-| cudnn        | (probe, or NIMBLE_CONV) | whether libcudnn is found | the plan      |
+| cudnn        | (a file search)      | whether libcudnn is found   | the plan      |
 | eager        | NIMBLE_EAGER         | launch tasks one by one     | runtime       |
 | max_streams  | NIMBLE_MAX_STREAMS   | stream cap (None: no cap)   | the plan      |
-| debug        | NIMBLE_DEBUG         | 0 / 1 (1: verify every plan)| checks        |
+| debug        | NIMBLE_DEBUG         | 0 / 1 / 2 (below)           | checks        |
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
+
+`debug`: 1 verifies every plan (no races between streams); 2 also prints the program
+after every compiler pass to stderr (compiler/printing.py).
+
+Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
+convolution: `use_cudnn` in compiler/canonicalize/conv.py.
 
 Library discovery (where libcublas, libcublasLt and libcudnn are) reads its own variables
 through `library_override` and `cuda_roots` below, also only here. The benchmark CLI reads
@@ -24,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 GEMM_LIBRARIES = ("lt", "cublas")
 CONV_PATHS = ("auto", "cudnn", "im2col")
@@ -53,14 +59,12 @@ class Options:
             raise ValueError(f"max_streams must be a positive int or None, got {self.max_streams!r}")
 
     @property
-    def use_cudnn(self) -> bool:
-        """Whether convolutions may go to cuDNN: forced by conv="cudnn", refused by
-        conv="im2col", else wherever libcudnn was found."""
-        return self.conv == "cudnn" or (self.conv == "auto" and self.cudnn)
-
-    @property
     def verify(self) -> bool:
         return self.debug > 0
+
+    @property
+    def print_passes(self) -> bool:
+        return self.debug >= 2
 
     def replace(self, **changes: Any) -> "Options":
         return dataclasses.replace(self, **changes)
@@ -72,9 +76,12 @@ def _check_choice(name: str, value: Any, allowed: tuple) -> None:
                          f"(environment variable {_ENV[name]} or nimble.jit(..., {name}=...))")
 
 
-def from_env(base: Optional[Options] = None, **overrides: Any) -> Options:
+def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[], bool]] = None,
+             **overrides: Any) -> Options:
     """The environment's options, then `base`'s non-default fields, then `overrides`
-    (None means "not given")."""
+    (None means "not given"). `probe_cudnn()` says whether libcudnn can be found, where
+    `cudnn` is not given (api.py passes the loader's search; this module imports no
+    other nimblejax module); without it, cuDNN counts as not found."""
     env = os.environ
     values: dict[str, Any] = {
         "gemm": env.get(_ENV["gemm"], "lt"),
@@ -94,7 +101,7 @@ def from_env(base: Optional[Options] = None, **overrides: Any) -> Options:
         raise TypeError(f"unknown nimblejax option(s) {sorted(unknown)}; "
                         f"known: {[f.name for f in dataclasses.fields(Options)]}")
     if "cudnn" not in values:
-        values["cudnn"] = values["conv"] == "cudnn" or (values["conv"] == "auto" and _cudnn_found())
+        values["cudnn"] = probe_cudnn is not None and probe_cudnn()
     return Options(**values)
 
 
@@ -109,20 +116,6 @@ def _int_or_none(text: str, name: str) -> Optional[int]:
         return int(text)
     except ValueError:
         raise ValueError(f"{_ENV[name]}={text!r} is not an integer") from None
-
-
-_CUDNN_FOUND: Optional[bool] = None
-
-
-def _cudnn_found() -> bool:
-    """Whether libcudnn can be found (a file search, once per process): it decides
-    whether convolutions may take the cuDNN path, so it is part of the options."""
-    global _CUDNN_FOUND
-    if _CUDNN_FOUND is None:
-        from nimblejax.runtime.libs import loader
-
-        _CUDNN_FOUND = loader.found("cudnn")
-    return _CUDNN_FOUND
 
 
 # ---- library discovery and tools (read here so that no other module reads the env) ----

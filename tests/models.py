@@ -75,7 +75,7 @@ def calls_jitted(x):
 
 
 def branchy_mlp(params, x):
-    """DESIGN.md's branchy MLP: parallel branches of dense + bias + tanh, summed."""
+    """The branchy MLP (bench/models/mlp.py): parallel branches of dense + bias + tanh, summed."""
     out = 0.0
     for branch in params:
         h = x

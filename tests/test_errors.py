@@ -22,7 +22,7 @@ def test_unsupported_primitive_names_it_and_the_user_line():
     assert "'cholesky'" in msg
     assert f"test_errors.py:{f.__code__.co_firstlineno + 1}" in msg
     assert 'backend="jax"' in msg
-    assert "linear algebra" in msg  # the reason nimblejax/compiler/support.py gives
+    assert "linear algebra" in msg  # the reason nimblejax/compiler/unsupported.py gives
 
 
 def test_unsupported_dtype_is_named():

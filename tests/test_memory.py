@@ -145,8 +145,8 @@ def test_alignment_and_describe():
     plan = plan_memory(s, sizes, reads, writes, alignment=64)
     assert all(off % 64 == 0 for off in plan.offsets.values())
     text = plan.describe()
-    assert re.fullmatch(r"arena [\d.]+ [kMG]?B \(no reuse [\d.]+ [kMG]?B, single-stream peak [\d.]+ [kMG]?B\)", text), text
-    assert "1.5 MB" in text
+    assert re.fullmatch(r"arena [\d.]+ ([KMG]i)?B \(no reuse [\d.]+ ([KMG]i)?B, single-stream peak [\d.]+ ([KMG]i)?B\)", text), text
+    assert "1.4 MiB" in text  # 1_500_000 bytes, in the binary units of every report
 
 
 def test_bad_inputs_are_rejected():

@@ -38,7 +38,7 @@ def test_every_primitive_of_the_installed_jax_is_classified(installed):
     missing = {n: mods for n, mods in installed.items() if support.classify(n) is None}
     assert not missing, (
         f"jax {jax.__version__} has primitives nimblejax neither lowers, rewrites nor inlines, "
-        f"and NOT_SUPPORTED (nimblejax/compiler/support.py) does not list: "
+        f"and NOT_SUPPORTED (nimblejax/compiler/unsupported.py) does not list: "
         + "; ".join(f"{n} (from {', '.join(m[:2])})" for n, m in sorted(missing.items())))
 
 

@@ -28,7 +28,9 @@ import jax
 import numpy as np
 from jax import lax
 
+from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.ir import Atom, Literal, Node, Var
+from nimblejax.compiler.jaxprs import open_jaxpr
 
 if TYPE_CHECKING:
     from nimblejax.compiler.trace import GraphBuilder
@@ -75,18 +77,10 @@ def _decide(builder, name: str, src: str, choice: str, reason: str) -> None:
 def _refuse(name: str, src: str, reason: str) -> NotImplementedError:
     """A loop or branch that would have to stay one: conditional graph nodes (WHILE/IF)
     are not built yet, so say why this one could not be flattened."""
-    from nimblejax.compiler.lowering.registry import UnsupportedPrimitiveError
-
     return UnsupportedPrimitiveError(
         f"nimblejax cannot flatten primitive '{name}' (from {src}): {reason}, and "
         f"loops kept as loops (CUDA conditional graph nodes) are not supported yet. "
         f"Use nimble.jit(..., backend=\"jax\") to run this function with plain jax.jit.")
-
-
-def _open(j: Any) -> tuple[Any, list]:
-    from nimblejax.compiler.trace import open_jaxpr
-
-    return open_jaxpr(j)
 
 
 # ---- sizes ----------------------------------------------------------------------
@@ -94,7 +88,7 @@ def body_size(jaxpr: Any) -> int:
     """Equations of `jaxpr` once unrolled: nested bodies counted, scan bodies × length."""
     total = 0
     for eqn in jaxpr.eqns:
-        inner = sum(body_size(_open(j)[0]) for j in _sub_jaxprs(eqn.params))
+        inner = sum(body_size(open_jaxpr(j)[0]) for j in _sub_jaxprs(eqn.params))
         times = int(eqn.params["length"]) if eqn.primitive.name == "scan" else 1
         total += max(1, inner * times)
     return total
@@ -122,7 +116,7 @@ def _why(trips: int, size: int) -> str:
 # ---- scan -----------------------------------------------------------------------
 def _scan(builder, eqn, ins, src) -> list[Atom]:
     p = eqn.params
-    body, body_consts = _open(p["jaxpr"])
+    body, body_consts = open_jaxpr(p["jaxpr"])
     trips, size = int(p["length"]), body_size(body)
     if not _fits(trips, size) or _effectful(body):
         why = "the body has side effects" if _effectful(body) else _why(trips, size)
@@ -193,7 +187,7 @@ def _full_fn(shape: tuple[int, ...], dtype: np.dtype) -> Callable:
 # ---- while ----------------------------------------------------------------------
 def _while(builder, eqn, ins, src) -> list[Atom]:
     p = eqn.params
-    body, body_jconsts = _open(p["body_jaxpr"])
+    body, body_jconsts = open_jaxpr(p["body_jaxpr"])
     size = body_size(body)
     trips = static_trip_count(builder, eqn, ins)
     if trips is None or not _fits(trips, size) or _effectful(body):
@@ -236,8 +230,8 @@ def static_trip_count(builder, eqn, ins: Sequence[Atom]) -> Optional[int]:
     """The trip count of a counter loop (`i < bound`, `i = i + 1`, known start and
     bound), the pattern fori_loop emits as a while; None for any other loop."""
     p = eqn.params
-    cond, cond_jconsts = _open(p["cond_jaxpr"])
-    body, _ = _open(p["body_jaxpr"])
+    cond, cond_jconsts = open_jaxpr(p["cond_jaxpr"])
+    body, _ = open_jaxpr(p["body_jaxpr"])
     ncc, nbc = int(p["cond_nconsts"]), int(p["body_nconsts"])
     init = list(ins[ncc + nbc:])
     if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt":
@@ -292,7 +286,7 @@ def _value(builder, atom: Atom) -> Optional[Any]:
 
 # ---- cond -----------------------------------------------------------------------
 def _cond(builder, eqn, ins, src) -> list[Atom]:
-    branches = [_open(b) for b in eqn.params["branches"]]
+    branches = [open_jaxpr(b) for b in eqn.params["branches"]]
     if any(_effectful(j) for j, _ in branches):
         raise _refuse("cond", src, "a branch has side effects")
     index, ops = ins[0], list(ins[1:])
@@ -335,7 +329,7 @@ def _emit(builder, fn: Callable, args: list[Atom], src: str) -> list[Atom]:
     specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
              for a in args]
     closed = _traced(fn, tuple((s.shape, str(s.dtype), s.weak_type) for s in specs))
-    jaxpr, consts = _open(closed)
+    jaxpr, consts = open_jaxpr(closed)
     start = len(builder.nodes)
     outs = builder.inline(jaxpr, [builder.const(c) for c in consts] + list(args), src)
     builder.nodes[start:] = [_at(n, src) for n in builder.nodes[start:]]

@@ -18,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from nimblejax.compiler.ir import Graph, Node, Var
+from nimblejax.compiler.kinds import GroupKind, RuleKind
 from nimblejax.compiler.lowering.registry import rule_for
 
 # A node feeding more than this many kernels is materialized rather than recomputed.
@@ -34,11 +35,14 @@ MAX_INLINE_DEPTH = 96
 
 @dataclass(frozen=True, eq=False)
 class Group:
-    kind: str  # 'fused' | 'reduction' | 'kernel' | 'gemm' | 'view'
+    kind: GroupKind
     root: Node
     nodes: tuple[Node, ...]  # topological order, root last
     inputs: tuple[Var, ...]  # materialized values read
     in_place: bool = False  # the root's rule updates its `in_place` operand's buffer
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", GroupKind(self.kind))  # a string is checked
 
     @property
     def output(self) -> Var:
@@ -65,8 +69,7 @@ def fuse(graph: Graph) -> list[Group]:
         depth[node] = 0
 
     for node in reversed(graph.nodes):
-        kind = rule_for(node).kind
-        if kind == "elementwise":
+        if rule_for(node).kind is RuleKind.ELEMENTWISE:
             groups = _inline_target(node, consumers, outputs, owner)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
@@ -98,9 +101,10 @@ def _in_place(groups: list[Group], consumers, outputs) -> list[Group]:
     marked = []
     for g in groups:
         k = rule_for(g.root).in_place
-        if k is not None and g.kind == "kernel":
+        if k is not None and g.kind is GroupKind.KERNEL:
             x = g.root.inputs[k]
-            if (isinstance(x, Var) and x in made and made[x].kind != "view" and x not in outputs
+            if (isinstance(x, Var) and x in made and made[x].kind is not GroupKind.VIEW
+                    and x not in outputs
                     and consumers.get(x) == [g.root]
                     and sum(a is x for a in g.root.inputs) == 1):
                 g = dataclasses.replace(g, in_place=True)
@@ -118,7 +122,7 @@ def _worth_writing(graph: Graph, consumers) -> set[Node]:
     sources: dict[Node, frozenset] = {}
     chosen: set[Node] = set()
     for node in graph.nodes:
-        if rule_for(node).kind != "elementwise":
+        if rule_for(node).kind is not RuleKind.ELEMENTWISE:
             continue
         out = node.outputs[0]
         found: set = set()
@@ -141,9 +145,9 @@ def _inline_target(node: Node, consumers, outputs, owner) -> frozenset[int] | No
     groups: set[int] = set()
     for user in users:
         rule = rule_for(user)
-        if rule.kind == "elementwise":
+        if rule.kind is RuleKind.ELEMENTWISE:
             groups |= owner[user]
-        elif rule.kind == "reduction" and user.inputs[0] is out:
+        elif rule.kind is RuleKind.REDUCTION and user.inputs[0] is out:
             groups |= owner[user]
         elif rule.fuses and all(k in rule.fuses for k, a in enumerate(user.inputs) if a is out):
             groups |= owner[user]
@@ -171,19 +175,11 @@ def _make_group(root: Node, nodes: list[Node]) -> Group:
         for a in n.inputs:
             if isinstance(a, Var) and a not in produced and a not in inputs:
                 inputs.append(a)
-    kind = rule_for(root).kind
-    kind = {"elementwise": "fused"}.get(kind, kind)
+    rule_kind = rule_for(root).kind
+    kind = GroupKind.FUSED if rule_kind is RuleKind.ELEMENTWISE else GroupKind(rule_kind.value)
     # A reshape of a row-major buffer is a view of the same bytes (outputs are copied
     # out of the arena on every call, so a view may even be an output).
-    if kind == "fused" and all(n.name in VIEW_PRIMS and n.params.get("dimensions") is None
+    if kind is GroupKind.FUSED and all(n.name in VIEW_PRIMS and n.params.get("dimensions") is None
                                for n in nodes):
-        kind = "view"
+        kind = GroupKind.VIEW
     return Group(kind, root, tuple(nodes), tuple(inputs))
-
-
-def describe(groups: list[Group]) -> str:
-    lines = []
-    for g in groups:
-        ops = " ".join(n.name for n in g.nodes)
-        lines.append(f"{g.kind:9s} {g.output!r} <- {', '.join(map(repr, g.inputs))}   [{ops}]")
-    return "\n".join(lines)

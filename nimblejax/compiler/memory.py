@@ -12,6 +12,7 @@ from typing import Hashable, Iterable, Mapping
 
 import numpy as np
 
+from nimblejax.compiler.printing import format_bytes
 from nimblejax.compiler.streams.schedule import Schedule
 
 Buf = Hashable
@@ -26,8 +27,8 @@ class MemoryPlan:
     alignment: int = 256
 
     def describe(self) -> str:
-        return (f"arena {_human(self.arena_bytes)} (no reuse {_human(self.no_reuse_bytes)}, "
-                f"single-stream peak {_human(self.peak_live_bytes)})")
+        return (f"arena {format_bytes(self.arena_bytes)} (no reuse {format_bytes(self.no_reuse_bytes)}, "
+                f"single-stream peak {format_bytes(self.peak_live_bytes)})")
 
 
 @dataclass(frozen=True)
@@ -202,10 +203,3 @@ def _single_stream_peak(uses: dict, aligned: dict, pos: dict) -> int:
         delta[first] += aligned[b]
         delta[max(pos[t] for t in u.accessors) + 1] -= aligned[b]
     return int(np.cumsum(delta).max(initial=0))
-
-
-def _human(n: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n} B"

@@ -9,7 +9,9 @@
     memory (memory.py)          one arena; reuse only after every use happens-before
     verify (streams/verify.py)  no two unordered tasks touch overlapping bytes
 
-Each stage runs once; nothing here touches a GPU.
+Each stage runs once; nothing here touches a GPU. With `debug=2` (NIMBLE_DEBUG=2) the
+program is printed to stderr after trace, canonicalize, fuse, lower, streams and memory
+(compiler/printing.py).
 """
 from __future__ import annotations
 
@@ -21,11 +23,13 @@ import networkx as nx
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize
 from nimblejax.compiler.fusion import fuse
 from nimblejax.compiler.ir import Graph, Var, fresh_ids
+from nimblejax.compiler.kinds import TaskKind
 from nimblejax.compiler.lowering import lower
 from nimblejax.compiler.lowering.registry import check_supported
 from nimblejax.compiler.memory import plan_memory
+from nimblejax.compiler import printing
 from nimblejax.compiler.plan import Plan
-from nimblejax.compiler.streams import make_schedule, verify
+from nimblejax.compiler.streams import critical_path, make_schedule, verify
 from nimblejax.compiler.trace import make_graph
 from nimblejax.options import Options
 
@@ -40,6 +44,7 @@ def compile_function(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct],
     numbered from 0 for each plan."""
     with fresh_ids():
         graph, out_shapes = make_graph(fun, specs)
+        _print(options, "trace", printing.graph_text, graph)
         return build_plan(graph, options), out_shapes
 
 
@@ -47,29 +52,40 @@ def build_plan(graph: Graph, options: Options = Options()) -> Plan:
     check_supported(graph.nodes, REWRITTEN)
     control = graph.control  # canonicalize rebuilds the graph without it
     graph = canonicalize(graph, options)
+    _print(options, "canonicalize", printing.graph_text, graph)
     groups = fuse(graph)
+    _print(options, "fuse", printing.groups_text, groups)
     all_tasks = lower(groups)
-    views = tuple(t for t in all_tasks if t.kind == "view")
+    _print(options, "lower", printing.tasks_text, all_tasks)
+    views = tuple(t for t in all_tasks if t.kind is TaskKind.VIEW)
     # Values that share a buffer: views, and outputs computed in an input's bytes.
     storage: dict[Var, Var] = {}
     for t in all_tasks:  # topological: a value's buffer is known before its views'
-        for out, src in ((t.outputs[0], t.inputs[0]),) if t.kind == "view" else t.aliases:
+        pairs = ((t.outputs[0], t.inputs[0]),) if t.kind is TaskKind.VIEW else t.aliases
+        for out, src in pairs:
             storage[out] = storage.get(src, src)
-    tasks = [t for t in all_tasks if t.kind != "view"]
+    tasks = [t for t in all_tasks if t.kind is not TaskKind.VIEW]
     root = lambda v: storage.get(v, v)  # noqa: E731
     reads = {t: tuple(dict.fromkeys(root(v) for v in t.inputs)) for t in tasks}
     writes = {t: tuple(root(v) for v in t.outputs) for t in tasks}
     dag = _task_dag(tasks, reads, writes)
     schedule = make_schedule(dag, options.max_streams)
+    _print(options, "streams", printing.schedule_text, schedule, critical_path(dag))
     sizes = _sizes(graph, reads, writes)
     pinned = set(graph.inputs) | set(graph.consts)
     pinned |= {root(a) for a in graph.outputs if isinstance(a, Var)}
     memory = plan_memory(schedule, sizes, reads, writes, pinned=[b for b in sizes if b in pinned])
     plan = Plan(graph, tuple(groups), tuple(schedule.order), views, dag, schedule, memory,
                 storage, sizes, reads, writes, control)
+    _print(options, "memory", printing.memory_text, plan)
     if options.verify:
         verify_plan(plan)
     return plan
+
+
+def _print(options: Options, stage: str, text: Callable[..., str], *args: Any) -> None:
+    if options.print_passes:
+        printing.emit(stage, text(*args))
 
 
 def verify_plan(plan: Plan) -> None:

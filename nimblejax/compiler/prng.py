@@ -29,7 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.ir import Atom, Node
+from nimblejax.compiler.jaxprs import open_jaxpr
 
 KEY_PRIMITIVES = frozenset({"random_seed", "random_split", "random_fold_in", "random_bits"})
 IDENTITIES = frozenset({"random_wrap", "random_unwrap", "random_clone"})
@@ -88,8 +90,6 @@ def expand(builder: Any, eqn: Any, ins: list[Atom], source: str) -> list[Atom]:
         fn = functools.partial(iota_2x32, shape=tuple(eqn.params["shape"]), source=source)
     else:
         fn = _on_key_data(eqn, avals, source)
-    from nimblejax.compiler.trace import open_jaxpr
-
     closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(*physical(a)) for a in avals])
     jaxpr, consts = open_jaxpr(closed)
     start = len(builder.nodes)
@@ -132,8 +132,6 @@ def _vmapped(f, n: int):
 
 def _check_impl(impl: Any, name: str, source: str) -> None:
     if impl.name != SUPPORTED_IMPL:
-        from nimblejax.compiler.lowering.registry import UnsupportedPrimitiveError
-
         raise UnsupportedPrimitiveError(
             f"nimblejax supports only the {SUPPORTED_IMPL} PRNG implementation; '{name}' "
             f"(from {source}) uses a key of the '{impl.name}' implementation. Use "
@@ -145,8 +143,6 @@ def _on_key_data(eqn: Any, avals: list, source: str):
     keyed = [is_key(a.dtype) for a in avals]
     if not any(keyed) or not all(is_key(v.aval.dtype) for v in eqn.outvars) or any(
             len(_key_shape(a.dtype)) != 1 for a, k in zip(avals, keyed) if k):
-        from nimblejax.compiler.lowering.registry import UnsupportedPrimitiveError
-
         raise UnsupportedPrimitiveError(
             f"nimblejax cannot apply '{eqn.primitive.name}' to PRNG key arrays (from "
             f"{source}). Use nimble.jit(..., backend=\"jax\").")
@@ -185,8 +181,6 @@ def iota_2x32(*, shape: tuple[int, ...], source: str) -> tuple:
     """(high, low) 32-bit halves of a 64-bit iota of `shape`: arrays of 2**32 elements or
     more are beyond a uint32 iota."""
     if math.prod(shape) >= 2 ** 32:
-        from nimblejax.compiler.lowering.registry import UnsupportedPrimitiveError
-
         raise UnsupportedPrimitiveError(
             f"nimblejax: random numbers for 2**32 or more elements (from {source}). "
             f"Use nimble.jit(..., backend=\"jax\").")

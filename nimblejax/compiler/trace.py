@@ -1,9 +1,12 @@
 """jaxpr → graph IR: inline nested calls, bind constants and literals, drop dead code.
 
-Works across the jaxpr renames listed in DESIGN.md: nested jit is `pjit` (≤0.6) or
-`jit` (≥0.7); custom_vjp is `custom_vjp_call_jaxpr` (≤0.6) or `custom_vjp_call`
-(≥0.7); 0.11 merged ClosedJaxpr into Jaxpr; after 0.11.0 `closed_call` and `call` are
-one `eval_jaxpr` primitive (`call_jaxpr` param; custom_vjp's forward emits it).
+Works across JAX's jaxpr renames (INLINED lists both names): nested jit is `pjit`
+(≤0.6) or `jit` (≥0.7); custom_vjp is `custom_vjp_call_jaxpr` (≤0.6) or
+`custom_vjp_call` (≥0.7); 0.11 merged ClosedJaxpr into Jaxpr (jaxprs.open_jaxpr reads
+both); after 0.11.0 `closed_call` and `call` are one `eval_jaxpr` primitive
+(`call_jaxpr` param; custom_vjp's forward emits it). Loops and conds are flattened by
+control.py, PRNG keys and random primitives expanded by prng.py (docs/design.md, "Data
+flow").
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import numpy as np
 from nimblejax.compiler import control
 from nimblejax.compiler import prng
 from nimblejax.compiler.ir import Atom, Graph, Literal, Node, Var
+from nimblejax.compiler.jaxprs import open_jaxpr
 
 # Call-like primitives whose body is inlined, and the params that may hold the body.
 INLINED = {
@@ -42,15 +46,6 @@ def make_graph(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> tuple[Gr
     """Trace `fun` (flat arguments, flat outputs) and return (graph, output shapes)."""
     closed, out_shapes = jax.make_jaxpr(fun, return_shape=True)(*specs)
     return jaxpr_to_graph(closed), out_shapes
-
-
-def open_jaxpr(j: Any) -> tuple[Any, list]:
-    """(jaxpr, consts) of a ClosedJaxpr, or of a Jaxpr that carries its consts (≥0.11)."""
-    inner = getattr(j, "jaxpr", j)
-    consts = getattr(j, "consts", None)
-    if consts is None:
-        consts = getattr(inner, "consts", None) or []
-    return inner, list(consts)
 
 
 def jaxpr_to_graph(closed: Any) -> Graph:

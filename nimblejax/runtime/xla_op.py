@@ -43,7 +43,7 @@ class Body:
     function, tree, statics and transformation) share their plans.
 
     `flat_fun` maps flat operands to flat results; `plan_fn(flat_fun, specs)` plans it
-    (the owning NimbleFunction's options); `make_runner(plan, signature, donated)` makes
+    (the owning NimbleFunction's options); `make_runner(plan, donated)` makes
     the runner for the backend; `plans` and `runners` are the owner's caches; `donated`
     are flat operand indices whose buffers jax.jit donates (results may alias them)."""
 
@@ -90,7 +90,7 @@ class Body:
         with _lock:
             found = self.runners.get(key)
             if found is None:
-                found = self.runners[key] = self.make_runner(plan, key[1], self.donated)
+                found = self.runners[key] = self.make_runner(plan, self.donated)
         return found
 
 
@@ -502,7 +502,7 @@ def _copy_function(library, ordinal: int) -> int:
 def make_runner(backend: str, options, library: Any = None) -> Callable:
     """The `make_runner` of a Body for `backend` ("interpret" or "cuda")."""
 
-    def make(plan: Plan, signature, donated: frozenset) -> Runner:
+    def make(plan: Plan, donated: frozenset) -> Runner:
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.graph.outputs]
         if backend == "interpret":
             return InterpretRunner(plan, shapes)

@@ -1,4 +1,4 @@
-"""Branchy MLP (DESIGN.md): parallel branches of dense + bias + tanh, summed.
+"""Branchy MLP: parallel branches of dense + bias + tanh, summed (the multi-stream case).
 
 Full size: 8 branches × 6 layers of 256×256, input (batch, 256). Each branch is an
 independent chain, so the graph has 8-way parallelism for the multi-stream scheduler.

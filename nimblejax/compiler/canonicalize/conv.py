@@ -96,7 +96,7 @@ def conv_path(node: Node, options: Options) -> str:
         return "direct"
     if _is_plain_1x1(node):
         return "gemm"  # already a GEMM, no im2col: measured faster than XLA's cuDNN call
-    if _cudnn_eligible(node) and _use_cudnn(node, options):
+    if _cudnn_eligible(node) and use_cudnn(options, _batch(node)):
         return "cudnn"
     return "gemm"
 
@@ -138,12 +138,16 @@ def _cudnn_eligible(node: Node) -> bool:
             and dtypes.name(out.dtype) in floats and all(lo >= 0 and hi >= 0 for lo, hi in p["padding"]))
 
 
-def _use_cudnn(node: Node, options: Options) -> bool:
-    """options.conv ("cudnn" | "im2col", from NIMBLE_CONV) decides; by default cuDNN
-    where it was found and the batch is large enough."""
-    if options.conv in ("cudnn", "im2col"):
+def use_cudnn(options: Options, batch: int) -> bool:
+    """Whether a convolution cuDNN takes (see _cudnn_eligible) of this batch goes to
+    cuDNN: the one place nimblejax decides it. options.conv ("cudnn" | "im2col", from
+    NIMBLE_CONV) forces or refuses it; "auto" takes cuDNN where libcudnn was found
+    (options.cudnn) and the batch is at least CUDNN_MIN_BATCH."""
+    if options.conv != "auto":
         return options.conv == "cudnn"
-    return _batch(node) >= CUDNN_MIN_BATCH and options.cudnn
+    return options.cudnn and batch >= CUDNN_MIN_BATCH
+
+
 MAX_CUDNN_FILTER = 11
 
 

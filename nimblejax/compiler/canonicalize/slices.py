@@ -13,13 +13,12 @@ from jax import lax
 import numpy as np
 
 from nimblejax.compiler.ir import Node
+from nimblejax.compiler.jaxprs import open_jaxpr
 
 
 @functools.lru_cache(maxsize=None)
 def _slice_eqn():
     """The `slice` primitive and its param names, as this JAX version traces them."""
-    from nimblejax.compiler.trace import open_jaxpr
-
     jaxpr, _ = open_jaxpr(jax.make_jaxpr(lambda a: lax.slice(a, (0,), (1,)))(
         jax.ShapeDtypeStruct((2,), np.float32)))
     eqn = jaxpr.eqns[0]

@@ -24,12 +24,13 @@ import numpy as np
 from jax import lax
 
 from nimblejax.compiler.ir import Literal, Node, Var
+from nimblejax.compiler.jaxprs import open_jaxpr
 
 REWRITES = frozenset({"stack", "unstack", "tile"})
 
 
 def rewrite_stacking(node: Node) -> list[Node]:
-    from nimblejax.compiler.trace import GraphBuilder, open_jaxpr
+    from nimblejax.compiler.trace import GraphBuilder
 
     param = tuple(node.params["reps"]) if node.name == "tile" else int(node.params["axis"])
     specs = tuple((tuple(a.shape), np.dtype(a.dtype), bool(getattr(a, "weak_type", False)),

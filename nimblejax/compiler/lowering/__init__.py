@@ -7,6 +7,7 @@ from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_in
                                          rules_kernels, rules_reduce, rules_sort, rules_special,
                                          rules_window)  # (registration)
 from nimblejax.compiler.lowering.codegen import elementwise_kernel, reduction_kernel
+from nimblejax.compiler.kinds import GroupKind, TaskKind
 from nimblejax.compiler.lowering.registry import RULES, rule_for
 from nimblejax.compiler.lowering.task import ConvCall, GemmCall, Kernel, Task
 from nimblejax.compiler.lowering.transpose import transpose_kernel
@@ -20,24 +21,24 @@ __all__ = ["lower_group", "lower", "RULES", "Task", "Kernel", "GemmCall", "ConvC
 def lower_group(group: Group) -> Task:
     root = group.root
     inlined = {n.outputs[0]: n for n in group.nodes if n is not root}
-    if group.kind == "view":
-        return Task(f"view_{root.name}", "view", group.inputs, group.outputs, group.nodes)
-    if group.kind == "fused":
+    if group.kind is GroupKind.VIEW:
+        return Task(f"view_{root.name}", TaskKind.VIEW, group.inputs, group.outputs, group.nodes)
+    if group.kind is GroupKind.FUSED:
         fused = {**inlined, group.output: root}
         # A group that permutes its input's innermost axis: a tiled kernel, coalesced.
         kernel = transpose_kernel(group.output, fused) or elementwise_kernel(group.output, fused)
-    elif group.kind == "reduction":
+    elif group.kind is GroupKind.REDUCTION:
         reducer = rule_for(root).fn(root.inputs[0].dtype)
         kernel = reduction_kernel(root, inlined, reducer.combine, reducer.init, reducer.acc_type)
-    elif group.kind == "cudnn":
+    elif group.kind is GroupKind.CUDNN:
         call = rule_for(root).fn(root)
         name = f"cudnn_conv_{call.x.shape[1]}x{call.x.shape[2]}x{call.x.shape[3]}_k{call.w.shape[1]}"
-        return Task(name, "cudnn", group.inputs, group.outputs, group.nodes, conv=call)
-    elif group.kind == "gemm":
+        return Task(name, TaskKind.CUDNN, group.inputs, group.outputs, group.nodes, conv=call)
+    elif group.kind is GroupKind.GEMM:
         made = rule_for(root).fn(root)
         if isinstance(made, GemmCall):
             name = f"gemm_{made.dtype}_{made.batch}x{made.m}x{made.n}x{made.k}"
-            return Task(name, "gemm", group.inputs, group.outputs, group.nodes, gemm=made)
+            return Task(name, TaskKind.GEMM, group.inputs, group.outputs, group.nodes, gemm=made)
         kernel = made
     else:
         rule = rule_for(root)
@@ -47,9 +48,9 @@ def lower_group(group: Group) -> Task:
         if group.in_place:  # the operand is read where the output is written
             operand = root.inputs[rule.in_place]
             inputs = (operand,) + tuple(v for v in kernel.params if v not in group.outputs)
-            return Task(kernel.name, "kernel", inputs, group.outputs, group.nodes,
+            return Task(kernel.name, TaskKind.KERNEL, inputs, group.outputs, group.nodes,
                         kernel=kernel, aliases=((group.output, operand),))
-    return Task(kernel.name, "kernel", tuple(v for v in kernel.params if v not in group.outputs),
+    return Task(kernel.name, TaskKind.KERNEL, tuple(v for v in kernel.params if v not in group.outputs),
                 group.outputs, group.nodes, kernel=kernel)
 
 

@@ -100,7 +100,7 @@ class KernelBuilder:
     def store(self, var: Var, offset: str, value: str) -> None:
         self.emit(f"{self.output(var)}[{offset}] = {dtypes.store(var.dtype, value)};")
 
-    def index_vars(self, linear_name: str, shape: Sequence[int], prefix: str) -> Index:
+    def index_vars(self, linear_name: str, shape: Sequence[int]) -> Index:
         """Declare per-dimension indices of `linear_name` over row-major `shape`."""
         idx = []
         stride = 1
@@ -223,7 +223,7 @@ def loop_body(b: KernelBuilder, out: Var, body: Callable[[KernelBuilder, Index],
         values = []
         for k in range(unroll):
             name = b.tmp(f"const {itype}", f"i0 + {k * BLOCK}" if k else "i0")
-            values.append((name, body(b, b.index_vars(name, out.shape, "i"))))
+            values.append((name, body(b, b.index_vars(name, out.shape))))
         for name, value in values:
             b.store(out, name, value)
         b.close()
@@ -233,7 +233,7 @@ def loop_body(b: KernelBuilder, out: Var, body: Callable[[KernelBuilder, Index],
     else:
         b.open(f"for ({itype} i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}; "
                f"i += (long long)gridDim.x * blockDim.x)")
-    idx = b.index_vars("i", out.shape, "i")
+    idx = b.index_vars("i", out.shape)
     b.store(out, "i", body(b, idx))
     while b.depth > 1:
         b.close()
@@ -331,7 +331,7 @@ def _kept_axes(node: Node) -> tuple[tuple[int, ...], list[int]]:
 def _output_index(b: KernelBuilder, node: Node) -> Index:
     """The kept axes' indices of output `o` (a name the kernel has declared)."""
     x = node.inputs[0]
-    return b.index_vars("o", [x.shape[d] for d in _kept_axes(node)[1]], "o")
+    return b.index_vars("o", [x.shape[d] for d in _kept_axes(node)[1]])
 
 
 def _accumulate(b: KernelBuilder, node: Node, out_idx: Index, combine: str, start: str,
@@ -341,7 +341,7 @@ def _accumulate(b: KernelBuilder, node: Node, out_idx: Index, combine: str, star
     x = node.inputs[0]
     axes, kept = _kept_axes(node)
     b.open(f"for (long long r = {start}; r < {_reduced_size(node)}; r += {step})")
-    red_idx = b.index_vars("r", [x.shape[a] for a in axes], "r")
+    red_idx = b.index_vars("r", [x.shape[a] for a in axes])
     v = b.value(x, interleave(x.ndim, kept, out_idx, axes, red_idx))
     b.emit(f"acc = {combine.format(a='acc', b=v)};")
     b.close()

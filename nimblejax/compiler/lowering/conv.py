@@ -7,12 +7,13 @@ from __future__ import annotations
 from nimblejax.compiler.canonicalize.conv import im2col_shape, conv_specs
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
+from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, dilated_source, loop_kernel
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import ConvCall, Kernel
 
 
-@register("nimble_im2col", kind="kernel")
+@register("nimble_im2col", kind=RuleKind.KERNEL)
 def im2col_kernel(node: Node) -> Kernel:
     """One thread per patch element; zeros where the window falls on padding or on the
     holes of lhs dilation."""
@@ -27,8 +28,8 @@ def im2col_kernel(node: Node) -> Kernel:
     
     def body(b: KernelBuilder, idx: Index) -> str:
         g, m, k = idx
-        mi = b.index_vars(m, [nb] + list(out_sp), "m")
-        ki = b.index_vars(k, list(p["kernel"]) + [cg], "k")
+        mi = b.index_vars(m, [nb] + list(out_sp))
+        ki = b.index_vars(k, list(p["kernel"]) + [cg])
         batch = mi[0] if mode == "feature" else f"({g} * {nb} + {mi[0]})"
         chan = f"({g} * {cg} + {ki[-1]})" if mode == "feature" else ki[-1]
         conds, src = [], [batch]
@@ -46,7 +47,7 @@ def im2col_kernel(node: Node) -> Kernel:
 
 
 # ---- the cuDNN call --------------------------------------------------------------
-@register("nimble_cudnn_conv", kind="cudnn")
+@register("nimble_cudnn_conv", kind=RuleKind.CUDNN)
 def cudnn_conv(node: Node):
     p = node.params
     x, w = node.inputs
@@ -57,7 +58,7 @@ def cudnn_conv(node: Node):
 
 
 # ---- the direct kernel (depthwise) -----------------------------------------------------
-@register("conv_general_dilated", kind="kernel")
+@register("conv_general_dilated", kind=RuleKind.KERNEL)
 def direct_conv(node: Node) -> Kernel:
     """One thread per output element, a loop over the window and the group's channels."""
     x, w = node.inputs

@@ -9,6 +9,7 @@ from typing import Union
 from nimblejax.compiler.canonicalize.dot import compute_mode, dot_dims, gemm_layout
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
+from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import BLOCK, KernelBuilder, blocks_for
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import GemmCall, Kernel
@@ -16,7 +17,7 @@ from nimblejax.compiler.lowering.task import GemmCall, Kernel
 GEMM_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 
 
-@register("dot_general", kind="gemm")
+@register("dot_general", kind=RuleKind.GEMM)
 def dot_general(node: Node) -> Union[GemmCall, Kernel]:
     layout = gemm_layout(node)
     if layout is None:

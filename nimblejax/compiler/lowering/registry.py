@@ -1,10 +1,12 @@
 """One registry: primitive name → lowering rule.
 
-Rule kinds:
-- "elementwise": fusible; `fn(builder, node, idx) -> C value` computes the node's output
-  at one index inside any fused kernel (index-only ops such as broadcast, transpose and
+Rule kinds, and the signature of their `fn`:
+- "elementwise": fusible; `fn(builder: KernelBuilder, node, idx: Index) -> str`, the C
+  value of the node's output at one multi-index inside any fused kernel (called by
+  codegen.py's `KernelBuilder.value`; index-only ops such as broadcast, transpose and
   reshape are fusible too: they only rewrite the index).
-- "reduction": `fn(dtype) -> Reducer`; producers are fused into the reduction's loop.
+- "reduction": `fn(dtype) -> Reducer` (rules_reduce.py: combine, init, accumulator
+  type); producers are fused into the reduction's loop (codegen.reduction_kernel).
 - "kernel": a standalone generated kernel; `fn(node) -> Kernel`. A kernel rule registered
   with `fuses=(positions...)` also takes elementwise producers of those operands:
   fusion.py inlines them into its group and the rule is called as `fn(node, inlined)`
@@ -13,7 +15,7 @@ Rule kinds:
   its output in the bytes of operand k when it is that value's only reader and the value
   is a buffer of the plan's own (fusion.py decides, `Group.in_place`): it is then called
   with `in_place=True` and must not read operand k's old bytes except where it writes.
-- "gemm": `fn(node) -> GemmCall` (cuBLAS on the GPU).
+- "gemm": `fn(node) -> GemmCall` (cuBLAS on the GPU), or a `Kernel` for integer types.
 - "cudnn": `fn(node) -> ConvCall` (a cuDNN convolution on the GPU).
 """
 from __future__ import annotations
@@ -21,25 +23,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from nimblejax.compiler.errors import UnsupportedPrimitiveError  # noqa: F401 (re-exported)
 from nimblejax.compiler.ir import Node
+from nimblejax.compiler.kinds import RuleKind
 
 
 @dataclass(frozen=True)
 class Rule:
-    kind: str
+    kind: RuleKind
     fn: Callable
     fuses: tuple[int, ...] = ()  # kernel rules: operands whose producers may be inlined
     in_place: Optional[int] = None  # kernel rules: the operand the output may update
 
 
 RULES: dict[str, Rule] = {}
-KINDS = ("elementwise", "reduction", "kernel", "gemm", "cudnn")
 
 
-def register(*names: str, kind: str, fuses: tuple[int, ...] = (),
+def register(*names: str, kind: RuleKind | str, fuses: tuple[int, ...] = (),
              in_place: Optional[int] = None) -> Callable:
-    assert kind in KINDS, kind
-    assert (not fuses and in_place is None) or kind == "kernel", "only kernel rules"
+    kind = RuleKind(kind)  # a misspelt kind fails here, at import
+    if (fuses or in_place is not None) and kind is not RuleKind.KERNEL:
+        raise ValueError(f"fuses/in_place are for kernel rules, not {kind} ({names})")
 
     def deco(fn: Callable) -> Callable:
         for n in names:
@@ -49,14 +53,10 @@ def register(*names: str, kind: str, fuses: tuple[int, ...] = (),
     return deco
 
 
-class UnsupportedPrimitiveError(NotImplementedError):
-    pass
-
-
 def rule_for(node: Node) -> Rule:
     rule = RULES.get(node.name)
     if rule is None:
-        from nimblejax.compiler.support import reason  # why it is not supported, if known
+        from nimblejax.compiler.unsupported import reason  # why it is not supported, if known
 
         why = reason(node.name)
         raise UnsupportedPrimitiveError(

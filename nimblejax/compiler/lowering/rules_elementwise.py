@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
+from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, linear
 from nimblejax.compiler.lowering.elementwise import (BINARY_NAMES, UNARY_NAMES, binary_template,
                                             unary_template, _FMAX, _FMIN)
@@ -26,14 +27,14 @@ def wrap_int(dtype, expr: str) -> str:
     return f"({dtypes.compute_type(dtype)})({dtypes.storage_type(dtype)})({expr})"
 
 
-@register(*sorted(UNARY_NAMES), kind="elementwise")
+@register(*sorted(UNARY_NAMES), kind=RuleKind.ELEMENTWISE)
 def unary(b: KernelBuilder, node: Node, idx: Index) -> str:
     x = node.inputs[0]
     a = b.value(x, idx)
     return _result(b, node, unary_template(node.name, x.dtype, node.params).format(a=a))
 
 
-@register(*sorted(BINARY_NAMES), kind="elementwise")
+@register(*sorted(BINARY_NAMES), kind=RuleKind.ELEMENTWISE)
 def binary(b: KernelBuilder, node: Node, idx: Index) -> str:
     x, y = node.inputs
     a, c = b.value(x, idx), b.value(y, idx)
@@ -69,7 +70,7 @@ def _half_nextafter(b: KernelBuilder, dtype, a: str, c: str) -> str:
     return r
 
 
-@register("integer_pow", kind="elementwise")
+@register("integer_pow", kind=RuleKind.ELEMENTWISE)
 def integer_pow(b: KernelBuilder, node: Node, idx: Index) -> str:
     # Same multiplication order as JAX's lowering (square-and-multiply), so half
     # types round at the same steps.
@@ -92,7 +93,7 @@ def integer_pow(b: KernelBuilder, node: Node, idx: Index) -> str:
     return acc
 
 
-@register("convert_element_type", kind="elementwise")
+@register("convert_element_type", kind=RuleKind.ELEMENTWISE)
 def convert(b: KernelBuilder, node: Node, idx: Index) -> str:
     src, dst = node.inputs[0].dtype, node.outputs[0].dtype
     a = b.value(node.inputs[0], idx)
@@ -116,7 +117,7 @@ def convert_expr(a: str, src, dst) -> str:
     return wrap_int(dst, f"({ctype}){a}")  # integer to integer: wraps to dst's width
 
 
-@register("reduce_precision", kind="elementwise")
+@register("reduce_precision", kind=RuleKind.ELEMENTWISE)
 def reduce_precision(b: KernelBuilder, node: Node, idx: Index) -> str:
     bits = (int(node.params["exponent_bits"]), int(node.params["mantissa_bits"]))
     target = {(8, 7): "bfloat16", (5, 10): "float16", (8, 23): "float32"}.get(bits)
@@ -126,7 +127,7 @@ def reduce_precision(b: KernelBuilder, node: Node, idx: Index) -> str:
     return _result(b, node, dtypes.round_to(target, b.value(node.inputs[0], idx)))
 
 
-@register("select_n", kind="elementwise")
+@register("select_n", kind=RuleKind.ELEMENTWISE)
 def select_n(b: KernelBuilder, node: Node, idx: Index) -> str:
     which, *cases = node.inputs
     w = b.value(which, idx)
@@ -140,7 +141,7 @@ def select_n(b: KernelBuilder, node: Node, idx: Index) -> str:
     return b.tmp(dtypes.compute_type(node.outputs[0].dtype), expr)
 
 
-@register("clamp", kind="elementwise")
+@register("clamp", kind=RuleKind.ELEMENTWISE)
 def clamp(b: KernelBuilder, node: Node, idx: Index) -> str:
     lo, x, hi = (b.value(a, idx) for a in node.inputs)
     if dtypes.is_float(node.outputs[0].dtype):
@@ -149,7 +150,7 @@ def clamp(b: KernelBuilder, node: Node, idx: Index) -> str:
     return b.tmp(dtypes.compute_type(node.outputs[0].dtype), f"min(max({x}, {lo}), {hi})")
 
 
-@register("iota", kind="elementwise")
+@register("iota", kind=RuleKind.ELEMENTWISE)
 def iota(b: KernelBuilder, node: Node, idx: Index) -> str:
     out = node.outputs[0]
     i = idx[int(node.params["dimension"])]
@@ -157,7 +158,7 @@ def iota(b: KernelBuilder, node: Node, idx: Index) -> str:
 
 
 # ---- index-only rules: they rewrite the index and read the operand there --------
-@register("broadcast_in_dim", kind="elementwise")
+@register("broadcast_in_dim", kind=RuleKind.ELEMENTWISE)
 def broadcast_in_dim(b: KernelBuilder, node: Node, idx: Index) -> str:
     x = node.inputs[0]
     dims = node.params["broadcast_dimensions"]
@@ -165,7 +166,7 @@ def broadcast_in_dim(b: KernelBuilder, node: Node, idx: Index) -> str:
     return b.value(x, src)
 
 
-@register("reshape", kind="elementwise")
+@register("reshape", kind=RuleKind.ELEMENTWISE)
 def reshape(b: KernelBuilder, node: Node, idx: Index) -> str:
     x, out = node.inputs[0], node.outputs[0]
     offset = b.linear(idx, out.shape) if idx else "0"
@@ -173,16 +174,16 @@ def reshape(b: KernelBuilder, node: Node, idx: Index) -> str:
         "long long" if out.size >= 2 ** 31 else "int", offset)
     perm = node.params.get("dimensions")
     if perm is None:
-        return b.value(x, b.index_vars(flat, x.shape, "r"))
+        return b.value(x, b.index_vars(flat, x.shape))
     # reshape(x, dimensions=perm) reads x in the order of transpose(x, perm).
-    t_idx = b.index_vars(flat, [x.shape[p] for p in perm], "r")
+    t_idx = b.index_vars(flat, [x.shape[p] for p in perm])
     src = [""] * x.ndim
     for d, p in enumerate(perm):
         src[p] = t_idx[d]
     return b.value(x, tuple(src))
 
 
-@register("squeeze", kind="elementwise")
+@register("squeeze", kind=RuleKind.ELEMENTWISE)
 def squeeze(b: KernelBuilder, node: Node, idx: Index) -> str:
     x = node.inputs[0]
     dims = {d % x.ndim for d in node.params["dimensions"]}
@@ -190,7 +191,7 @@ def squeeze(b: KernelBuilder, node: Node, idx: Index) -> str:
     return b.value(x, tuple("0" if d in dims else next(it) for d in range(x.ndim)))
 
 
-@register("transpose", kind="elementwise")
+@register("transpose", kind=RuleKind.ELEMENTWISE)
 def transpose(b: KernelBuilder, node: Node, idx: Index) -> str:
     perm = node.params["permutation"]
     src = [""] * len(perm)
@@ -199,7 +200,7 @@ def transpose(b: KernelBuilder, node: Node, idx: Index) -> str:
     return b.value(node.inputs[0], tuple(src))
 
 
-@register("slice", kind="elementwise")
+@register("slice", kind=RuleKind.ELEMENTWISE)
 def slice_(b: KernelBuilder, node: Node, idx: Index) -> str:
     starts = node.params["start_indices"]
     strides = node.params.get("strides") or (1,) * len(starts)
@@ -207,7 +208,7 @@ def slice_(b: KernelBuilder, node: Node, idx: Index) -> str:
     return b.value(node.inputs[0], src)
 
 
-@register("rev", kind="elementwise")
+@register("rev", kind=RuleKind.ELEMENTWISE)
 def rev(b: KernelBuilder, node: Node, idx: Index) -> str:
     x = node.inputs[0]
     dims = set(node.params["dimensions"])
@@ -231,7 +232,7 @@ _FROM_BITS = {"float32": "__uint_as_float({})", "float16": _HALF_BITS["float16"]
               "bfloat16": _HALF_BITS["bfloat16"][1]}
 
 
-@register("bitcast_convert_type", kind="elementwise")
+@register("bitcast_convert_type", kind=RuleKind.ELEMENTWISE)
 def bitcast_convert_type(b: KernelBuilder, node: Node, idx: Index) -> str:
     x, out = node.inputs[0], node.outputs[0]
     src, dst = dtypes.name(x.dtype), dtypes.name(out.dtype)

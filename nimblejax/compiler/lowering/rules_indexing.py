@@ -32,6 +32,7 @@ import numpy as np
 
 from nimblejax.compiler.ir import Literal, Node, Var
 from nimblejax.compiler import dtypes
+from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import (BLOCK, PRELUDE, UNROLL, UNROLL_MIN, Index,
                                                  KernelBuilder, blocks_for, kernel_name, linear,
                                                  loop_body)
@@ -55,7 +56,7 @@ def _start(b: KernelBuilder, indices: Var, batch: Index, k: int) -> str:
 
 
 # ---- gather ----------------------------------------------------------------------------
-@register("gather", kind="elementwise")
+@register("gather", kind=RuleKind.ELEMENTWISE)
 def gather(b: KernelBuilder, node: Node, idx: Index) -> str:
     operand, indices = node.inputs
     out = node.outputs[0]
@@ -112,7 +113,7 @@ _VECTOR_ARCH = 900
 _VECTOR = {"float32": (4, 2), "float16": (2,), "bfloat16": (2,)}
 
 
-@register(*SCATTERS, kind="kernel", fuses=(0, 1, 2), in_place=0)
+@register(*SCATTERS, kind=RuleKind.KERNEL, fuses=(0, 1, 2), in_place=0)
 def scatter(node: Node, inlined: Mapping[Var, Node] = {}, in_place: bool = False) -> Kernel:
     """Two launches of one task, with the same parameters: the operand computed (its
     elementwise producers `inlined`: `zeros(...)` is a fill, never a buffer) or copied
@@ -287,7 +288,7 @@ def _combine_loop(b: KernelBuilder, node: Node, width: int) -> None:
     _grid_stride(b, n)
     wide = "long long" if updates.size >= 2 ** 31 else "int"
     first = "i" if width == 1 else b.tmp(wide, f"({wide})i * {width}")
-    u = b.index_vars(first, updates.shape, "i")
+    u = b.index_vars(first, updates.shape)
     batch = [u[d] for d in range(updates.ndim) if d not in window_dims]
     window = iter(u[d] for d in window_dims)
     # The update window's extent along each operand dimension.

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
+from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import BLOCK, Index, KernelBuilder, blocks_for, loop_kernel
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import Kernel
@@ -13,7 +14,7 @@ from nimblejax.compiler.lowering import xla_reduce_order
 from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 
 
-@register("concatenate", kind="kernel")
+@register("concatenate", kind=RuleKind.KERNEL)
 def concatenate(node: Node) -> Kernel:
     dim = int(node.params["dimension"])
     out = node.outputs[0]
@@ -35,7 +36,7 @@ def concatenate(node: Node) -> Kernel:
     return loop_kernel("concat", out, ["concatenate"], body)
 
 
-@register("pad", kind="kernel")
+@register("pad", kind=RuleKind.KERNEL)
 def pad(node: Node) -> Kernel:
     x, pad_value = node.inputs
     out = node.outputs[0]
@@ -68,7 +69,7 @@ def _clamped_starts(b: KernelBuilder, starts, limits) -> list[str]:
     return out
 
 
-@register("dynamic_slice", kind="kernel")
+@register("dynamic_slice", kind=RuleKind.KERNEL)
 def dynamic_slice(node: Node) -> Kernel:
     x, *starts = node.inputs
     out = node.outputs[0]
@@ -81,7 +82,7 @@ def dynamic_slice(node: Node) -> Kernel:
     return loop_kernel("dynslice", out, ["dynamic_slice"], body)
 
 
-@register("dynamic_update_slice", kind="kernel")
+@register("dynamic_update_slice", kind=RuleKind.KERNEL)
 def dynamic_update_slice(node: Node) -> Kernel:
     x, upd, *starts = node.inputs
     out = node.outputs[0]
@@ -106,7 +107,7 @@ SCANS = {"cumsum": ("({a} + {b})", lambda d: dtypes.literal(0, d)),
          "cumlogsumexp": (_LOGADDEXP, dtypes.lowest)}
 
 
-@register(*SCANS, kind="kernel")
+@register(*SCANS, kind=RuleKind.KERNEL)
 def cumulative(node: Node) -> Kernel:
     """One thread per line along `axis`, a serial scan (in the compute type)."""
     x, out = node.inputs[0], node.outputs[0]
@@ -141,7 +142,7 @@ def cumulative(node: Node) -> Kernel:
     return b.finish("scan", out, blocks_for(lines), BLOCK)
 
 
-@register("argmax", "argmin", kind="kernel")
+@register("argmax", "argmin", kind=RuleKind.KERNEL)
 def argminmax(node: Node) -> Kernel:
     """One warp per output; the lowest index of the best value, or, where the reduced
     row holds a NaN, the NaN that XLA's GPU reduction returns.
@@ -165,7 +166,7 @@ def argminmax(node: Node) -> Kernel:
     b.emit("const int lane = threadIdx.x % 32;")
     b.open(f"for (long long o = (long long)blockIdx.x * {warps} + threadIdx.x / 32; o < {n_out}; "
            f"o += (long long)gridDim.x * {warps})")
-    out_idx = b.index_vars("o", [x.shape[d] for d in kept], "o")
+    out_idx = b.index_vars("o", [x.shape[d] for d in kept])
     b.emit(f"{ctype} av = 0; int ai = {none};")
     if is_float:
         plan = xla_reduce_order.plan_for(x.shape, axis, x.dtype)

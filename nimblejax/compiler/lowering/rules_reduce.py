@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nimblejax.compiler import dtypes
+from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 from nimblejax.compiler.lowering.registry import register
 
@@ -22,12 +23,12 @@ def _acc_type(dtype) -> str:
     return "int" if dtypes.name(dtype) == "bool" else dtypes.compute_type(dtype)
 
 
-@register("reduce_sum", kind="reduction")
+@register("reduce_sum", kind=RuleKind.REDUCTION)
 def reduce_sum(dtype) -> Reducer:
     return Reducer("({a} + {b})", dtypes.literal(0, dtype), _acc_type(dtype))
 
 
-@register("reduce_prod", kind="reduction")
+@register("reduce_prod", kind=RuleKind.REDUCTION)
 def reduce_prod(dtype) -> Reducer:
     return Reducer("({a} * {b})", dtypes.literal(1, dtype), _acc_type(dtype))
 
@@ -42,24 +43,24 @@ def _extremum(dtype, largest: bool) -> Reducer:
                    (dtypes.lowest if largest else dtypes.highest)(dtype), _acc_type(dtype))
 
 
-@register("reduce_max", kind="reduction")
+@register("reduce_max", kind=RuleKind.REDUCTION)
 def reduce_max(dtype) -> Reducer:
     return _extremum(dtype, largest=True)
 
 
-@register("reduce_min", kind="reduction")
+@register("reduce_min", kind=RuleKind.REDUCTION)
 def reduce_min(dtype) -> Reducer:
     return _extremum(dtype, largest=False)
 
 
-@register("reduce_or", kind="reduction")
+@register("reduce_or", kind=RuleKind.REDUCTION)
 def reduce_or(dtype) -> Reducer:
     if dtypes.name(dtype) == "bool":
         return Reducer("({a} || {b})", "0", "int")
     return Reducer("({a} | {b})", "0", _acc_type(dtype))
 
 
-@register("reduce_and", kind="reduction")
+@register("reduce_and", kind=RuleKind.REDUCTION)
 def reduce_and(dtype) -> Reducer:
     if dtypes.name(dtype) == "bool":
         return Reducer("({a} && {b})", "1", "int")

@@ -33,6 +33,7 @@ from typing import Callable
 
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.ir import Node, Var
+from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import MAX_BLOCKS, KernelBuilder
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import Kernel
@@ -256,7 +257,7 @@ def _bounded(kernel: Kernel) -> Kernel:
     return dataclasses.replace(kernel, source=source)
 
 
-@register("sort", kind="kernel")
+@register("sort", kind=RuleKind.KERNEL)
 def sort(node: Node) -> Kernel:
     """lax.sort: every operand permuted by the lexicographic order of the first
     `num_keys` operands (stable: ties keep their order)."""
@@ -277,7 +278,7 @@ def sort(node: Node) -> Kernel:
                         lambda b: _copy_out(b, pairs, rows, "rank[e]", "qi[e]", rows.n))
 
 
-@register("top_k", kind="kernel")
+@register("top_k", kind=RuleKind.KERNEL)
 def top_k(node: Node) -> Kernel:
     """lax.top_k: the k largest elements of each row (descending, ties to the lower
     index) and their int32 indices."""

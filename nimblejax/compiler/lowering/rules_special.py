@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.ir import Node
+from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import Index, KernelBuilder
 from nimblejax.compiler.lowering.registry import register
 
@@ -194,7 +195,7 @@ def host_source(prim: str, fn_name: str) -> str:
     return f"double {fn_name}({params}) {{\n  double r;\n  {{{block}}}\n  return r;\n}}\n"
 
 
-@register(*sorted(BLOCKS), kind="elementwise")
+@register(*sorted(BLOCKS), kind=RuleKind.ELEMENTWISE)
 def special(b: KernelBuilder, node: Node, idx: Index) -> str:
     out = node.outputs[0]
     if not dtypes.is_float(out.dtype):
@@ -218,7 +219,7 @@ def special(b: KernelBuilder, node: Node, idx: Index) -> str:
 _BITS = {"int8": 8, "int16": 16, "uint8": 8, "uint16": 16}
 
 
-@register("mulhi", kind="elementwise")
+@register("mulhi", kind=RuleKind.ELEMENTWISE)
 def mulhi(b: KernelBuilder, node: Node, idx: Index) -> str:
     x, y = node.inputs
     p, q = b.value(x, idx), b.value(y, idx)

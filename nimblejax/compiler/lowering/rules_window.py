@@ -5,6 +5,7 @@ import itertools
 
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
+from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, dilated_source, loop_kernel
 from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 from nimblejax.compiler.lowering.registry import register
@@ -35,7 +36,7 @@ def _window_positions(b: KernelBuilder, idx: Index, x_shape, p, offsets) -> tupl
     return src, conds
 
 
-@register(*WINDOW_REDUCERS, kind="kernel")
+@register(*WINDOW_REDUCERS, kind=RuleKind.KERNEL)
 def reduce_window(node: Node) -> Kernel:
     """One thread per output; the window is unrolled (pooling windows are small).
     Padding contributes the identity, as in XLA."""
@@ -57,7 +58,7 @@ def reduce_window(node: Node) -> Kernel:
     return loop_kernel("pool", out, [node.name], body)
 
 
-@register("select_and_scatter_add", kind="kernel")
+@register("select_and_scatter_add", kind=RuleKind.KERNEL)
 def select_and_scatter_add(node: Node) -> Kernel:
     """Max-pool gradient as a gather: each operand element sums the source values of
     the windows that selected it (the first maximum of the window, as XLA's `ge`

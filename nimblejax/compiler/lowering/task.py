@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from nimblejax.compiler.ir import Node, Var
+from nimblejax.compiler.kinds import TaskKind
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ class Task:
     stands for (so the CPU plan interpreter can run it with JAX)."""
 
     name: str
-    kind: str  # 'kernel' | 'gemm' | 'cudnn' | 'view'
+    kind: TaskKind
     inputs: tuple[Var, ...]
     outputs: tuple[Var, ...]
     eqns: tuple[Node, ...]
@@ -136,6 +137,9 @@ class Task:
     # is the last reader of its operand updates it in place); the plan gives them one
     # buffer.
     aliases: tuple[tuple[Var, Var], ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", TaskKind(self.kind))  # a string is checked
 
     @property
     def source(self) -> str:

@@ -1,0 +1,36 @@
+"""The kinds of rules, groups and tasks. `str` enums (StrEnum): a kind prints as its
+name ("kernel") and equals that string, so reports, JSON and the runtime's comparisons
+read the same as before; a misspelt kind is an error where it is made."""
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class RuleKind(StrEnum):
+    """How a primitive is lowered (lowering/registry.py gives each kind's signature)."""
+
+    ELEMENTWISE = "elementwise"  # a C expression at one index: fusible into any kernel
+    REDUCTION = "reduction"      # a reducer; producers fuse into its loop
+    KERNEL = "kernel"            # a standalone generated kernel
+    GEMM = "gemm"                # a GemmCall (or a generated kernel for integer types)
+    CUDNN = "cudnn"              # a ConvCall
+
+
+class GroupKind(StrEnum):
+    """What one fusion group (fusion.py) becomes."""
+
+    FUSED = "fused"          # elementwise nodes rooted at an elementwise node
+    REDUCTION = "reduction"  # a reduction with its producers inlined
+    KERNEL = "kernel"
+    GEMM = "gemm"
+    CUDNN = "cudnn"
+    VIEW = "view"            # reshapes of a row-major buffer: the same bytes
+
+
+class TaskKind(StrEnum):
+    """How a task (lowering/task.py) runs."""
+
+    KERNEL = "kernel"  # a generated CUDA C kernel
+    GEMM = "gemm"      # a cuBLASLt / cuBLAS call
+    CUDNN = "cudnn"    # a cuDNN convolution
+    VIEW = "view"      # no work: its output shares its input's bytes
