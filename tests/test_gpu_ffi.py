@@ -62,7 +62,21 @@ def test_donated_training_state_fed_back(model):
         x = rand(r, 8, 64)
         p_n, p_j = f(p_n, x), ref(p_j, x)
     close(p_n, p_j)
-    # The state is fed back inside the arena: only x is passed to JAX.
+    # Donated state is passed (XLA writes the new state into its buffers).
+    n = len(jax.tree_util.tree_leaves(p_n))
+    assert [k[3] for k in f._resident_fns][-1] == (-1,) * (n + 1)
+
+
+def test_state_fed_back_without_donation_stays_on_the_gpu(model):
+    def step(p, x):
+        return jax.tree_util.tree_map(lambda a: jnp.tanh(a + jnp.mean(x)), p), jnp.sum(x)
+
+    f, ref = nimble.jit(step, backend="cuda"), jax.jit(step)
+    p_n = p_j = model[0]
+    for _ in range(4):
+        x = rand(r, 8, 64)
+        (p_n, s_n), (p_j, s_j) = f(p_n, x), ref(p_j, x)
+        close((p_n, s_n), (p_j, s_j))
     n = len(jax.tree_util.tree_leaves(p_n))
     assert [k[3] for k in f._resident_fns][-1] == tuple(range(n)) + (-1,)
 
