@@ -440,16 +440,6 @@ def test_plot_from_fabricated_results(tmp_path):
                                                 str(tmp_path / "none.png"))
 
 
-def test_plot_without_matplotlib(monkeypatch, tmp_path):
-    import builtins
-
-    real_import = builtins.__import__
-
-    def fake_import(name, *args, **kwargs):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", fake_import)
+def test_plot_without_matplotlib(no_matplotlib, tmp_path):
     why = report.plot_speedups(_fabricated(), str(tmp_path / "p.png"))
     assert why is not None and "matplotlib" in why and "\n" not in why

@@ -2,7 +2,6 @@
 task on its planned stream, no overlap within a stream, dependencies respected."""
 from __future__ import annotations
 
-import builtins
 
 import jax
 import jax.numpy as jnp
@@ -72,15 +71,7 @@ def test_draws_a_png(tmp_path):
     _check_slots(plan, tl.slots)
 
 
-def test_without_matplotlib_a_clear_error(monkeypatch, tmp_path):
-    real_import = builtins.__import__
-
-    def fake_import(name, *args, **kwargs):
-        if name == "matplotlib" or name.startswith("matplotlib."):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", fake_import)
+def test_without_matplotlib_a_clear_error(no_matplotlib, tmp_path):
     plan = nimble.jit(lambda x: jnp.tanh(x) + 1, backend="interpret").plan(
         jax.ShapeDtypeStruct((8,), jnp.float32))
     with pytest.raises(ImportError, match=r"needs matplotlib.*pip install"):
