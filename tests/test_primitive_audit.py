@@ -34,7 +34,9 @@ def installed() -> dict[str, list[str]]:
     return found["primitives"]
 
 
-def test_every_primitive_of_the_installed_jax_is_classified(installed):
+@pytest.mark.parametrize("job", ["ci", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_every_primitive_of_the_installed_jax_is_classified(installed, job):
+    """Also a `gpu` test: `pytest -m gpu` on the GPU machine audits its own jax line."""
     missing = {n: mods for n, mods in installed.items() if support.classify(n) is None}
     assert not missing, (
         f"jax {jax.__version__} has primitives nimblejax neither lowers, rewrites nor inlines, "

@@ -6,9 +6,9 @@ compiler's own tables and the installed JAX: tests/test_primitive_audit.py), in 
 module of its own with no imports so that the lowering registry can name the reason in
 its unsupported-primitive error without importing the stages support.py reads.
 
-It lists primitives of JAX 0.10.2 (the installed version when it was written) and those
-that jax-ml/jax main at cec06d1 (2026-08-08, version 0.11.1.dev) adds: the audit runs on
-newer versions too.
+It lists primitives of JAX 0.10.2 (the installed version when it was written), those
+that jax-ml/jax main at cec06d1 (2026-08-08, version 0.11.1.dev) adds, and those the audit
+found on jax 0.11.2 on the GPU machine: the audit runs on every version we test.
 """
 from __future__ import annotations
 
@@ -44,7 +44,9 @@ _reason("sharding, placement and XLA annotations: a plan runs on one device, wit
         "compute_on", "custom_partitioning", "device_put", "global_array_to_host_local_array",
         "host_local_array_to_global_array", "inspect_sharding", "layout_constraint", "reshard",
         "shard_alike", "shard_map", "sharding_constraint", "xla_metadata_call",
-        "xla_metadata_value")
+        "xla_metadata_value",
+        # jax 0.11.2 (found by this audit on the GPU machine, 2026-11-24):
+        "program_order", "relayout")
 _reason("host callbacks, tokens and checkify checks: a captured CUDA graph makes no host "
         "round trips", "after_all", "buffer_callback", "check", "create_token", "debug_callback",
         "debug_print", "io_callback", "pure_callback")
