@@ -23,6 +23,7 @@ from nimblejax.compiler.pipeline import compile_function
 from nimblejax.compiler.plan import Plan
 from nimblejax.options import Options
 from nimblejax.runtime.xla_op import HELD, PASSED
+from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array type
 
 BACKENDS = ("cuda", "interpret", "jax")
 OUTPUTS = ("jax", "cupy", "numpy")
@@ -283,7 +284,7 @@ class NimbleFunction:
             outs = record.fn(*[leaves[i] for i in record.passed])
             record.leaves, record.outs, record.out_ids = leaves, outs, None
             for i in record.not_held:
-                record.candidate[i] = type(leaves[i]) is _ArrayImpl and i not in record.never_held
+                record.candidate[i] = type(leaves[i]) is _ArrayImpl and i not in record.always_passed
             self._resident = record
         return jax.tree_util.tree_unflatten(record.out_tree, outs)
 
@@ -305,16 +306,14 @@ class NimbleFunction:
             made = self._resident_fns[key] = self._make_resident(in_tree, statics, sigs, tuple(sources))
         if made is False:
             return None
-        fn, never_held, never_fed, feedable, out_tree = made
-        if any(sources[i] != PASSED for i in never_fed) or any(sources[i] == HELD for i in never_held):
-            return None  # cannot happen: _sources never picks these
-        candidate = [type(x) is _ArrayImpl and i not in never_held for i, x in enumerate(leaves)]
-        return _Resident(in_tree, statics, precision, sigs, never_held, never_fed, feedable, out_tree(),
+        fn, always_passed, feedable, out_tree = made
+        candidate = [type(x) is _ArrayImpl and i not in always_passed for i, x in enumerate(leaves)]
+        return _Resident(in_tree, statics, precision, sigs, always_passed, feedable, out_tree(),
                          list(sources), fn, leaves, candidate)
 
     def _make_resident(self, in_tree, statics, sigs, sources):
-        """(the jitted call passing the PASSED leaves, leaves never held, leaves never
-        fed, feedable outputs, out tree), or False where this signature takes the full
+        """(the jitted call passing the PASSED leaves, the leaves always passed, the
+        feedable outputs, the out tree), or False where this signature takes the full
         path (typed PRNG keys in or out)."""
         from nimblejax.runtime import xla_op
 
@@ -337,14 +336,13 @@ class NimbleFunction:
         # afresh, which costs more than passing it (H100: a step over 96 state leaves
         # took 1062 µs fed back against 516 µs passed and donated).
         returned = {a for a in plan.graph.outputs if plan.output_kind(a) == "input"}
-        never_fed = frozenset(i for i, v in enumerate(plan.graph.inputs) if v in returned) | frozenset(donated)
-        never_held = never_fed
+        always_passed = frozenset(i for i, v in enumerate(plan.graph.inputs) if v in returned) | donated
         feedable = frozenset(j for j, a in enumerate(plan.graph.outputs) if plan.output_kind(a) == "buffer")
         residency = xla_op.Residency(sources, avals)
         positions = [i for i, src in enumerate(sources) if src == PASSED]
         donate = tuple(k for k, i in enumerate(positions) if i in donated)
         fn = jax.jit(lambda *xs: xla_op.resident_call(body, residency, list(xs)), donate_argnums=donate)
-        return fn, never_held, never_fed, feedable, lambda: out_tree_box[-1]
+        return fn, always_passed, feedable, lambda: out_tree_box[-1]
 
     def _op_jit(self) -> Callable:
         return jax.jit(self._op_call, static_argnums=self.static_argnums,
@@ -488,24 +486,21 @@ class NimbleFunction:
         return frozenset(donated)
 
 
-from jax._src.array import ArrayImpl as _ArrayImpl  # noqa: E402  (the concrete jax.Array type)
-
-
 class _Resident:
     """The XLA path's previous call: its leaves and flat results (held, so their ids stay
     theirs), the leaves' signatures, where each operand came from (`sources`), which
-    leaves may be HELD next call (`candidate`: concrete jax.Arrays not in `never_held`),
+    leaves may be HELD next call (`candidate`: concrete jax.Arrays not `always_passed`),
     which results may be fed back (`feedable`: in an arena buffer of their own), and
     the jitted call that passed its `passed` leaves."""
 
-    __slots__ = ("in_tree", "statics", "precision", "sigs", "never_held", "never_fed", "feedable",
+    __slots__ = ("in_tree", "statics", "precision", "sigs", "always_passed", "feedable",
                  "out_tree", "sources", "passed", "not_held", "fn", "leaves", "candidate", "outs",
                  "out_ids")
 
-    def __init__(self, in_tree, statics, precision, sigs, never_held, never_fed, feedable, out_tree,
+    def __init__(self, in_tree, statics, precision, sigs, always_passed, feedable, out_tree,
                  sources, fn, leaves, candidate) -> None:
         self.in_tree, self.statics, self.precision, self.sigs = in_tree, statics, precision, sigs
-        self.never_held, self.never_fed, self.feedable = never_held, never_fed, feedable
+        self.always_passed, self.feedable = always_passed, feedable
         self.out_tree, self.sources, self.fn = out_tree, sources, fn
         self.passed = [i for i, src in enumerate(sources) if src == PASSED]
         self.not_held = [i for i, src in enumerate(sources) if src != HELD]
@@ -528,7 +523,7 @@ def _sources(leaves: list, last: _Resident) -> Optional[list]:
         for i in passed:
             x = leaves[i]
             j = last.out_ids.get(id(x))
-            if j is not None and last.outs[j] is x and i not in last.never_fed and not x.is_deleted():
+            if j is not None and last.outs[j] is x and i not in last.always_passed and not x.is_deleted():
                 sources[i] = j
     for i, src in enumerate(sources):  # a leaf that is not held must keep its signature
         if src == HELD:

@@ -109,10 +109,13 @@ def _impl(*args, body: Body):
     return jax.jit(lambda *xs: nimble_call_p.bind(*xs, body=body))(*args)
 
 
-def _lowering(ctx, *args, body: Body):
-    runner = body.runner(ctx.avals_in)
+def _lowering(ctx, *args, body: Body, residency: "Residency | None" = None):
+    """Both primitives' lowering: `nimble_call` passes every operand, a resident call
+    (`residency`) only those its sources say PASSED."""
+    avals = ctx.avals_in if residency is None else residency.avals
+    runner = body.runner(avals)
     runner.place(_lowering_devices(ctx))
-    return runner.lower(ctx, *args)
+    return runner.lower(ctx, *args, sources=None if residency is None else residency.sources)
 
 
 def _lowering_devices(ctx) -> list:
@@ -175,14 +178,7 @@ def _resident_abstract(*avals, body: Body, residency: Residency):
     return _abstract(*residency.avals, body=body)
 
 
-def _resident_lowering(ctx, *args, body: Body, residency: Residency):
-    runner = body.runner(residency.avals)
-    runner.place(_lowering_devices(ctx))
-    emit = functools.partial(runner.emit_resident, residency.sources)
-    return mlir.lower_fun(emit, multiple_results=True)(ctx, *args)
-
-
-mlir.register_lowering(nimble_resident_p, _resident_lowering)
+mlir.register_lowering(nimble_resident_p, _lowering)
 
 
 def call(body: Body, leaves: list) -> list:
@@ -268,9 +264,11 @@ class Runner:
     def place(self, devices) -> None:
         """Make the plan runnable on these (local) devices."""
 
-    def lower(self, ctx, *args):
-        """The MLIR of one call (the lowering of `emit`)."""
-        return mlir.lower_fun(self.emit, multiple_results=True)(ctx, *args)
+    def lower(self, ctx, *args, sources: "tuple | None" = None):
+        """The MLIR of one call: the lowering of `emit`, or of `emit_resident` for a
+        resident call's operand `sources`."""
+        emit = self.emit if sources is None else functools.partial(self.emit_resident, sources)
+        return mlir.lower_fun(emit, multiple_results=True)(ctx, *args)
 
     def emit(self, *xs):
         raise NotImplementedError
@@ -309,7 +307,7 @@ class InterpretRunner(Runner):
         outs = interpret.run(self.plan, [np.asarray(x) for x in xs], seed=next(self.calls))
         return tuple(np.asarray(o, dtype=s.dtype).reshape(s.shape) for o, s in zip(outs, self.out_shapes))
 
-    def lower(self, ctx, *args):
+    def lower(self, ctx, *args, sources: "tuple | None" = None):
         from nimblejax.runtime import interpret
 
         direct = _host_callback()
@@ -321,10 +319,11 @@ class InterpretRunner(Runner):
                 "worker threads of JAX's CPU client that the computation holds. Run it on "
                 "one device.")
         if direct is None:
-            return super().lower(ctx, *args)
+            return super().lower(ctx, *args, sources=sources)
         emit, op_sharding = direct
+        run = self._run if sources is None else functools.partial(self._run_resident, sources)
         sharding = op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
-        results, _, _ = emit(ctx, self._run, None, list(args), ctx.avals_in, ctx.avals_out,
+        results, _, _ = emit(ctx, run, None, list(args), ctx.avals_in, ctx.avals_out,
                              has_side_effect=False, returns_token=False, sharding=sharding)
         return results
 
@@ -346,6 +345,7 @@ class InterpretRunner(Runner):
         return outs
 
     def emit_resident(self, sources: tuple, *xs):
+        """Only for a JAX without the direct callback (`lower`)."""
         run = functools.partial(self._run_resident, sources)
         return list(jax.pure_callback(run, tuple(self.out_shapes), *xs))
 
