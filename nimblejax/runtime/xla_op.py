@@ -260,6 +260,15 @@ class Runner:
     """Emits the traced computation that runs `plan` (inside lowering)."""
 
     plan: Plan
+    donated: frozenset = frozenset()
+
+    def feedable(self) -> frozenset:
+        """Flat results a resident call may feed back inside the arena: those the XLA
+        call path copies out of an arena buffer of their own (runtime/inplace.py). The
+        interpreter follows the same rule, so that it answers as the GPU would."""
+        from nimblejax.runtime import inplace
+
+        return inplace.feedable(self.plan, inplace.analyze(self.plan, self.donated))
 
     def place(self, devices) -> None:
         """Make the plan runnable on these (local) devices."""
@@ -289,8 +298,8 @@ class InterpretRunner(Runner):
     devices may be holding while it waits in this callback. The interpreter then runs
     the equations on a CPU client of its own (`interpret.device()`)."""
 
-    def __init__(self, plan: Plan, out_shapes) -> None:
-        self.plan = plan
+    def __init__(self, plan: Plan, out_shapes, donated: frozenset = frozenset()) -> None:
+        self.plan, self.donated = plan, donated
         self.out_shapes = out_shapes
         self.calls = itertools.count()
         self.held: list = [None] * len(plan.graph.inputs)  # the operands, as the GPU arena holds them
@@ -361,151 +370,15 @@ def _host_callback():
         return None
 
 
-class FfiRunner(Runner):
-    """The plan's graph captured raw and registered with the C++ FFI handler, once per
-    GPU it runs on (each device of a shard_map launches its own copy: own arena, own
-    graph, on XLA's stream of that device)."""
-
-    def __init__(self, plan: Plan, out_shapes, library, gemm: str, donated: frozenset) -> None:
-        self.plan, self.library, self.gemm = plan, library, gemm
-        self.id = 0
-        self.exes: dict = {}  # device ordinal -> Executable
-        self.views: dict = {}  # operand sources -> the id of the view registered for them
-        self.donated = donated
-        self.buffers = list(dict.fromkeys(a for a in plan.graph.outputs if plan.output_kind(a) == "buffer"))
-        self.out_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.buffers]
-        self.aliases = _aliases(plan.graph.inputs, self.buffers, donated)
-
-    @property
-    def exe(self):
-        """The Executable of the first device this plan was placed on."""
-        return next(iter(self.exes.values()))
-
-    def place(self, devices) -> None:
-        for d in devices:
-            if d.platform == "gpu" and d.local_hardware_id not in self.exes:
-                self._register(d.local_hardware_id)
-
-    def _register(self, ordinal: int) -> None:
-        import cupy
-
-        from nimblejax.runtime.executable import Executable
-
-        plan = self.plan
-        with cupy.cuda.Device(ordinal):
-            exe = Executable(plan, output="cupy", gemm=self.gemm, capture="raw")
-            in_dst = [exe.base + plan.offset(v) if _in_arena(plan, v) else 0 for v in plan.graph.inputs]
-            in_bytes = [v.nbytes if _in_arena(plan, v) else 0 for v in plan.graph.inputs]
-            out_src = [exe.base + plan.offset(a) for a in self.buffers]
-            self.id = self.library.register(exe.raw_exec, _copy_function(self.library, ordinal), in_dst, in_bytes,
-                                            out_src, [a.nbytes for a in self.buffers],
-                                            plan_id=self.id, device=ordinal)
-        self.exes[ordinal] = exe
-        for sources, view in self.views.items():
-            self._register_view(sources, view, ordinal)
-
-    def _register_view(self, sources: tuple, view_id: int, ordinal: int) -> int:
-        """Operands PASSED are copied in from XLA's buffers; an operand fed back from
-        output j is copied inside the arena, from j's buffer (which the previous call's
-        graph wrote and nothing has written since); HELD operands are not touched."""
-        plan, exe = self.plan, self.exes[ordinal]
-        slot = lambda v: exe.base + plan.offset(v) if _in_arena(plan, v) else 0  # noqa: E731
-        size = lambda v: v.nbytes if _in_arena(plan, v) else 0  # noqa: E731
-        passed = [v for v, src in zip(plan.graph.inputs, sources) if src == PASSED]
-        fed = [(v, plan.graph.outputs[src]) for v, src in zip(plan.graph.inputs, sources) if src >= 0]
-        return self.library.register_view(
-            self.id, [slot(v) for v in passed], [size(v) for v in passed], view_id=view_id,
-            device=ordinal, fed_dst=[slot(v) for v, _ in fed],
-            fed_src=[exe.base + plan.offset(a) for _, a in fed], fed_bytes=[size(v) for v, _ in fed])
-
-    def _view(self, sources: tuple) -> int:
-        if all(src == PASSED for src in sources):
-            return self.id
-        view = self.views.get(sources)
-        if view is None:
-            view = 0
-            for ordinal in self.exes:
-                view = self._register_view(sources, view, ordinal)
-            self.views[sources] = view
-        return view
-
-    def emit_resident(self, sources: tuple, *xs):
-        positions = [i for i, src in enumerate(sources) if src == PASSED]
-        inputs = [self.plan.graph.inputs[i] for i in positions]
-        donated = frozenset(k for k, i in enumerate(positions) if i in self.donated)
-        return self._emit(self._view(sources), inputs, _aliases(inputs, self.buffers, donated), xs)
-
-    def emit(self, *xs):
-        return self._emit(self.id, self.plan.graph.inputs, self.aliases, xs)
-
-    def _emit(self, plan_id: int, inputs: list, aliases: dict, xs) -> list:
-        """The custom call of registration `plan_id`, whose operands `xs` are `inputs`."""
-        made = jax.ffi.ffi_call(TARGET, self.out_specs,
-                                input_output_aliases=aliases)(*xs, plan=np.int64(plan_id))
-        made = list(made) if isinstance(made, (list, tuple)) else [made]
-        index = {a: i for i, a in enumerate(self.buffers)}
-        outs = []
-        for a in self.plan.graph.outputs:
-            kind = self.plan.output_kind(a)
-            if kind == "buffer":
-                outs.append(made[index[a]])
-            elif kind == "input":  # api.py passes such operands on every call
-                outs.append(xs[list(inputs).index(a)])
-            else:
-                value = a.value if kind == "literal" else self.plan.graph.consts[a]
-                outs.append(jnp.asarray(value, dtype=a.dtype))
-        return outs
-
-    def close(self) -> None:
-        if self.id:
-            self.library.unregister(self.id)
-            self.id = 0
-        for exe in self.exes.values():
-            exe.close()
-        self.exes.clear()
-
-
-def _in_arena(plan: Plan, v) -> bool:
-    return v in plan.memory.offsets and v.nbytes > 0
-
-
-def _aliases(inputs, buffers, donated: frozenset) -> dict:
-    """Donated operand → a result of its shape and dtype, each result at most once: XLA
-    then writes that result into the donated buffer (a loop feeding back its state
-    allocates nothing)."""
-    aliases, taken = {}, set()
-    for i in sorted(donated):
-        v = inputs[i]
-        for k, a in enumerate(buffers):
-            if k not in taken and a.shape == v.shape and np.dtype(a.dtype) == np.dtype(v.dtype):
-                aliases[i] = k
-                taken.add(k)
-                break
-    return aliases
-
-
-_COPY_FUNCTIONS: dict = {}  # device ordinal -> (RawKernel, CUfunction)
-
-
-def _copy_function(library, ordinal: int) -> int:
-    """The CUfunction of the handler's copy kernel on device `ordinal` (current),
-    compiled once per process and device."""
-    if ordinal not in _COPY_FUNCTIONS:
-        import cupy
-
-        kernel = cupy.RawKernel(library.copy_kernel_source(), "nimble_ffi_copy")
-        # The kernel must outlive every plan; .kernel loads it into the current context.
-        _COPY_FUNCTIONS[ordinal] = (kernel, kernel.kernel.ptr)
-    return _COPY_FUNCTIONS[ordinal][1]
-
-
 def make_runner(backend: str, options, library: Any = None) -> Callable:
     """The `make_runner` of a Body for `backend` ("interpret" or "cuda")."""
 
     def make(plan: Plan, donated: frozenset) -> Runner:
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.graph.outputs]
         if backend == "interpret":
-            return InterpretRunner(plan, shapes)
+            return InterpretRunner(plan, shapes, donated)
+        from nimblejax.runtime.ffi_runner import FfiRunner
+
         return FfiRunner(plan, shapes, library, options.gemm, donated)
 
     return make

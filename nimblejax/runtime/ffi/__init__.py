@@ -31,6 +31,8 @@ TARGET = "nimble_plan"
 """Name of the XLA custom-call target that runs a registered plan."""
 
 _SOURCE = pathlib.Path(__file__).with_name("handler.cc")
+# Headers handler.cc includes from its own folder: part of the build's cache key.
+_HEADERS = ("copy_kernel.h", "graph_patch.h")
 _LIB_NAME = "libnimble_ffi.so"
 # -fvisibility=hidden: only the symbols handler.cc marks for export are
 # visible, so the FFI header templates cannot clash with jaxlib's copies.
@@ -42,6 +44,7 @@ _STDERR_LINES = 8
 _BUILD_TIMEOUT_S = 300
 
 _u64_p = ctypes.POINTER(ctypes.c_ulonglong)
+_int_p = ctypes.POINTER(ctypes.c_int)
 
 _lock = threading.Lock()  # guards _warned
 _load_lock = threading.Lock()  # separate from _lock: load() warns while held
@@ -79,6 +82,11 @@ def _build_dir(cache_dir: str | os.PathLike, source: bytes, flags: Sequence[str]
     for flag in [*flags, *_LDFLAGS]:
         digest.update(b"\0" + flag.encode())
     return pathlib.Path(cache_dir) / f"{_jaxlib_version()}-{digest.hexdigest()[:12]}"
+
+
+def _source_bytes() -> bytes:
+    """handler.cc and the headers it includes, as one text (the cache key's part)."""
+    return b"\0".join(_SOURCE.with_name(n).read_bytes() for n in (_SOURCE.name, *_HEADERS))
 
 
 def _find_compiler(compiler: str | None) -> str | None:
@@ -124,7 +132,7 @@ def build(cache_dir: str | os.PathLike, compiler: str | None = None) -> pathlib.
         return None
     try:
         flags = _compile_flags()
-        out_dir = _build_dir(cache_dir, _SOURCE.read_bytes(), flags)
+        out_dir = _build_dir(cache_dir, _source_bytes(), flags)
         target = out_dir / _LIB_NAME
         if target.is_file():
             return target
@@ -161,16 +169,31 @@ def _declare(lib: ctypes.CDLL) -> None:
     ]  # fmt: skip
     lib.nimble_ffi_register.restype = ctypes.c_longlong
     lib.nimble_ffi_register_view.argtypes = [
-        ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, _u64_p, _u64_p,
-        ctypes.c_int, _u64_p, _u64_p, _u64_p,
+        ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, _int_p, _u64_p, _u64_p,
+        ctypes.c_int, _int_p, _u64_p, _u64_p, _u64_p,
     ]  # fmt: skip
     lib.nimble_ffi_register_view.restype = ctypes.c_longlong
+    lib.nimble_ffi_kernel_nodes.argtypes = [ctypes.c_void_p, ctypes.c_longlong, _u64_p, _u64_p]
+    lib.nimble_ffi_kernel_nodes.restype = ctypes.c_longlong
+    lib.nimble_ffi_kernel_node_params.argtypes = [ctypes.c_void_p, ctypes.c_int, _u64_p]
+    lib.nimble_ffi_kernel_node_params.restype = ctypes.c_int
+    lib.nimble_ffi_set_inplace.argtypes = [
+        ctypes.c_longlong, ctypes.c_int, ctypes.c_int, _u64_p, _int_p, ctypes.c_int,
+        _int_p, _int_p, _int_p, _int_p,
+    ]  # fmt: skip
+    lib.nimble_ffi_set_inplace.restype = ctypes.c_int
+    lib.nimble_ffi_stats.argtypes = [ctypes.c_longlong, ctypes.c_int, _u64_p]
+    lib.nimble_ffi_stats.restype = ctypes.c_int
     lib.nimble_ffi_unregister.argtypes = [ctypes.c_longlong]
     lib.nimble_ffi_unregister.restype = None
 
 
 def _u64_array(values: Sequence[int]) -> ctypes.Array:
     return (ctypes.c_ulonglong * len(values))(*(int(v) for v in values))
+
+
+def _int_array(values: Sequence[int]) -> ctypes.Array:
+    return (ctypes.c_int * len(values))(*(int(v) for v in values))
 
 
 class FfiLibrary:
@@ -243,25 +266,65 @@ class FfiLibrary:
             raise RuntimeError(f"nimblejax FFI plan registration failed: {self.last_error()}")
         return plan_id
 
-    def register_view(self, base_id: int, in_dst: Sequence[int], in_bytes: Sequence[int], *,
-                      view_id: int = 0, device: int = 0, fed_dst: Sequence[int] = (),
+    def register_view(self, base_id: int, in_index: Sequence[int], in_dst: Sequence[int],
+                      in_bytes: Sequence[int], *, view_id: int = 0, device: int = 0,
+                      fed_index: Sequence[int] = (), fed_dst: Sequence[int] = (),
                       fed_src: Sequence[int] = (), fed_bytes: Sequence[int] = ()) -> int:
         """Register a view of plan ``base_id`` on ``device``: the same arena, graph and
-        outputs, called with operands copied to ``in_dst`` only, and ``fed_bytes[k]``
-        bytes copied inside the arena from ``fed_src[k]`` (an output buffer, still
-        holding the previous call's result) to ``fed_dst[k]`` before the graph runs; the
-        plan's other inputs stay resident in the arena from earlier calls. Returns the
-        view's id: a new one when ``view_id`` is 0, else ``view_id`` (the view on
-        another device). Calls of a plan and of its views are serialized on one arena."""
-        if len(in_dst) != len(in_bytes) or not len(fed_dst) == len(fed_src) == len(fed_bytes):
-            raise ValueError("in_dst/in_bytes and fed_dst/fed_src/fed_bytes must have equal lengths")
-        view = self._lib.nimble_ffi_register_view(int(view_id), int(base_id), int(device), len(in_dst),
-                                                  _u64_array(in_dst), _u64_array(in_bytes), len(fed_dst),
-                                                  _u64_array(fed_dst), _u64_array(fed_src),
-                                                  _u64_array(fed_bytes))
+        outputs, called with the operands of plan inputs ``in_index`` only (copied to
+        ``in_dst``, or read in place), and ``fed_bytes[k]`` bytes copied inside the arena
+        from ``fed_src[k]`` (an output buffer, still holding the previous call's result)
+        to ``fed_dst[k]``, the slot of plan input ``fed_index[k]``, before the graph runs;
+        the plan's other inputs stay where earlier calls left them. Returns the view's
+        id: a new one when ``view_id`` is 0, else ``view_id`` (the view on another
+        device). Calls of a plan and of its views are serialized on one arena."""
+        if not len(in_index) == len(in_dst) == len(in_bytes) or \
+                not len(fed_index) == len(fed_dst) == len(fed_src) == len(fed_bytes):
+            raise ValueError("in_index/in_dst/in_bytes and fed_index/fed_dst/fed_src/fed_bytes "
+                             "must have equal lengths")
+        view = self._lib.nimble_ffi_register_view(
+            int(view_id), int(base_id), int(device), len(in_dst), _int_array(in_index),
+            _u64_array(in_dst), _u64_array(in_bytes), len(fed_dst), _int_array(fed_index),
+            _u64_array(fed_dst), _u64_array(fed_src), _u64_array(fed_bytes))
         if view < 0:
             raise RuntimeError(f"nimblejax FFI view registration failed: {self.last_error()}")
         return view
+
+    def kernel_nodes(self, graph: int) -> list[tuple[int, int]]:
+        """(node, CUfunction) of every kernel node of the CUgraph ``graph``."""
+        count = self._lib.nimble_ffi_kernel_nodes(ctypes.c_void_p(graph), 0, None, None)
+        if count < 0:
+            raise RuntimeError(f"nimblejax: listing graph nodes failed: {self.last_error()}")
+        nodes, funcs = (ctypes.c_ulonglong * count)(), (ctypes.c_ulonglong * count)()
+        self._lib.nimble_ffi_kernel_nodes(ctypes.c_void_p(graph), count, nodes, funcs)
+        return list(zip(nodes, funcs))
+
+    def kernel_node_params(self, node: int, n: int) -> tuple[int, ...]:
+        """The first ``n`` 8-byte arguments of a kernel node (its kernel takes them)."""
+        values = (ctypes.c_ulonglong * n)()
+        if self._lib.nimble_ffi_kernel_node_params(ctypes.c_void_p(node), n, values) != 0:
+            raise RuntimeError(f"nimblejax: reading a kernel node failed: {self.last_error()}")
+        return tuple(values)
+
+    def set_inplace(self, plan_id: int, device: int, nodes: Sequence[int], n_params: Sequence[int],
+                    sites: Sequence[tuple[int, int, int, int]]) -> None:
+        """Read and write buffers of plan ``plan_id`` in place: each site (node position in
+        ``nodes``, argument position, 0 for a plan input or 1 for an output buffer, its
+        index) is a kernel argument the handler re-points to XLA's buffer each call."""
+        cols = list(zip(*sites)) if sites else [(), (), (), ()]
+        rc = self._lib.nimble_ffi_set_inplace(
+            int(plan_id), int(device), len(nodes), _u64_array(nodes), _int_array(n_params),
+            len(sites), *(_int_array(c) for c in cols))
+        if rc != 0:
+            raise RuntimeError(f"nimblejax: in-place registration failed: {self.last_error()}")
+
+    def stats(self, plan_id: int, device: int = 0) -> dict:
+        """Counters of a plan's arena on ``device``: calls, copy kernels launched, kernel
+        nodes re-pointed (shared with its views)."""
+        out = (ctypes.c_ulonglong * 3)()
+        if self._lib.nimble_ffi_stats(int(plan_id), int(device), out) != 0:
+            raise KeyError(f"plan {plan_id} is not registered for device {device}")
+        return {"calls": out[0], "copy_launches": out[1], "nodes_set": out[2]}
 
     def unregister(self, plan_id: int) -> None:
         """Forget a plan on every device; a call already running on it finishes first."""

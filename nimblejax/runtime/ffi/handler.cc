@@ -28,10 +28,12 @@ typedef struct CUevent_st* CUevent;
 typedef struct CUgraphExec_st* CUgraphExec;
 typedef struct CUfunc_st* CUfunction;
 
+#include "copy_kernel.h"
+#include "graph_patch.h"
+
 namespace {
 
 constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
-constexpr int kMaxEntries = 64;              // copies per kernel launch
 constexpr unsigned kThreads = 256;
 constexpr unsigned long long kBytesPerBlock = kThreads * 16ull;  // uint4/thread
 constexpr unsigned kMaxBlocksX = 1024;  // enough blocks to fill an H100 (132 SMs) on large copies
@@ -53,45 +55,6 @@ int g_init_status = -1;      // written once under g_init_once
 std::string g_init_error;    // idem; never modified afterwards
 std::once_flag g_init_once;
 thread_local std::string t_last_error;  // per thread: no races on c_str()
-
-// Must match nimble_ffi_copy's parameter in kCopyKernelSource byte for byte;
-// it is passed by value through kernelParams.
-struct CopyTable {
-  unsigned long long dst[kMaxEntries];
-  unsigned long long src[kMaxEntries];
-  unsigned long long bytes[kMaxEntries];
-  int count;
-};
-
-const char kCopyKernelSource[] = R"CUDA(
-struct CopyTable {
-  unsigned long long dst[64];
-  unsigned long long src[64];
-  unsigned long long bytes[64];
-  int count;
-};
-
-// One entry per blockIdx.y; blocks in x and threads grid-stride over it.
-extern "C" __global__ void nimble_ffi_copy(CopyTable t) {
-  const int e = blockIdx.y;
-  if (e >= t.count) return;
-  unsigned char* dst = (unsigned char*)t.dst[e];
-  const unsigned char* src = (const unsigned char*)t.src[e];
-  const unsigned long long n = t.bytes[e];
-  const unsigned long long start =
-      (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-  unsigned long long done = 0;
-  if (((t.dst[e] | t.src[e]) & 15ull) == 0) {  // both 16-aligned: uint4 path
-    const unsigned long long nv = n / 16;
-    uint4* d4 = (uint4*)dst;
-    const uint4* s4 = (const uint4*)src;
-    for (unsigned long long i = start; i < nv; i += stride) d4[i] = s4[i];
-    done = nv * 16;
-  }
-  for (unsigned long long i = done + start; i < n; i += stride) dst[i] = src[i];
-}
-)CUDA";
 
 template <typename F>
 bool Resolve(void* lib, const char* name, F* out) {
@@ -119,6 +82,7 @@ void InitOnce() {
             Resolve(lib, "cuStreamWaitEvent", &g_drv.StreamWaitEvent) &&
             Resolve(lib, "cuGetErrorString", &g_drv.GetErrorString) &&
             Resolve(lib, "cuEventDestroy_v2", &g_drv.EventDestroy);
+  if (ok) nimble_patch::ResolvePatchDriver(lib);
   g_init_status = ok ? 0 : 2;  // the handle stays open for the process
 }
 
@@ -140,6 +104,9 @@ struct Arena {
   std::vector<unsigned long long> out_src, out_bytes;
   CUevent event = nullptr;
   CUstream last_stream = nullptr;  // stream of the previous call, if any
+  nimble_patch::Patches patches;   // buffers read and written in place, not copied
+  // Counters for tests and profiles: calls, copy kernels launched, kernel nodes set.
+  unsigned long long stats[3] = {0, 0, 0};
   std::mutex mu;
   ~Arena() {
     // Safe with work pending: the driver releases the event once it is done.
@@ -154,6 +121,8 @@ struct Arena {
 struct Plan {
   std::shared_ptr<Arena> arena;
   std::vector<unsigned long long> in_dst, in_bytes;
+  std::vector<int> in_index;  // the plan input each operand is
+  std::vector<int> fed_index;  // the plan input each fed-back copy fills
   // Copies inside the arena before the graph runs: a view's operands fed back
   // from the previous call's results, still in the arena's output buffers.
   std::vector<unsigned long long> fed_dst, fed_src, fed_bytes;
@@ -167,7 +136,7 @@ std::map<std::pair<long long, int>, std::shared_ptr<Plan>> g_plans;
 long long g_next_id = 1;
 
 // Copies n (dst, src, bytes) entries with as few kernel launches as possible.
-ffi::Error CopyBatched(const Arena& arena, CUstream stream,
+ffi::Error CopyBatched(Arena& arena, CUstream stream,
                        const std::vector<unsigned long long>& dst,
                        const std::vector<unsigned long long>& src,
                        const std::vector<unsigned long long>& bytes) {
@@ -193,6 +162,7 @@ ffi::Error CopyBatched(const Arena& arena, CUstream stream,
                                      kThreads, 1, 1, 0, stream, params, nullptr);
     if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                    DriverError("cuLaunchKernel", rc));
+    ++arena.stats[1];
   }
   return ffi::Error::Success();
 }
@@ -255,26 +225,45 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
     if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                    DriverError("cuStreamWaitEvent", rc));
   }
-  ffi::Error err = ffi::Error::Success();
-  if (plan->fed_dst.empty()) {
-    err = CopyBatched(arena, stream, plan->in_dst, in_src, plan->in_bytes);
-  } else {  // one launch for operands and fed-back results together
-    std::vector<unsigned long long> dst(plan->in_dst), src(in_src), bytes(plan->in_bytes);
-    dst.insert(dst.end(), plan->fed_dst.begin(), plan->fed_dst.end());
-    src.insert(src.end(), plan->fed_src.begin(), plan->fed_src.end());
-    bytes.insert(bytes.end(), plan->fed_bytes.begin(), plan->fed_bytes.end());
-    err = CopyBatched(arena, stream, dst, src, bytes);
+  // Operands and results re-pointed in place need no copy; the rest are copied.
+  nimble_patch::Patches& patches = arena.patches;
+  CopyList in, out;
+  for (size_t k = 0; k < in_src.size(); ++k) {
+    size_t i = plan->in_index[k];
+    if (patches.InPlaceIn(i))
+      patches.Retarget(patches.in_sites[i], &patches.in_addr[i], in_src[k]);
+    else
+      in.Add(plan->in_dst[k], in_src[k], plan->in_bytes[k]);
   }
+  for (size_t e = 0; e < plan->fed_dst.size(); ++e) {
+    in.Add(plan->fed_dst[e], plan->fed_src[e], plan->fed_bytes[e]);
+    size_t i = plan->fed_index[e];  // read from its arena slot again
+    if (patches.InPlaceIn(i))
+      patches.Retarget(patches.in_sites[i], &patches.in_addr[i], plan->fed_dst[e]);
+  }
+  for (size_t j = 0; j < out_dst.size(); ++j) {
+    if (patches.InPlaceOut(j))
+      patches.Retarget(patches.out_sites[j], &patches.out_addr[j], out_dst[j]);
+    else
+      out.Add(out_dst[j], arena.out_src[j], arena.out_bytes[j]);
+  }
+  int failed = -1;
+  arena.stats[2] += patches.dirty.size();
+  CUresult rc = patches.Flush(arena.graph, &failed);
+  if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
+                                 DriverError("cuGraphExecKernelNodeSetParams", rc));
+  ffi::Error err = CopyBatched(arena, stream, in.dst, in.src, in.bytes);
   if (err.failure()) return err;
-  CUresult rc = g_drv.GraphLaunch(arena.graph, stream);
+  rc = g_drv.GraphLaunch(arena.graph, stream);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuGraphLaunch", rc));
-  err = CopyBatched(arena, stream, out_dst, arena.out_src, arena.out_bytes);
+  err = CopyBatched(arena, stream, out.dst, out.src, out.bytes);
   if (err.failure()) return err;
   rc = g_drv.EventRecord(arena.event, stream);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuEventRecord", rc));
   arena.last_stream = stream;
+  ++arena.stats[0];
   return ffi::Error::Success();
 }
 
@@ -339,20 +328,25 @@ NIMBLE_EXPORT long long nimble_ffi_register(
   plan->arena = std::move(arena);
   plan->in_dst.assign(in_dst, in_dst + n_in);
   plan->in_bytes.assign(in_bytes, in_bytes + n_in);
+  for (int i = 0; i < n_in; ++i) plan->in_index.push_back(i);
   return AddPlan(plan_id, device, std::move(plan));
 }
 
 // Registers a view of plan `base_id` on `device` under `view_id` (0: a new id):
-// the same arena and graph, called with the n_in operands copied to in_dst
-// (the other inputs stay resident in the arena). Returns the view's id or -1.
+// the same arena and graph, called with the n_in operands (plan inputs in_index)
+// copied to in_dst (the other inputs stay resident in the arena, or in the buffers
+// the graph was last pointed at), and n_fed copies inside the arena into the slots
+// of plan inputs fed_index. Returns the view's id or -1.
 NIMBLE_EXPORT long long nimble_ffi_register_view(
-    long long view_id, long long base_id, int device, int n_in,
+    long long view_id, long long base_id, int device, int n_in, const int* in_index,
     const unsigned long long* in_dst, const unsigned long long* in_bytes, int n_fed,
-    const unsigned long long* fed_dst, const unsigned long long* fed_src,
-    const unsigned long long* fed_bytes) {
+    const int* fed_index, const unsigned long long* fed_dst,
+    const unsigned long long* fed_src, const unsigned long long* fed_bytes) {
   if (nimble_ffi_init() != 0) return -1;
-  if (view_id < 0 || n_in < 0 || (n_in > 0 && (in_dst == nullptr || in_bytes == nullptr)) ||
-      n_fed < 0 || (n_fed > 0 && (fed_dst == nullptr || fed_src == nullptr || fed_bytes == nullptr))) {
+  if (view_id < 0 || n_in < 0 ||
+      (n_in > 0 && (in_dst == nullptr || in_bytes == nullptr || in_index == nullptr)) ||
+      n_fed < 0 || (n_fed > 0 && (fed_dst == nullptr || fed_src == nullptr ||
+                                  fed_bytes == nullptr || fed_index == nullptr))) {
     t_last_error = "nimble_ffi_register_view: invalid arguments";
     return -1;
   }
@@ -374,7 +368,99 @@ NIMBLE_EXPORT long long nimble_ffi_register_view(
   plan->fed_dst.assign(fed_dst, fed_dst + n_fed);
   plan->fed_src.assign(fed_src, fed_src + n_fed);
   plan->fed_bytes.assign(fed_bytes, fed_bytes + n_fed);
+  plan->in_index.assign(in_index, in_index + n_in);
+  plan->fed_index.assign(fed_index, fed_index + n_fed);
   return AddPlan(view_id, device, std::move(plan));
+}
+
+// Lists up to `max` kernel nodes of `graph` (node handles and their CUfunction);
+// returns how many the graph has, or -1.
+NIMBLE_EXPORT long long nimble_ffi_kernel_nodes(void* graph, long long max,
+                                                unsigned long long* nodes,
+                                                unsigned long long* funcs) {
+  if (nimble_ffi_init() != 0) return -1;
+  if (!nimble_patch::g_patch_drv.ok()) {
+    t_last_error = "libcuda.so.1 lacks the graph node entry points (CUDA 12.0+)";
+    return -1;
+  }
+  CUresult rc = 0;
+  long long count = nimble_patch::ListKernelNodes(static_cast<CUgraph>(graph), max, nodes, funcs, &rc);
+  if (rc != 0) t_last_error = DriverError("cuGraphGetNodes", rc);
+  return rc != 0 ? -1 : count;
+}
+
+// The first n 8-byte arguments of kernel node `node` (the caller knows the kernel
+// takes at least n such arguments); 0 or -1.
+NIMBLE_EXPORT int nimble_ffi_kernel_node_params(void* node, int n, unsigned long long* values) {
+  if (nimble_ffi_init() != 0 || !nimble_patch::g_patch_drv.ok()) return -1;
+  nimble_patch::Node loaded;
+  CUresult rc = nimble_patch::LoadNode(static_cast<CUgraphNode>(node), n, &loaded);
+  if (rc != 0) { t_last_error = DriverError("cuGraphKernelNodeGetParams", rc); return -1; }
+  for (int p = 0; p < n; ++p) values[p] = loaded.values[p];
+  return 0;
+}
+
+// Makes plan `plan_id` on `device` read and write some buffers in place: site k is
+// argument site_param[k] of node site_node[k] (an index into nodes, whose n_params
+// are given), naming plan input site_index[k] (site_kind 0) or output buffer
+// site_index[k] (1). The graph holds the arena's addresses until the first call.
+NIMBLE_EXPORT int nimble_ffi_set_inplace(long long plan_id, int device, int n_nodes,
+                                         const unsigned long long* nodes,
+                                         const int* n_params, int n_sites,
+                                         const int* site_node, const int* site_param,
+                                         const int* site_kind, const int* site_index) {
+  if (nimble_ffi_init() != 0) return -1;
+  std::shared_ptr<Plan> plan;
+  {
+    std::lock_guard<std::mutex> lock(g_plans_mu);
+    auto it = g_plans.find({plan_id, device});
+    if (it != g_plans.end()) plan = it->second;
+  }
+  if (!plan || !nimble_patch::g_patch_drv.ok()) {
+    t_last_error = "nimble_ffi_set_inplace: no such plan, or no graph node entry points";
+    return -1;
+  }
+  nimble_patch::Patches patches;
+  patches.nodes.resize(n_nodes);
+  for (int i = 0; i < n_nodes; ++i) {
+    CUresult rc = nimble_patch::LoadNode(reinterpret_cast<CUgraphNode>(nodes[i]), n_params[i],
+                                         &patches.nodes[i]);
+    if (rc != 0) { t_last_error = DriverError("cuGraphKernelNodeGetParams", rc); return -1; }
+  }
+  Arena& arena = *plan->arena;
+  patches.in_sites.resize(plan->in_index.size());
+  patches.out_sites.resize(arena.out_src.size());
+  patches.in_addr.assign(patches.in_sites.size(), 0);
+  patches.out_addr.assign(patches.out_sites.size(), 0);
+  for (int k = 0; k < n_sites; ++k) {
+    auto& lists = site_kind[k] == 0 ? patches.in_sites : patches.out_sites;
+    auto& addr = site_kind[k] == 0 ? patches.in_addr : patches.out_addr;
+    if (site_index[k] < 0 || size_t(site_index[k]) >= lists.size() || site_node[k] < 0 ||
+        site_node[k] >= n_nodes || site_param[k] < 0 || site_param[k] >= n_params[site_node[k]]) {
+      t_last_error = "nimble_ffi_set_inplace: site " + std::to_string(k) + " out of range";
+      return -1;
+    }
+    lists[site_index[k]].push_back({site_node[k], site_param[k]});
+    addr[site_index[k]] = patches.nodes[site_node[k]].values[site_param[k]];
+  }
+  std::lock_guard<std::mutex> lock(arena.mu);
+  arena.patches = std::move(patches);
+  return 0;
+}
+
+// The counters of plan `plan_id`'s arena on `device` (calls, copy kernels launched,
+// kernel nodes re-pointed), shared by its views; 0 or -1.
+NIMBLE_EXPORT int nimble_ffi_stats(long long plan_id, int device, unsigned long long* out) {
+  std::shared_ptr<Plan> plan;
+  {
+    std::lock_guard<std::mutex> lock(g_plans_mu);
+    auto it = g_plans.find({plan_id, device});
+    if (it != g_plans.end()) plan = it->second;
+  }
+  if (!plan) return -1;
+  std::lock_guard<std::mutex> lock(plan->arena->mu);
+  for (int i = 0; i < 3; ++i) out[i] = plan->arena->stats[i];
+  return 0;
 }
 
 // A call already running keeps its shared_ptr, so the plan outlives it.

@@ -1,0 +1,61 @@
+// The copy kernel of the FFI handler (included by handler.cc): operands into the
+// arena and results out of it, for the buffers that are not re-pointed in place.
+#pragma once
+
+#include <vector>
+
+namespace {
+
+constexpr int kMaxEntries = 64;  // copies per kernel launch
+
+// Must match nimble_ffi_copy's parameter in kCopyKernelSource byte for byte;
+// it is passed by value through kernelParams.
+struct CopyTable {
+  unsigned long long dst[kMaxEntries];
+  unsigned long long src[kMaxEntries];
+  unsigned long long bytes[kMaxEntries];
+  int count;
+};
+
+const char kCopyKernelSource[] = R"CUDA(
+struct CopyTable {
+  unsigned long long dst[64];
+  unsigned long long src[64];
+  unsigned long long bytes[64];
+  int count;
+};
+
+// One entry per blockIdx.y; blocks in x and threads grid-stride over it.
+extern "C" __global__ void nimble_ffi_copy(CopyTable t) {
+  const int e = blockIdx.y;
+  if (e >= t.count) return;
+  unsigned char* dst = (unsigned char*)t.dst[e];
+  const unsigned char* src = (const unsigned char*)t.src[e];
+  const unsigned long long n = t.bytes[e];
+  const unsigned long long start =
+      (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
+  unsigned long long done = 0;
+  if (((t.dst[e] | t.src[e]) & 15ull) == 0) {  // both 16-aligned: uint4 path
+    const unsigned long long nv = n / 16;
+    uint4* d4 = (uint4*)dst;
+    const uint4* s4 = (const uint4*)src;
+    for (unsigned long long i = start; i < nv; i += stride) d4[i] = s4[i];
+    done = nv * 16;
+  }
+  for (unsigned long long i = done + start; i < n; i += stride) dst[i] = src[i];
+}
+)CUDA";
+
+// The copies of one call, gathered before launching them.
+struct CopyList {
+  std::vector<unsigned long long> dst, src, bytes;
+  void Add(unsigned long long d, unsigned long long s, unsigned long long n) {
+    if (n == 0) return;
+    dst.push_back(d);
+    src.push_back(s);
+    bytes.push_back(n);
+  }
+};
+
+}  // namespace

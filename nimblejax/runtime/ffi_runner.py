@@ -1,0 +1,225 @@
+"""The FFI runner: a plan's graph captured raw, registered with the C++ handler, and
+emitted as an XLA custom call (runtime/ffi/handler.cc).
+
+Operands and results that only generated kernels touch are read and written in place:
+the handler re-points their kernel nodes to XLA's buffers each call (runtime/inplace.py
+decides which). The others are copied into and out of the plan's arena.
+"""
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nimblejax.compiler.plan import Plan
+from nimblejax.runtime import inplace as inplace_mod
+from nimblejax.runtime.ffi import TARGET
+from nimblejax.runtime.xla_op import PASSED, Runner
+
+
+class FfiRunner(Runner):
+    """The plan's graph captured raw and registered with the C++ FFI handler, once per
+    GPU it runs on (each device of a shard_map launches its own copy: own arena, own
+    graph, on XLA's stream of that device)."""
+
+    def __init__(self, plan: Plan, out_shapes, library, gemm: str, donated: frozenset) -> None:
+        self.plan, self.library, self.gemm = plan, library, gemm
+        self.id = 0
+        self.exes: dict = {}  # device ordinal -> Executable
+        self.views: dict = {}  # operand sources -> the id of the view registered for them
+        self.donated = donated
+        self.buffers = list(dict.fromkeys(a for a in plan.graph.outputs if plan.output_kind(a) == "buffer"))
+        self.out_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.buffers]
+        self.aliases = _aliases(plan.graph.inputs, self.buffers, donated)
+        self.inplace = inplace_mod.analyze(plan, donated)
+        # Per device, what the handler really re-points (a node not found is copied).
+        self.inplace_on: dict = {}
+
+    @property
+    def exe(self):
+        """The Executable of the first device this plan was placed on."""
+        return next(iter(self.exes.values()))
+
+    def place(self, devices) -> None:
+        for d in devices:
+            if d.platform == "gpu" and d.local_hardware_id not in self.exes:
+                self._register(d.local_hardware_id)
+
+    def _register(self, ordinal: int) -> None:
+        import cupy
+
+        from nimblejax.runtime.executable import Executable
+
+        plan = self.plan
+        with cupy.cuda.Device(ordinal):
+            exe = Executable(plan, output="cupy", gemm=self.gemm, capture="raw")
+            in_dst = [exe.base + plan.offset(v) if _in_arena(plan, v) else 0 for v in plan.graph.inputs]
+            in_bytes = [v.nbytes if _in_arena(plan, v) else 0 for v in plan.graph.inputs]
+            out_src = [exe.base + plan.offset(a) for a in self.buffers]
+            self.id = self.library.register(exe.raw_exec, _copy_function(self.library, ordinal), in_dst, in_bytes,
+                                            out_src, [a.nbytes for a in self.buffers],
+                                            plan_id=self.id, device=ordinal)
+            self.inplace_on[ordinal] = self._set_inplace(exe, ordinal)
+        self.exes[ordinal] = exe
+        for sources, view in self.views.items():
+            self._register_view(sources, view, ordinal)
+
+    def _set_inplace(self, exe, ordinal: int) -> inplace_mod.InPlace:
+        """Find the kernel nodes of every in-place buffer in the captured graph and hand
+        them to the handler; returns what is re-pointed (a buffer one of whose kernel
+        launches is not found among the graph's nodes is copied instead)."""
+        ip = self.inplace
+        if ip.empty:
+            return ip
+        try:
+            nodes = _kernel_nodes(self.library, exe)
+        except RuntimeError as e:  # a driver without the graph node entry points
+            warnings.warn(f"nimblejax: {e}; operands and results are copied", RuntimeWarning, stacklevel=2)
+            self.inplace = inplace_mod.NONE
+            return self.inplace
+        targets = [(0, i, self.plan.graph.inputs[i]) for i in sorted(ip.inputs)]
+        targets += [(1, j, self.plan.storage.get(a, a)) for j, a in enumerate(self.buffers) if a in ip.outputs]
+        used: dict[int, int] = {}  # node -> position in the list handed over
+        sites, n_params, kept_in, kept_out = [], [], set(), set()
+        for kind, index, buf in targets:
+            found = [(node, s.param, len(s.task.kernel.params)) for s in ip.sites[buf]
+                     for key in _launch_keys(exe, s.task) for node in nodes.get(key, ())]
+            launches = sum(len(s.task.kernel.launches) for s in ip.sites[buf])
+            if len(found) < launches:
+                continue  # some launch was not found as a node: copy this buffer
+            for node, param, n in found:
+                if node not in used:
+                    used[node] = len(used)
+                    n_params.append(n)
+                sites.append((used[node], param, kind, index))
+            (kept_in if kind == 0 else kept_out).add(index)
+        self.library.set_inplace(self.id, ordinal, list(used), n_params, sites)
+        return inplace_mod.InPlace(frozenset(kept_in),
+                                   frozenset(a for j, a in enumerate(self.buffers) if j in kept_out),
+                                   ip.sites)
+
+    def feedable(self) -> frozenset:
+        return inplace_mod.feedable(self.plan, self.inplace)
+
+    def stats(self, ordinal: int = 0) -> dict:
+        """The handler's counters for this plan's arena on one device (calls, copy
+        kernels launched, kernel nodes re-pointed), its views included."""
+        return self.library.stats(self.id, ordinal)
+
+    def _register_view(self, sources: tuple, view_id: int, ordinal: int) -> int:
+        """Operands PASSED are copied in from XLA's buffers (or read there in place); an
+        operand fed back from output j is copied inside the arena, from j's buffer (which
+        the previous call's graph wrote and nothing has written since); HELD operands are
+        not touched (still in their slot, or in the buffer the graph points at)."""
+        plan, exe = self.plan, self.exes[ordinal]
+        slot = lambda v: exe.base + plan.offset(v) if _in_arena(plan, v) else 0  # noqa: E731
+        size = lambda v: v.nbytes if _in_arena(plan, v) else 0  # noqa: E731
+        inputs = plan.graph.inputs
+        passed = [i for i, src in enumerate(sources) if src == PASSED]
+        fed = [(i, plan.graph.outputs[src]) for i, src in enumerate(sources) if src >= 0]
+        return self.library.register_view(
+            self.id, passed, [slot(inputs[i]) for i in passed], [size(inputs[i]) for i in passed],
+            view_id=view_id, device=ordinal, fed_index=[i for i, _ in fed],
+            fed_dst=[slot(inputs[i]) for i, _ in fed], fed_src=[exe.base + plan.offset(a) for _, a in fed],
+            fed_bytes=[size(inputs[i]) for i, _ in fed])
+
+    def _view(self, sources: tuple) -> int:
+        if all(src == PASSED for src in sources):
+            return self.id
+        view = self.views.get(sources)
+        if view is None:
+            view = 0
+            for ordinal in self.exes:
+                view = self._register_view(sources, view, ordinal)
+            self.views[sources] = view
+        return view
+
+    def emit_resident(self, sources: tuple, *xs):
+        positions = [i for i, src in enumerate(sources) if src == PASSED]
+        inputs = [self.plan.graph.inputs[i] for i in positions]
+        donated = frozenset(k for k, i in enumerate(positions) if i in self.donated)
+        return self._emit(self._view(sources), inputs, _aliases(inputs, self.buffers, donated), xs)
+
+    def emit(self, *xs):
+        return self._emit(self.id, self.plan.graph.inputs, self.aliases, xs)
+
+    def _emit(self, plan_id: int, inputs: list, aliases: dict, xs) -> list:
+        """The custom call of registration `plan_id`, whose operands `xs` are `inputs`."""
+        made = jax.ffi.ffi_call(TARGET, self.out_specs,
+                                input_output_aliases=aliases)(*xs, plan=np.int64(plan_id))
+        made = list(made) if isinstance(made, (list, tuple)) else [made]
+        index = {a: i for i, a in enumerate(self.buffers)}
+        outs = []
+        for a in self.plan.graph.outputs:
+            kind = self.plan.output_kind(a)
+            if kind == "buffer":
+                outs.append(made[index[a]])
+            elif kind == "input":  # api.py passes such operands on every call
+                outs.append(xs[list(inputs).index(a)])
+            else:
+                value = a.value if kind == "literal" else self.plan.graph.consts[a]
+                outs.append(jnp.asarray(value, dtype=a.dtype))
+        return outs
+
+    def close(self) -> None:
+        if self.id:
+            self.library.unregister(self.id)
+            self.id = 0
+        for exe in self.exes.values():
+            exe.close()
+        self.exes.clear()
+
+
+def _launch_keys(exe, task) -> list:
+    """How each kernel launch of `task` appears among the graph's nodes: its CUfunction
+    and its arguments (all 8-byte pointers, the same for every launch of a task)."""
+    args = tuple(int(a) for a in exe.launchers.args[task])
+    return [(exe.launchers.functions[k.name].ptr, args) for k in task.kernel.launches]
+
+
+def _kernel_nodes(library, exe) -> dict:
+    """(CUfunction, arguments) -> the captured graph's kernel nodes launched so. Two
+    tasks with equal keys do the same work on the same buffers and are patched alike."""
+    n_params = {exe.launchers.functions[k.name].ptr: len(t.kernel.params)
+                for t in exe.plan.tasks if t.kernel is not None for k in t.kernel.launches}
+    found: dict = {}
+    for node, func in library.kernel_nodes(exe.raw_graph):
+        if func in n_params:  # one of ours: its arguments are n 8-byte pointers
+            found.setdefault((func, library.kernel_node_params(node, n_params[func])), []).append(node)
+    return found
+
+
+def _in_arena(plan: Plan, v) -> bool:
+    return v in plan.memory.offsets and v.nbytes > 0
+
+
+def _aliases(inputs, buffers, donated: frozenset) -> dict:
+    """Donated operand → a result of its shape and dtype, each result at most once: XLA
+    then writes that result into the donated buffer (a loop feeding back its state
+    allocates nothing)."""
+    aliases, taken = {}, set()
+    for i in sorted(donated):
+        v = inputs[i]
+        for k, a in enumerate(buffers):
+            if k not in taken and a.shape == v.shape and np.dtype(a.dtype) == np.dtype(v.dtype):
+                aliases[i] = k
+                taken.add(k)
+                break
+    return aliases
+
+
+_COPY_FUNCTIONS: dict = {}  # device ordinal -> (RawKernel, CUfunction)
+
+
+def _copy_function(library, ordinal: int) -> int:
+    """The CUfunction of the handler's copy kernel on device `ordinal` (current),
+    compiled once per process and device."""
+    if ordinal not in _COPY_FUNCTIONS:
+        import cupy
+
+        kernel = cupy.RawKernel(library.copy_kernel_source(), "nimble_ffi_copy")
+        # The kernel must outlive every plan; .kernel loads it into the current context.
+        _COPY_FUNCTIONS[ordinal] = (kernel, kernel.kernel.ptr)
+    return _COPY_FUNCTIONS[ordinal][1]
