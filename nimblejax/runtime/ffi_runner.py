@@ -176,13 +176,18 @@ def _launch_keys(exe, task) -> list:
     """How each kernel launch of `task` appears among the graph's nodes: its CUfunction
     and its arguments (all 8-byte pointers, the same for every launch of a task)."""
     args = tuple(int(a) for a in exe.launchers.args[task])
-    return [(exe.launchers.functions[k.name].ptr, args) for k in task.kernel.launches]
+    return [(_func_ptr(exe, k.name), args) for k in task.kernel.launches]
+
+
+def _func_ptr(exe, name: str) -> int:
+    """The CUfunction of a compiled kernel (a cupy RawKernel, loaded on this device)."""
+    return exe.launchers.functions[name].kernel.ptr
 
 
 def _kernel_nodes(library, exe) -> dict:
     """(CUfunction, arguments) -> the captured graph's kernel nodes launched so. Two
     tasks with equal keys do the same work on the same buffers and are patched alike."""
-    n_params = {exe.launchers.functions[k.name].ptr: len(t.kernel.params)
+    n_params = {_func_ptr(exe, k.name): len(t.kernel.params)
                 for t in exe.plan.tasks if t.kernel is not None for k in t.kernel.launches}
     found: dict = {}
     for node, func in library.kernel_nodes(exe.raw_graph):
