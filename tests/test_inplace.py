@@ -44,7 +44,6 @@ def test_a_gemm_result_is_copied_out():
     ip = inplace.analyze(plan)
     mm, doubled = plan.graph.outputs
     assert mm not in ip.outputs and doubled in ip.outputs
-    assert inplace.feedable(plan, ip) == {0}
 
 
 def test_donated_operands_are_copied():

@@ -102,14 +102,9 @@ def test_donated_state_is_always_passed():
     assert masks(f) == [(P,) * 4]
 
 
-# A GEMM writes each new state leaf: library calls cannot be re-pointed, so these
-# results stay in the arena (runtime/inplace.py) and can be fed back inside it.
-MIX = np.eye(16, dtype=np.float32) * 0.5 + 0.01
-
-
 def test_fed_back_results_are_copied_inside_the_arena():
     def step(state, x):
-        new = {k: jnp.tanh(v + jnp.mean(x)) @ MIX for k, v in state.items()}
+        new = {k: jnp.tanh(v + jnp.mean(x)) for k, v in state.items()}
         return new, jnp.sum(new["w"])
 
     f, r = nimble.jit(step, backend="interpret"), np.random.default_rng(1)
@@ -127,21 +122,6 @@ def test_fed_back_results_are_copied_inside_the_arena():
     close(f(swapped, x)[1], step(swapped, x)[1])
     assert masks(f)[-1] == (1, 0, H, P)
     close(f(older, x)[1], step(older, x)[1])  # results of three calls ago: passed
-
-
-def test_results_written_in_place_are_passed_not_fed_back():
-    """Results only generated kernels write go straight into XLA's buffers, so they are
-    not in the arena to feed back: the next call passes them."""
-    def step(state, x):
-        return {k: jnp.tanh(v + jnp.mean(x)) for k, v in state.items()}
-
-    f, r = nimble.jit(step, backend="interpret"), np.random.default_rng(2)
-    state, want = params(3), params(3)
-    for _ in range(3):
-        x = fresh_x(r)
-        state, want = f(state, x), jax.jit(step)(want, x)
-        jax.tree_util.tree_map(close, state, want)
-    assert masks(f) == [(P,) * 4]
 
 
 def test_a_new_signature_passes_everything_then_resides_again():

@@ -100,9 +100,6 @@ class FfiRunner(Runner):
                                    frozenset(a for j, a in enumerate(self.buffers) if j in kept_out),
                                    ip.sites)
 
-    def feedable(self) -> frozenset:
-        return inplace_mod.feedable(self.plan, self.inplace)
-
     def stats(self, ordinal: int = 0) -> dict:
         """The handler's counters for this plan's arena on one device (calls, copy
         kernels launched, kernel nodes re-pointed), its views included."""
@@ -110,18 +107,22 @@ class FfiRunner(Runner):
 
     def _register_view(self, sources: tuple, view_id: int, ordinal: int) -> int:
         """Operands PASSED are copied in from XLA's buffers (or read there in place); an
-        operand fed back from output j is copied inside the arena, from j's buffer (which
-        the previous call's graph wrote and nothing has written since); HELD operands are
-        not touched (still in their slot, or in the buffer the graph points at)."""
+        operand fed back from output j is copied from j's buffer (in the arena, which the
+        previous call's graph wrote and nothing has written since; or, for a result
+        written in place, the XLA buffer the handler last pointed j at, which that very
+        result array holds), or read there in place; HELD operands are not touched
+        (still in their slot, or in the buffer the graph points at)."""
         plan, exe = self.plan, self.exes[ordinal]
         slot = lambda v: exe.base + plan.offset(v) if _in_arena(plan, v) else 0  # noqa: E731
         size = lambda v: v.nbytes if _in_arena(plan, v) else 0  # noqa: E731
         inputs = plan.graph.inputs
         passed = [i for i, src in enumerate(sources) if src == PASSED]
         fed = [(i, plan.graph.outputs[src]) for i, src in enumerate(sources) if src >= 0]
+        buffer = {a: j for j, a in enumerate(self.buffers)}
         return self.library.register_view(
             self.id, passed, [slot(inputs[i]) for i in passed], [size(inputs[i]) for i in passed],
             view_id=view_id, device=ordinal, fed_index=[i for i, _ in fed],
+            fed_out=[buffer[a] for _, a in fed],
             fed_dst=[slot(inputs[i]) for i, _ in fed], fed_src=[exe.base + plan.offset(a) for _, a in fed],
             fed_bytes=[size(inputs[i]) for i, _ in fed])
 

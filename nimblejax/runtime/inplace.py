@@ -108,11 +108,3 @@ def _shared_roots(plan: Plan, root) -> set:
     shared = {b for b, n in seen.items() if n > 1}
     shared |= {root(v) for v in plan.graph.inputs} | {root(c) for c in plan.graph.consts}
     return shared
-
-
-def feedable(plan: Plan, inplace: InPlace) -> frozenset[int]:
-    """Flat result positions whose value stays in the arena until the next graph runs,
-    so that a resident call may feed them back inside the arena (api.py): results in an
-    arena buffer of their own, not written in place into XLA's buffers."""
-    return frozenset(j for j, a in enumerate(plan.graph.outputs)
-                     if plan.output_kind(a) == "buffer" and a not in inplace.outputs)

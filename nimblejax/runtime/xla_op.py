@@ -260,15 +260,6 @@ class Runner:
     """Emits the traced computation that runs `plan` (inside lowering)."""
 
     plan: Plan
-    donated: frozenset = frozenset()
-
-    def feedable(self) -> frozenset:
-        """Flat results a resident call may feed back inside the arena: those the XLA
-        call path copies out of an arena buffer of their own (runtime/inplace.py). The
-        interpreter follows the same rule, so that it answers as the GPU would."""
-        from nimblejax.runtime import inplace
-
-        return inplace.feedable(self.plan, inplace.analyze(self.plan, self.donated))
 
     def place(self, devices) -> None:
         """Make the plan runnable on these (local) devices."""
@@ -298,8 +289,8 @@ class InterpretRunner(Runner):
     devices may be holding while it waits in this callback. The interpreter then runs
     the equations on a CPU client of its own (`interpret.device()`)."""
 
-    def __init__(self, plan: Plan, out_shapes, donated: frozenset = frozenset()) -> None:
-        self.plan, self.donated = plan, donated
+    def __init__(self, plan: Plan, out_shapes) -> None:
+        self.plan = plan
         self.out_shapes = out_shapes
         self.calls = itertools.count()
         self.held: list = [None] * len(plan.graph.inputs)  # the operands, as the GPU arena holds them
@@ -376,7 +367,7 @@ def make_runner(backend: str, options, library: Any = None) -> Callable:
     def make(plan: Plan, donated: frozenset) -> Runner:
         shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.graph.outputs]
         if backend == "interpret":
-            return InterpretRunner(plan, shapes, donated)
+            return InterpretRunner(plan, shapes)
         from nimblejax.runtime.ffi_runner import FfiRunner
 
         return FfiRunner(plan, shapes, library, options.gemm, donated)

@@ -170,7 +170,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nimble_ffi_register.restype = ctypes.c_longlong
     lib.nimble_ffi_register_view.argtypes = [
         ctypes.c_longlong, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, _int_p, _u64_p, _u64_p,
-        ctypes.c_int, _int_p, _u64_p, _u64_p, _u64_p,
+        ctypes.c_int, _int_p, _int_p, _u64_p, _u64_p, _u64_p,
     ]  # fmt: skip
     lib.nimble_ffi_register_view.restype = ctypes.c_longlong
     lib.nimble_ffi_kernel_nodes.argtypes = [ctypes.c_void_p, ctypes.c_longlong, _u64_p, _u64_p]
@@ -268,24 +268,27 @@ class FfiLibrary:
 
     def register_view(self, base_id: int, in_index: Sequence[int], in_dst: Sequence[int],
                       in_bytes: Sequence[int], *, view_id: int = 0, device: int = 0,
-                      fed_index: Sequence[int] = (), fed_dst: Sequence[int] = (),
+                      fed_index: Sequence[int] = (), fed_out: Sequence[int] = (),
+                      fed_dst: Sequence[int] = (),
                       fed_src: Sequence[int] = (), fed_bytes: Sequence[int] = ()) -> int:
         """Register a view of plan ``base_id`` on ``device``: the same arena, graph and
         outputs, called with the operands of plan inputs ``in_index`` only (copied to
         ``in_dst``, or read in place), and ``fed_bytes[k]`` bytes copied inside the arena
         from ``fed_src[k]`` (an output buffer, still holding the previous call's result)
-        to ``fed_dst[k]``, the slot of plan input ``fed_index[k]``, before the graph runs;
+        to ``fed_dst[k]``, the slot of plan input ``fed_index[k]``, before the graph runs
+        (from output buffer ``fed_out[k]``'s last address instead where that result is
+        written in place);
         the plan's other inputs stay where earlier calls left them. Returns the view's
         id: a new one when ``view_id`` is 0, else ``view_id`` (the view on another
         device). Calls of a plan and of its views are serialized on one arena."""
         if not len(in_index) == len(in_dst) == len(in_bytes) or \
-                not len(fed_index) == len(fed_dst) == len(fed_src) == len(fed_bytes):
-            raise ValueError("in_index/in_dst/in_bytes and fed_index/fed_dst/fed_src/fed_bytes "
-                             "must have equal lengths")
+                not len(fed_index) == len(fed_out) == len(fed_dst) == len(fed_src) == len(fed_bytes):
+            raise ValueError("in_index/in_dst/in_bytes and fed_index/fed_out/fed_dst/fed_src/"
+                             "fed_bytes must have equal lengths")
         view = self._lib.nimble_ffi_register_view(
             int(view_id), int(base_id), int(device), len(in_dst), _int_array(in_index),
             _u64_array(in_dst), _u64_array(in_bytes), len(fed_dst), _int_array(fed_index),
-            _u64_array(fed_dst), _u64_array(fed_src), _u64_array(fed_bytes))
+            _int_array(fed_out), _u64_array(fed_dst), _u64_array(fed_src), _u64_array(fed_bytes))
         if view < 0:
             raise RuntimeError(f"nimblejax FFI view registration failed: {self.last_error()}")
         return view

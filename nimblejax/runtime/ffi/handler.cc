@@ -123,6 +123,7 @@ struct Plan {
   std::vector<unsigned long long> in_dst, in_bytes;
   std::vector<int> in_index;  // the plan input each operand is
   std::vector<int> fed_index;  // the plan input each fed-back copy fills
+  std::vector<int> fed_out;    // and the output buffer it comes from
   // Copies inside the arena before the graph runs: a view's operands fed back
   // from the previous call's results, still in the arena's output buffers.
   std::vector<unsigned long long> fed_dst, fed_src, fed_bytes;
@@ -235,11 +236,16 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
     else
       in.Add(plan->in_dst[k], in_src[k], plan->in_bytes[k]);
   }
+  // Fed back: the previous call's result j, in the arena or, written in place, in the
+  // XLA buffer the graph last wrote (the result array the caller passes back holds it).
   for (size_t e = 0; e < plan->fed_dst.size(); ++e) {
-    in.Add(plan->fed_dst[e], plan->fed_src[e], plan->fed_bytes[e]);
-    size_t i = plan->fed_index[e];  // read from its arena slot again
+    size_t i = plan->fed_index[e], j = plan->fed_out[e];
+    bool out_in_place = patches.InPlaceOut(j);
+    unsigned long long src = out_in_place ? patches.out_addr[j] : plan->fed_src[e];
+    if (!(out_in_place && patches.InPlaceIn(i))) in.Add(plan->fed_dst[e], src, plan->fed_bytes[e]);
     if (patches.InPlaceIn(i))
-      patches.Retarget(patches.in_sites[i], &patches.in_addr[i], plan->fed_dst[e]);
+      patches.Retarget(patches.in_sites[i], &patches.in_addr[i],
+                       out_in_place ? src : plan->fed_dst[e]);
   }
   for (size_t j = 0; j < out_dst.size(); ++j) {
     if (patches.InPlaceOut(j))
@@ -336,17 +342,18 @@ NIMBLE_EXPORT long long nimble_ffi_register(
 // the same arena and graph, called with the n_in operands (plan inputs in_index)
 // copied to in_dst (the other inputs stay resident in the arena, or in the buffers
 // the graph was last pointed at), and n_fed copies inside the arena into the slots
-// of plan inputs fed_index. Returns the view's id or -1.
+// of plan inputs fed_index from output buffers fed_out. Returns the view's id or -1.
 NIMBLE_EXPORT long long nimble_ffi_register_view(
     long long view_id, long long base_id, int device, int n_in, const int* in_index,
     const unsigned long long* in_dst, const unsigned long long* in_bytes, int n_fed,
-    const int* fed_index, const unsigned long long* fed_dst,
+    const int* fed_index, const int* fed_out, const unsigned long long* fed_dst,
     const unsigned long long* fed_src, const unsigned long long* fed_bytes) {
   if (nimble_ffi_init() != 0) return -1;
   if (view_id < 0 || n_in < 0 ||
       (n_in > 0 && (in_dst == nullptr || in_bytes == nullptr || in_index == nullptr)) ||
       n_fed < 0 || (n_fed > 0 && (fed_dst == nullptr || fed_src == nullptr ||
-                                  fed_bytes == nullptr || fed_index == nullptr))) {
+                                  fed_bytes == nullptr || fed_index == nullptr ||
+                                  fed_out == nullptr))) {
     t_last_error = "nimble_ffi_register_view: invalid arguments";
     return -1;
   }
@@ -370,6 +377,7 @@ NIMBLE_EXPORT long long nimble_ffi_register_view(
   plan->fed_bytes.assign(fed_bytes, fed_bytes + n_fed);
   plan->in_index.assign(in_index, in_index + n_in);
   plan->fed_index.assign(fed_index, fed_index + n_fed);
+  plan->fed_out.assign(fed_out, fed_out + n_fed);
   return AddPlan(view_id, device, std::move(plan));
 }
 
