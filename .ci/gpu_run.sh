@@ -28,7 +28,7 @@ fi
 if [ -n "${COVERAGE:-}" ]; then
   # Issue 13: embedding lookup / scatter-add against jax.jit, and the fuzzer's summary.
   timeout ${COVERAGE_TIMEOUT:-200} python3 -m nimblejax.bench.indexing --out $OUT/indexing.json 2>&1 | tee $OUT/indexing.log
-  NIMBLE_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-300} timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fuzz.py 2>&1 | grep -E "nimble fuzz|passed|failed" | tee $OUT/fuzz.log
+  NIMBLE_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-300} timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/end_to_end/test_fuzz.py 2>&1 | grep -E "nimble fuzz|passed|failed" | tee $OUT/fuzz.log
 fi
 if [ -n "${DATA_PARALLEL:-}" ]; then
   # Issue 16: samples/s of the data-parallel step on 1 and all GPUs, nimble vs jax.jit.

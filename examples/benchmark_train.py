@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 examples/benchmark_train.py [--json out.json]
 
 1. A full SGD-with-momentum train step of the CIFAR ResNet-style and MobileNetV2-style
-   models (tests/train_models.py) at batch 32, 64 and 128.
+   models (tests/helpers/train_models.py) at batch 32, 64 and 128.
 2. Each convolution shape of ResNet-50 at batch 32: GPU µs of nimble's chosen path
    against XLA's (cuDNN) for the same convolution.
 """
@@ -19,11 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the tests.helpers package
 import nimblejax as nimble  # noqa: E402
 from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
 from nimblejax.bench.timing import e2e_us, nimble_gpu_us, throughput_us  # noqa: E402
-from train_models import TRAIN_MODELS, batch, make_train_step  # noqa: E402
+from tests.helpers.train_models import TRAIN_MODELS, batch, make_train_step  # noqa: E402
 
 # (input H=W, Cin, Cout, kernel, stride) of ResNet-50's convolutions (one per distinct shape).
 RESNET50_CONVS = [

@@ -5,10 +5,10 @@ import sys
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the tests.helpers package
 import nimblejax as nimble  # noqa: E402
 from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
-from train_models import TRAIN_MODELS, batch, make_train_step  # noqa: E402
+from tests.helpers.train_models import TRAIN_MODELS, batch, make_train_step  # noqa: E402
 
 require_gpu(__file__)
 

@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the tests.helpers package
 import nimblejax as nimble  # noqa: E402
 from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
 from nimblejax.bench.timing import median_us  # noqa: E402
-from models import branchy_args, branchy_mlp  # noqa: E402
+from tests.helpers.models import branchy_args, branchy_mlp  # noqa: E402
 
 
 

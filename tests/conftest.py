@@ -1,11 +1,9 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests import models.py, primitive_table.py
 # Every plan a test builds is checked for races (compiler/pipeline.py: verify_plan). Off by
 # default for users: it adds 10-16% to planning (NASNet-A: 44 ms on 465 ms, measured).
 os.environ.setdefault("NIMBLE_DEBUG", "1")

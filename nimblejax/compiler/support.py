@@ -1,5 +1,5 @@
 """Which JAX primitives nimblejax handles, and how: the one table that the audit test
-(tests/test_primitive_audit.py), the README's "not supported" list and the
+(tests/compiler/test_primitive_audit.py), the README's "not supported" list and the
 unsupported-primitive error read.
 
 Every primitive of JAX is in exactly one group:
@@ -111,7 +111,7 @@ def counts(names) -> Counter:
 # ---- README ------------------------------------------------------------------------
 def markdown_table() -> str:
     """The README's table of unsupported primitives, one row per reason (README.md must
-    contain it verbatim: tests/test_primitive_audit.py)."""
+    contain it verbatim: tests/compiler/test_primitive_audit.py)."""
     by_reason: dict[str, list[str]] = {}
     for name, why in NOT_SUPPORTED.items():
         by_reason.setdefault(why, []).append(name)
@@ -139,7 +139,7 @@ def main(argv: list[str]) -> int:
         print(markdown_table(), end="")
         return 0
     names, skipped = installed_primitives()
-    if "--json" in argv:  # for tests/test_primitive_audit.py
+    if "--json" in argv:  # for tests/compiler/test_primitive_audit.py
         print(json.dumps({"primitives": names, "skipped": skipped}))
         return 0
     print(summary(names))

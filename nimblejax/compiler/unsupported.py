@@ -2,7 +2,7 @@
 nimblejax neither lowers, rewrites nor inlines.
 
 The table of compiler/support.py (which re-exports it and checks it against the
-compiler's own tables and the installed JAX: tests/test_primitive_audit.py), in a
+compiler's own tables and the installed JAX: tests/compiler/test_primitive_audit.py), in a
 module of its own with no imports so that the lowering registry can name the reason in
 its unsupported-primitive error without importing the stages support.py reads.
 

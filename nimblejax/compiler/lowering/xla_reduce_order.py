@@ -43,10 +43,10 @@ A shuffle-down tree over 2^b lanes puts lane l at position bitreverse_b(l).
 Integer and bool argmax have no NaN, so their result does not depend on the order.
 
 Checked against jax.jit on an H100 (jax 0.11.2) for 52 shapes and float32, float16 and
-bfloat16 (tests/data/argmax_gpu_probe.json.gz: 13078 rows with two or more NaNs, all
-reproduced). Version-dependent: ROW_ELEMENTS_PER_THREAD below; a fusion whose input is
-wider or narrower than the argmax operand (XLA fusing a convert producer into the
-reduce) would get another vector size than this model assumes.
+bfloat16 (tests/compiler/lowering/data/argmax_gpu_probe.json.gz: 13078 rows with two or
+more NaNs, all reproduced). Version-dependent: ROW_ELEMENTS_PER_THREAD below; a fusion
+whose input is wider or narrower than the argmax operand (XLA fusing a convert producer
+into the reduce) would get another vector size than this model assumes.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ D' = C^T (n x m), and CUBLASLT_EPILOGUE_BIAS adds a vector as long as D's *rows*
 layer's bias. One bias serves every batch entry (BIAS_BATCH_STRIDE stays 0).
 'relu' and 'gelu' are applied after the bias. cuBLASLt's GELU is taken to be
 the tanh approximation (jax.nn.gelu(approximate=True)), the form XLA fuses into
-it; tests/test_cublaslt.py::test_gelu_is_the_tanh_approximation checks this.
+it; tests/runtime/libs/test_cublaslt.py::test_gelu_is_the_tanh_approximation checks this.
 
 Nothing loads libcublasLt at import time (`loader` finds and loads it on first
 use, next to libcublas). Constant values and struct layouts are from the CUDA 13

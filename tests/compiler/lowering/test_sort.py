@@ -1,0 +1,503 @@
+"""sort, top_k and split: plans against jax.jit under the interpreter, the kernels'
+shapes, the generated sort kernels run on the CPU (tests/helpers/kernel_emulator.py: each
+block's threads as OS threads, compared bit for bit with JAX), and the same programs on the GPU."""
+from __future__ import annotations
+
+import base64
+import ctypes
+import gzip
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from tests.helpers import kernel_emulator
+import nimblejax as nimble
+from tests.helpers.models import assert_tree_close
+from tests.helpers.primitive_table import RECORDS, Record
+from tests.helpers.xla_argminmax_sim import first_nan_by_rank, reducer, simulate, xla_gpu_argminmax
+from nimblejax.compiler.ir import Literal
+from nimblejax.compiler.lowering import xla_reduce_order as xo
+
+SORT_RECORDS = [r for r in RECORDS if r.primitive in ("sort", "top_k")]
+
+
+# ---- programs ----------------------------------------------------------------------
+def top_k_sample(logits, noise, temperature=0.7, k=8):
+    """Top-k sampling with the Gumbel trick: the k best logits, their softmax
+    probabilities, and one token per row drawn with the given uniform noise."""
+    values, idx = lax.top_k(logits, k)
+    probs = jax.nn.softmax(values / temperature, axis=-1)
+    gumbel = -jnp.log(-jnp.log(noise))
+    choice = jnp.argmax(values / temperature + gumbel, axis=-1)
+    token = jnp.sum(jnp.where(jnp.arange(k) == choice[:, None], idx, 0), axis=-1)
+    return token, probs, idx
+
+
+def sample_args(rng, batch=4, vocab=1000):
+    logits = jnp.asarray(rng.normal(size=(batch, vocab)) * 3, jnp.float32)
+    noise = jnp.asarray(rng.uniform(0.01, 0.99, size=(batch, 8)), jnp.float32)
+    return logits, noise
+
+
+def _conv(x, w):
+    return lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                    dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def inception_loss(params, x, y):
+    """Inception-style block: three branches concatenated on channels, a head."""
+    a = jax.nn.relu(_conv(x, params["b1"]))
+    b = jax.nn.relu(_conv(jax.nn.relu(_conv(x, params["b3a"])), params["b3b"]))
+    pool = lax.reduce_window(x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 1, 1, 1), "SAME")
+    c = jax.nn.relu(_conv(pool, params["bp"]))
+    h = jnp.concatenate([a, b, c], axis=-1)
+    logits = jnp.mean(h, axis=(1, 2)) @ params["head"]
+    return jnp.mean((logits - y) ** 2)
+
+
+def inception_step(params, x, y):
+    loss, grads = jax.value_and_grad(inception_loss)(params, x, y)
+    return loss, jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+
+
+def inception_args(rng):
+    w = lambda *s: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)  # noqa: E731
+    params = {"b1": w(1, 1, 4, 3), "b3a": w(1, 1, 4, 2), "b3b": w(3, 3, 2, 5),
+              "bp": w(1, 1, 4, 2), "head": w(10, 6)}
+    return params, w(1, 6, 6, 4), w(1, 6)
+
+
+def _names(plan) -> list[str]:
+    return [n.name for t in plan.tasks for n in t.eqns]
+
+
+# ---- interpreter ---------------------------------------------------------------------
+def test_top_k_sampling_matches_jax():
+    args = sample_args(np.random.default_rng(0))
+    f = nimble.jit(top_k_sample, backend="interpret")
+    got, want = f(*args), jax.jit(top_k_sample)(*args)
+    assert_tree_close(got, want)
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_inception_training_step_splits_into_slices():
+    args = inception_args(np.random.default_rng(0))
+    f = nimble.jit(inception_step, backend="interpret")
+    assert "split" in str(jax.make_jaxpr(inception_step)(*args))
+    assert_tree_close(f(*args), jax.jit(inception_step)(*args))
+    names = _names(f.plan(*args))
+    assert "split" not in names and "slice" in names and "concatenate" in names
+
+
+def test_split_rewrite_keeps_the_source_line_and_shapes():
+    from nimblejax.compiler.canonicalize.slices import rewrite_split
+    from nimblejax.compiler.trace import make_graph
+
+    graph, _ = make_graph(lambda x: lax.split(x, (2, 0, 3), axis=1),
+                          [jax.ShapeDtypeStruct((4, 5), jnp.float32)])
+    (node,) = [n for n in graph.nodes if n.name == "split"]
+    assert "test_sort.py" in node.source
+    parts = rewrite_split(node)
+    assert [p.name for p in parts] == ["slice"] * 3
+    assert [p.outputs[0] for p in parts] == list(node.outputs)
+    assert all(p.source == node.source and p.inputs == node.inputs for p in parts)
+    assert [p.params["start_indices"] for p in parts] == [(0, 0), (0, 2), (0, 2)]
+    assert [p.params["limit_indices"] for p in parts] == [(4, 2), (4, 2), (4, 5)]
+
+
+@pytest.mark.parametrize("n,kernel", [(37, "nimble_sort_"), (4096, "nimble_sort_"),
+                                      (4097, "nimble_sortrank_"), (70000, "nimble_sortrank_")])
+def test_long_rows_take_the_rank_kernel(n, kernel):
+    x = jax.ShapeDtypeStruct((2, n), jnp.float32)
+    (task,) = [t for t in nimble.jit(jnp.argsort, backend="interpret").plan(x).tasks
+               if t.kernel and "sort" in t.kernel.name]
+    assert task.kernel.name.startswith(kernel)
+    assert task.kernel.block[0] <= 1024
+
+
+def test_sort_of_many_operands_and_keys_matches_jax():
+    rng = np.random.default_rng(3)
+    keys = [jnp.asarray(rng.integers(0, 3, (3, 300)), jnp.int32) for _ in range(3)]
+    pay = [jnp.asarray(rng.normal(size=(3, 300)), jnp.float32), jnp.asarray(rng.random((3, 300)) > .5)]
+    fn = lambda *ops: lax.sort(ops, dimension=1, num_keys=3, is_stable=True)  # noqa: E731
+    got = nimble.jit(fn, backend="interpret")(*keys, *pay)
+    for g, w in zip(got, jax.jit(fn)(*keys, *pay)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+# ---- the generated kernels, run on the CPU --------------------------------------------
+EMULATED = ["sort", "sort-rows-of-1", "sort-row-5000-rank", "sort-nan-inf-zeros", "sort-bf16",
+            "sort-u32", "sort-bool", "sort-payloads-stable", "sort-num-keys-2",
+            "sort-num-keys-2-rank", "sort-argsort-axis0", "top_k-nan-inf-zeros", "top_k-f16",
+            "top_k-u8", "top_k-long-k", "top_k-axis0"]
+# A long row with a small k: blocks stop early once their queries rank below k.
+EARLY_EXIT = Record("top_k", lambda x: lax.top_k(x, 3), lambda r: (
+    jnp.asarray(r.normal(size=(1, 13000)), jnp.float32),), label="early-exit")
+
+
+SCAN_AND_ARG = ("argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "pad",
+                "concatenate")
+
+
+CPU_RECORDS = ([r for r in SORT_RECORDS if r.id in EMULATED] + [EARLY_EXIT] +
+               [r for r in RECORDS if r.primitive in SCAN_AND_ARG])
+
+
+def _plan_and_tasks(record):
+    args = record.args(np.random.default_rng(1))
+    plan = nimble.jit(record.fn, backend="interpret").plan(*args)
+    return args, plan, [t for t in plan.tasks if t.kernel and t.eqns[-1].name == record.primitive]
+
+
+@pytest.fixture(scope="module")
+def cpu_library():
+    """Every record's kernels in one library (one compiler run)."""
+    if kernel_emulator.compiler() is None:
+        pytest.skip("no C++ compiler")
+    return kernel_emulator.build([k for r in CPU_RECORDS for t in _plan_and_tasks(r)[2]
+                                  for k in t.kernel.launches])
+
+
+@pytest.mark.parametrize("record", CPU_RECORDS, ids=lambda r: r.id)
+def test_generated_kernel_on_cpu_matches_jax(record, cpu_library):
+    """Bit for bit, except the float scans: a serial scan rounds where XLA's does not."""
+    args, plan, tasks = _plan_and_tasks(record)
+    values = dict(zip(plan.graph.inputs, (np.asarray(a) for a in jax.tree_util.tree_leaves(args))))
+    values.update(plan.graph.consts)
+    value = lambda a: a.value if isinstance(a, Literal) else values[a]  # noqa: E731
+    for n in plan.graph.nodes:  # every value, by JAX
+        outs = n.primitive.bind(*map(value, n.inputs), **n.params)
+        values.update(zip(n.outputs, outs if n.primitive.multiple_results else [outs]))
+    assert tasks
+    for task in tasks:
+        outputs = task.eqns[-1].outputs
+        garbage = lambda v: np.frombuffer(b"\xab" * v.nbytes, v.dtype).reshape(v.shape)  # noqa: E731
+        buffers = [garbage(v).copy() if v in outputs else np.array(values[v], v.dtype, order="C")
+                   for v in task.kernel.params]
+        kernel_emulator.launch(task.kernel, buffers, cpu_library)  # threads as OS threads
+        got = dict(zip(task.kernel.params, buffers))
+        for v in outputs:
+            want = np.asarray(values[v])
+            if record.primitive in ("argmax", "argmin"):  # XLA's GPU order of NaNs, not its CPU's
+                want = xla_gpu_reference(task.eqns[-1], values[task.eqns[-1].inputs[0]])
+            if record.primitive.startswith("cum") and jnp.issubdtype(v.dtype, jnp.inexact):
+                assert_tree_close(got[v], want)
+            else:
+                assert got[v].tobytes() == want.tobytes(), (record.id, got[v], want)
+
+
+def xla_gpu_reference(node, x):
+    """What jax.jit's argmax/argmin returns on the GPU: tests/xla_argminmax_sim.py."""
+    (axis,) = node.params["axes"]
+    x = np.asarray(x)
+    is_max = node.name == "argmax"
+    if x.dtype.kind == "f" or x.dtype.name == "bfloat16":
+        x = x.astype(np.float32)
+    plan = xo.plan_for(x.shape, axis, node.inputs[0].dtype)
+    init = -np.inf if is_max else np.inf
+    return xla_gpu_argminmax(x, axis, is_max, plan, init).astype(node.outputs[0].dtype)
+
+
+# ---- argmax / argmin: the NaN XLA's GPU reduction returns ------------------------------
+# JAX's reducer lets a NaN win, and between two NaNs its first operand, so the index of a
+# row with several NaNs depends on how XLA's fusion combines the row
+# (nimblejax/compiler/lowering/xla_reduce_order.py). The data: jax.jit on an H100 (jax
+# 0.11.2) over random rows with NaNs (data/argmax_gpu_probe.json.gz beside this file): rows
+# with two or more NaNs, their NaN positions and jax.jit's indices.
+PROBE = os.path.join(os.path.dirname(__file__), "data", "argmax_gpu_probe.json.gz")
+
+
+def test_xla_order_model_reproduces_the_gpu_probe():
+    """Every probe row (two or more NaNs; 13078 rows of 52 shapes, 3 float dtypes): the
+    rank model gives jax.jit's GPU index, and so does the literal simulation of XLA's
+    fusion (rows up to 6000 long)."""
+    doc = json.load(gzip.open(PROBE, "rt"))
+    ranks, shapes = {}, set()
+    for row in doc["rows"]:
+        shape, axis, dtype = tuple(row["shape"]), row["axis"], row["dtype"]
+        n = shape[axis]
+        key = (shape, axis, dtype)
+        if key not in ranks:
+            plan = xo.plan_for(shape, axis, jnp.dtype(dtype))
+            ranks[key] = plan, np.array([xo.nan_rank(plan, n, i) for i in range(n)])
+        plan, rank = ranks[key]
+        if "pos" in row:
+            nans = np.asarray(row["pos"])
+        else:
+            bits = np.unpackbits(np.frombuffer(base64.b64decode(row["nan"]), np.uint8))[:n]
+            nans = np.flatnonzero(bits)
+        assert len(nans) >= 2
+        assert nans[np.argmin(rank[nans])] == row["y"], (key, plan)
+        if n <= 6000:
+            is_max = row["op"] == "argmax"
+            mask = np.zeros(n, bool)
+            mask[nans] = True
+            elems = [(math.nan if m else 0.0, i) for i, m in enumerate(mask)]
+            assert simulate(plan, elems, reducer(is_max), (-math.inf if is_max else math.inf, 0))[1] \
+                == row["y"], (key, plan)
+        shapes.add((shape, axis))
+    assert len(doc["rows"]) == 13078 and len(shapes) == 52
+
+
+# (shape, axis, dtype): one of each arrangement XLA picks (the plan kind noted).
+MODEL_SHAPES = [
+    ((6, 45), 1, "float32"),      # row, 32 threads
+    ((45, 6), 0, "float32"),      # loop fusion (small column)
+    ((6, 7), 1, "float16"),       # loop fusion (short row)
+    ((2, 33, 3), 1, "float32"),   # loop fusion (small column)
+    ((4, 300), 1, "float32"),     # row, vectors of 2
+    ((4, 300), 1, "bfloat16"),    # row, vectors of 4
+    ((3, 5000), 1, "float32"),    # row, 320 threads: 10 warps, shared memory
+    ((6, 32), 1, "float32"),      # row, one warp
+    ((6, 64), 1, "float16"),      # row, vectors of 2
+    ((6, 8), 1, "float32"),       # row of 8 over a warp (never multi-row: see the model)
+    ((5000, 64), 1, "float32"),   # row, vectors of 2
+    ((4000, 128), 1, "float16"),  # row, vectors of 4
+    ((6, 1000), 1, "float32"),    # row, 64 threads: two warps
+    ((2, 50257), 1, "bfloat16"),  # split row, its second stage reading float32
+    ((128, 6), 0, "float32"),     # column, 32 slots
+    ((300, 2), 0, "float32"),     # small column, 32 slots
+    ((64, 16), 0, "float32"),     # small column, 16 slots
+    ((64, 32), 0, "float16"),     # small column, 16 slots (vectors of 4)
+    ((3, 100, 16), 1, "float32"),  # small column, 16 slots
+    ((2, 20000), 1, "float32"),   # split row: pieces, then a reduce of the pieces
+    ((5000, 3), 0, "float32"),    # split column
+]
+
+
+def nan_rows(dtype, shape, r, nan=0.2):
+    """Normal values with ties (rounded), ±0.0, ±inf and NaNs of both signs."""
+    x = r.normal(size=shape).astype(np.float32)
+    x = np.where(r.random(shape) < 0.3, np.round(x), x)
+    sp = np.array([0.0, -0.0, np.inf, -np.inf], np.float32)
+    x = np.where(r.random(shape) < 0.15, sp[r.integers(0, 4, shape)], x)
+    x = np.where(r.random(shape) < nan, np.where(r.random(shape) < 0.5, np.nan, -np.nan), x)
+    return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("shape,axis,dtype", MODEL_SHAPES, ids=str)
+def test_rank_model_equals_the_literal_simulation(shape, axis, dtype):
+    """The kernel keeps the lowest-ranked NaN (any combining order gives it); the
+    simulation applies JAX's reducer in XLA's order: the same index, NaN or not."""
+    r = np.random.default_rng(4)
+    plan = xo.plan_for(shape, axis, jnp.dtype(dtype))
+    rows = min(math.prod(shape) // shape[axis], 24)
+    x = np.moveaxis(nan_rows(dtype, shape, r, nan=r.choice([0.002, 0.05, 0.3])), axis, -1)
+    x = x.reshape(-1, shape[axis])[:rows]
+    for is_max in (True, False):
+        want = xla_gpu_argminmax(x, 1, is_max, plan, -np.inf if is_max else np.inf)
+        np.testing.assert_array_equal(first_nan_by_rank(x, 1, is_max, plan), want)
+
+
+def test_plan_kinds():
+    kind = lambda shape, axis, dt="float32": xo.plan_for(shape, axis, jnp.dtype(dt))  # noqa: E731
+    assert kind((6, 7), 1).kind == kind((45, 6), 0).kind == kind((2, 33, 3), 1).kind == "seq"
+    assert kind((6, 45), 1) == xo.Plan("row", threads=32, vec=1, tile=2)
+    assert kind((4, 300), 1) == xo.Plan("row", threads=32, vec=2, tile=5)
+    assert kind((4, 300), 1, "float16") == xo.Plan("row", threads=32, vec=4, tile=3)
+    assert kind((3, 5000), 1) == xo.Plan("row", threads=320, vec=2, tile=8)
+    assert kind((6, 32), 1) == kind((20000, 32), 1) == xo.Plan("row", threads=32, vec=1, tile=1)
+    assert kind((6, 8), 1) == xo.Plan("row", threads=32, vec=1, tile=1)
+    assert kind((5000, 64), 1) == xo.Plan("row", threads=32, vec=2, tile=1)
+    assert kind((4000, 128), 1, "float16") == xo.Plan("row", threads=32, vec=4, tile=1)
+    assert kind((6, 64), 1) == xo.Plan("row", threads=32, vec=2, tile=1)
+    assert kind((128, 6), 0) == xo.Plan("col", threads=32)
+    assert kind((64, 16), 0) == xo.Plan("col", threads=16)
+    split = kind((2, 20000), 1)
+    assert split.kind == "split" and split.k1 * split.k2 >= 20000
+    for dt, vec in (("float32", 2), ("float16", 4), ("bfloat16", 2)):  # measured: 50257 = 140 x 359
+        split = kind((2, 50257), 1, dt)
+        assert (split.k1, split.k2, split.outer.vec) == (140, 359, vec)
+    assert (kind((1, 300000), 1).k1, kind((1, 300000), 1).k2) == (500, 600)
+    assert (kind((5000, 3), 0).k1, kind((5000, 3), 0).k2, kind((5000, 3), 0).inner.kind) == (50, 100, "seq")
+    assert kind((2, 16384), 1).kind == "row" and kind((2, 16385), 1).kind == "split"
+
+
+def test_generated_nan_rank_code_equals_the_model(tmp_path):
+    """The C the kernel uses for a NaN's rank, compiled on the host, against nan_rank."""
+    if kernel_emulator.compiler() is None:
+        pytest.skip("no C++ compiler")
+    shapes = MODEL_SHAPES + [((2, 50257), 1, "float32"), ((1, 300000), 1, "bfloat16"),
+                             ((20000, 32), 1, "float32"), ((10000, 7), 0, "float32"),
+                             ((3, 5000, 5), 1, "float16")]
+    funcs, plans = [], []
+    for k, (shape, axis, dtype) in enumerate(shapes):
+        plan = xo.plan_for(shape, axis, jnp.dtype(dtype))
+        lines = []
+
+        def tmp(ctype, expr):
+            lines.append(f"    {ctype} t{len(lines)} = {expr};")
+            return f"t{len(lines) - 1}"
+
+        result = xo.emit_nan_rank(tmp, plan, shape[axis], "r")
+        funcs.append(f'extern "C" void rank{k}(long long* out, int n) {{\n'
+                     f"  for (int r = 0; r < n; ++r) {{\n" + "\n".join(lines) +
+                     f"\n    out[r] = {result};\n  }}\n}}\n")
+        plans.append((plan, shape[axis]))
+    lib = kernel_emulator.compile_library("\n".join(funcs))
+    for k, (plan, n) in enumerate(plans):
+        got = np.zeros(n, np.int64)
+        getattr(lib, f"rank{k}")(got.ctypes.data_as(ctypes.c_void_p), ctypes.c_int(n))
+        want = np.array([xo.nan_rank(plan, n, i) for i in range(n)])
+        np.testing.assert_array_equal(got, want, err_msg=str(plan))
+        assert len(set(want.tolist())) == n  # a permutation: no two positions tie
+        assert want.max() < xo.rank_span(plan, n)
+
+
+EMULATED_ARG = [((6, 45), 1, "float32"), ((45, 6), 0, "float16"), ((6, 77), 1, "bfloat16"),
+                ((4, 300), 1, "float32"), ((4, 300), 1, "float16"), ((3, 5000), 1, "float32"),
+                ((3, 5000), 1, "bfloat16"), ((2, 33, 3), 1, "float32"), ((1, 45), 1, "float32"),
+                ((128, 45), 1, "float32"), ((6, 32), 1, "float16"), ((6, 64), 1, "float32"),
+                ((6, 7), 1, "float32"), ((6, 8), 1, "float32"), ((128, 6), 0, "float32"),
+                ((300, 2), 0, "float32"), ((64, 16), 0, "bfloat16"), ((5000, 3), 0, "float32"),
+                ((2, 20000), 1, "float32")]
+
+
+def _arg_task(shape, axis, dtype, op):
+    x = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    fn = lambda x: getattr(jnp, op)(x, axis=axis)  # noqa: E731
+    (task,) = [t for t in nimble.jit(fn, backend="interpret").plan(x).tasks
+               if t.kernel and t.eqns[-1].name == op]
+    return task
+
+
+@pytest.fixture(scope="module")
+def arg_library():
+    if kernel_emulator.compiler() is None:
+        pytest.skip("no C++ compiler")
+    return kernel_emulator.build([k for s in EMULATED_ARG for op in ("argmax", "argmin")
+                                  for k in _arg_task(*s, op).kernel.launches])
+
+
+@pytest.mark.parametrize("shape,axis,dtype", EMULATED_ARG, ids=str)
+def test_argminmax_kernel_on_cpu_returns_xla_gpu_nan(shape, axis, dtype, arg_library):
+    """The generated kernel, run on the CPU, against the simulation of XLA's GPU fusion:
+    several NaNs per row, ±0.0, ±inf, ties."""
+    r = np.random.default_rng(sum(shape) + axis)
+    for nan in (0.3, 0.05, 0.0):
+        x = nan_rows(dtype, shape, r, nan=nan)
+        for op in ("argmax", "argmin"):
+            task = _arg_task(shape, axis, dtype, op)
+            xs = np.asarray(jnp.asarray(x, dtype))
+            out = np.full(task.eqns[-1].outputs[0].shape, -7, np.int32)
+            buffers = [out, np.ascontiguousarray(xs)]
+            assert [v.dtype for v in task.kernel.params] == [np.int32, xs.dtype]
+            kernel_emulator.launch(task.kernel, buffers, arg_library)
+            is_max = op == "argmax"
+            plan = xo.plan_for(shape, axis, jnp.dtype(dtype))
+            want = xla_gpu_argminmax(x, axis, is_max, plan, -np.inf if is_max else np.inf)
+            np.testing.assert_array_equal(out, want, err_msg=f"{op} nan={nan}")
+            if nan == 0.0:  # no NaN: the lowest index of the best value, as on the CPU
+                want_cpu = np.asarray(getattr(jnp, op)(jnp.asarray(x, dtype), axis=axis))
+                np.testing.assert_array_equal(out, want_cpu)
+
+
+# ---- GPU -------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("record", SORT_RECORDS, ids=lambda r: r.id)
+def test_gpu_sort_records_bitwise(record):
+    """A sort or top_k moves elements, so results equal JAX's bit for bit. The reference
+    is jax.jit on the CPU: XLA's GPU top_k may order NaNs differently."""
+    args = record.args(np.random.default_rng(1))
+    got = nimble.jit(record.fn, backend="cuda")(*args)
+    with jax.default_device(jax.devices("cpu")[0]):
+        want = jax.jit(record.fn)(*jax.device_put(args, jax.devices("cpu")[0]))
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        assert np.asarray(g).tobytes() == np.asarray(w).tobytes(), record.id
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(3, 1), (5, 1023), (2, 4096), (2, 4097), (3, 20000), (1, 200000)])
+def test_gpu_argsort_and_sort_random_rows(shape):
+    x = jnp.asarray(np.random.default_rng(5).integers(-1000, 1000, shape), jnp.float32)
+    fn = lambda x: (jnp.sort(x), jnp.argsort(x, stable=True))  # noqa: E731
+    got, want = nimble.jit(fn, backend="cuda")(x), jax.jit(fn)(x)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("vocab", [1000, 50257])
+def test_gpu_top_k_sampling(vocab):
+    args = sample_args(np.random.default_rng(7), batch=8, vocab=vocab)
+    f = nimble.jit(top_k_sample, backend="cuda")
+    want = jax.jit(top_k_sample)(*args)
+    for _ in range(2):
+        got = f(*args)
+        assert_tree_close(got, want)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+
+
+@pytest.mark.gpu
+def test_gpu_inception_training_step():
+    args = inception_args(np.random.default_rng(0))
+    f = nimble.jit(inception_step, backend="cuda")
+    want = jax.jit(inception_step)(*args)
+    assert_tree_close(f(*args), want)
+    assert_tree_close(f(*args), want)
+
+
+@pytest.mark.gpu
+def test_gpu_cumlogsumexp_and_argmax_dtypes():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.normal(size=(5, 300)), jnp.float32)
+    for fn in (lambda x: lax.cumlogsumexp(x, axis=1), lambda x: lax.cumlogsumexp(x, axis=0, reverse=True)):
+        assert_tree_close(nimble.jit(fn, backend="cuda")(x), jax.jit(fn)(x))
+    for dtype in (jnp.float16, jnp.bfloat16, jnp.int8, jnp.uint8, jnp.int16, jnp.uint32, jnp.bool_):
+        y = jnp.asarray(rng.integers(0, 5, (6, 77)), dtype)
+        for fn in (lambda y: jnp.argmax(y, axis=1), lambda y: jnp.argmin(y, axis=0)):
+            np.testing.assert_array_equal(nimble.jit(fn, backend="cuda")(y), jax.jit(fn)(y))
+
+
+# argmax/argmin on the GPU against jax.jit, bit for bit. ARG_GPU_SHAPES are those of the
+# team's H100 probe, ARG_GPU_MORE some of the 40 of the later probes (all in
+# data/argmax_gpu_probe.json.gz); ARG_GPU_OTHER were not measured themselves (their
+# kinds of fusion were: a split row, a row of 24 warps, a column fusion).
+ARG_GPU_SHAPES = [((6, 45), 1), ((45, 6), 0), ((4, 300), 1), ((3, 5000), 1), ((128, 45), 1),
+                  ((6, 32), 1), ((6, 64), 1), ((6, 7), 1), ((2, 33, 3), 1)]
+ARG_GPU_MORE = [((6, 8), 1), ((6, 16), 1), ((5000, 64), 1), ((4000, 128), 1), ((3, 1000), 1),
+                ((128, 6), 0), ((300, 2), 0), ((64, 16), 0), ((64, 32), 0), ((3, 100, 16), 1),
+                ((2, 50257), 1), ((5000, 3), 0), ((64, 20000), 1), ((20000, 40), 0)]
+ARG_GPU_OTHER = [((3, 70000), 1), ((6, 12000), 1), ((700, 6), 0)]
+ARG_INT_DTYPES = ["int8", "int16", "int32", "uint8", "uint16", "uint32", "bool"]
+
+
+def _argminmax_bitwise(x, axis):
+    for op in ("argmax", "argmin"):
+        fn = lambda x: getattr(jnp, op)(x, axis=axis)  # noqa: E731
+        got, want = np.asarray(nimble.jit(fn, backend="cuda")(x)), np.asarray(jax.jit(fn)(x))
+        assert got.dtype == want.dtype and got.shape == want.shape, (got.dtype, want.dtype)
+        bad = np.flatnonzero(got.ravel() != want.ravel())
+        assert not bad.size, (op, x.dtype, x.shape, axis, bad[:8], got.ravel()[bad[:8]],
+                              want.ravel()[bad[:8]])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("shape,axis", ARG_GPU_SHAPES + ARG_GPU_MORE + ARG_GPU_OTHER, ids=str)
+def test_gpu_argminmax_nans_match_jax_bitwise(shape, axis, dtype):
+    """Several NaNs (both signs) a row, ±0.0, ±inf, ties; and rows without NaNs."""
+    r = np.random.default_rng(11 + sum(shape))
+    for nan in (0.3, 0.08, 0.01, 0.0):
+        _argminmax_bitwise(jnp.asarray(nan_rows(dtype, shape, r, nan=nan), dtype), axis)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ARG_INT_DTYPES)
+@pytest.mark.parametrize("shape,axis", ARG_GPU_SHAPES, ids=str)
+def test_gpu_argminmax_integers_match_jax_bitwise(shape, axis, dtype):
+    """Many ties (the lowest index wins) and the type's extremes."""
+    r = np.random.default_rng(12 + sum(shape))
+    if dtype == "bool":
+        x = r.random(shape) < 0.5
+    else:
+        info = np.iinfo(dtype)
+        x = r.integers(0, 4, shape).astype(dtype)
+        x = np.where(r.random(shape) < 0.1, info.min, np.where(r.random(shape) < 0.1, info.max, x))
+    _argminmax_bitwise(jnp.asarray(x, dtype), axis)

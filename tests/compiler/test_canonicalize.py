@@ -1,0 +1,129 @@
+"""compiler/canonicalize on its own: each rewrite keeps the graph's values (the graph is
+evaluated node by node with JAX, before and after, against jax.jit on random inputs)
+and leaves the form lowering expects; and the one cuDNN decision (`use_cudnn`)."""
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from tests.helpers.graphs import evaluate, names, trace
+from nimblejax.compiler.canonicalize import canonicalize
+from nimblejax.compiler.canonicalize import conv as conv_mod
+from nimblejax.compiler.canonicalize.dot import gemm_layout
+from nimblejax.options import Options
+
+NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def check(fn, args, options=Options(), rtol=1e-5):
+    """Canonicalize fn's graph; the values equal jax.jit's. Returns the new graph."""
+    graph = trace(fn, *args)
+    new = canonicalize(graph, options)
+    want = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
+    got_all = evaluate(new, args)
+    assert len(got_all) == len(want)
+    for got, w in zip(got_all, want):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(w, np.float32),
+                                   rtol=rtol, atol=rtol)
+    return new
+
+
+def rand(rng, *shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def conv(x, w, strides=(1, 1), **kw):
+    return lax.conv_general_dilated(x, w, strides, "SAME", dimension_numbers=NHWC,
+                                    precision=lax.Precision.HIGHEST, **kw)
+
+
+# ---- the cuDNN decision ----------------------------------------------------------
+@pytest.mark.parametrize("conv_opt,found,batch", list(itertools.product(
+    ["auto", "cudnn", "im2col"], [False, True], [1, conv_mod.CUDNN_MIN_BATCH - 1,
+                                                 conv_mod.CUDNN_MIN_BATCH, 64])))
+def test_use_cudnn_is_forced_refused_or_found_and_batch(conv_opt, found, batch):
+    want = {"cudnn": True, "im2col": False}.get(conv_opt, found and batch >= conv_mod.CUDNN_MIN_BATCH)
+    assert conv_mod.use_cudnn(Options(conv=conv_opt, cudnn=found), batch) is want
+
+
+def test_conv_path_follows_use_cudnn_for_eligible_convolutions():
+    rng = np.random.default_rng(0)
+    w = rand(rng, 3, 3, 4, 4)
+    for batch in (1, conv_mod.CUDNN_MIN_BATCH):
+        node = trace(conv, rand(rng, batch, 6, 6, 4), w).nodes[0]
+        for options in (Options(conv=c, cudnn=f) for c in ("auto", "cudnn", "im2col")
+                        for f in (False, True)):
+            want = "cudnn" if conv_mod.use_cudnn(options, batch) else "gemm"
+            assert conv_mod.conv_path(node, options) == want
+    # Not for cuDNN whatever the options: depthwise (direct kernel), 1x1 (already a GEMM).
+    forced = Options(conv="cudnn")
+    x = rand(rng, 8, 6, 6, 4)
+    assert conv_mod.conv_path(trace(lambda x, w: conv(x, w, feature_group_count=4), x,
+                                    rand(rng, 3, 3, 1, 4)).nodes[0], forced) == "direct"
+    assert conv_mod.conv_path(trace(conv, x, rand(rng, 1, 1, 4, 8)).nodes[0], forced) == "gemm"
+
+
+# ---- each rewrite keeps the values ---------------------------------------------------
+def test_convolution_on_the_gemm_path_becomes_im2col_and_a_dot():
+    rng = np.random.default_rng(1)
+    new = check(lambda x, w: conv(x, w, (2, 2)), [rand(rng, 2, 9, 9, 3), rand(rng, 3, 3, 3, 5)],
+                Options(conv="im2col"))
+    assert "conv_general_dilated" not in names(new)
+    assert names(new).count("nimble_im2col") == 1 and names(new).count("dot_general") == 1
+
+
+def test_convolution_on_the_cudnn_path_becomes_one_cudnn_call_in_nhwc():
+    rng = np.random.default_rng(2)
+    new = check(lambda x, w: conv(x, w), [rand(rng, 2, 7, 7, 4), rand(rng, 3, 3, 4, 6)],
+                Options(conv="cudnn"), rtol=1e-4)
+    assert "conv_general_dilated" not in names(new)
+    assert names(new).count("nimble_cudnn_conv") == 1
+
+
+def test_depthwise_convolution_stays_one_node():
+    rng = np.random.default_rng(3)
+    new = check(lambda x, w: conv(x, w, feature_group_count=4),
+                [rand(rng, 2, 6, 6, 4), rand(rng, 3, 3, 1, 8)], Options(conv="cudnn"))
+    assert names(new) == ["conv_general_dilated"]
+
+
+def test_dot_operands_are_laid_out_for_gemm():
+    rng = np.random.default_rng(4)
+    fn = lambda a, b: jnp.einsum("kbm,bnk->bmn", a, b, precision="highest")  # noqa: E731
+    args = [rand(rng, 5, 3, 4), rand(rng, 3, 6, 5)]
+    assert any(gemm_layout(n) is None for n in trace(fn, *args).nodes if n.name == "dot_general")
+    new = check(fn, args)
+    dots = [n for n in new.nodes if n.name == "dot_general"]
+    assert dots and all(gemm_layout(n) is not None for n in dots)
+
+
+def test_long_reduction_with_few_outputs_is_split_in_two():
+    rng = np.random.default_rng(5)
+    fn = lambda x: jnp.sum(x, axis=(0, 1, 2))  # noqa: E731  (a batch-norm statistic)
+    x = rand(rng, 16, 32, 32, 8)
+    assert names(trace(fn, x)).count("reduce_sum") == 1
+    new = check(fn, [x], rtol=1e-4)
+    assert names(new).count("reduce_sum") == 2
+    small = check(fn, [rand(rng, 2, 4, 4, 8)])  # short: one kernel is enough
+    assert names(small).count("reduce_sum") == 1
+
+
+def test_split_becomes_slices():
+    rng = np.random.default_rng(6)
+    fn = lambda x: jnp.split(x, [2, 5], axis=1)  # noqa: E731
+    x = rand(rng, 3, 9)
+    assert "split" in names(trace(fn, x))
+    new = check(fn, [x])
+    assert "split" not in names(new) and names(new).count("slice") == 3
+
+
+def test_other_nodes_pass_through_unchanged():
+    rng = np.random.default_rng(7)
+    graph = trace(lambda x: jnp.tanh(x) * 2.0 + 1.0, rand(rng, 4, 5))
+    new = canonicalize(graph, Options())
+    assert new.nodes == graph.nodes and new.inputs == graph.inputs and new.outputs == graph.outputs

@@ -1,0 +1,133 @@
+"""Fusion targets, asserted on the plan."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nimblejax as nimble
+from tests.helpers.models import (assert_tree_close, gelu_dense, layer_norm, mlp, mlp_args, rand,
+                                  softmax)
+
+
+def kernels(fn, *args):
+    plan = nimble.jit(fn, backend="interpret").plan(*args)
+    return [t for t in plan.tasks if t.kind == "kernel"], [t for t in plan.tasks if t.kind == "gemm"]
+
+
+r = np.random.default_rng(0)
+
+
+def test_softmax_at_most_3_kernels():
+    ks, gs = kernels(softmax, rand(r, 8, 128))
+    assert len(ks) <= 3 and not gs
+
+
+def test_layer_norm_at_most_3_kernels():
+    ks, _ = kernels(layer_norm, rand(r, 8, 64), rand(r, 64), rand(r, 64))
+    assert len(ks) <= 3
+
+
+def test_jax_nn_layer_norm_style_at_most_3_kernels():
+    def ln(x):
+        m = jnp.mean(x, -1, keepdims=True)
+        return (x - m) / jnp.sqrt(jnp.var(x, -1, keepdims=True) + 1e-6)
+    ks, _ = kernels(ln, rand(r, 8, 64))
+    assert len(ks) <= 3
+
+
+def test_gelu_dense_is_one_gemm_and_one_kernel():
+    ks, gs = kernels(gelu_dense, rand(r, 8, 16), rand(r, 16, 24), rand(r, 24))
+    assert (len(gs), len(ks)) == (1, 1)
+
+
+def test_mlp_bias_and_activation_fuse_after_each_gemm():
+    params, x = mlp_args(r)
+    ks, gs = kernels(mlp, params, x)
+    assert len(gs) == len(params) and len(ks) == len(params)
+
+
+def test_reshape_of_a_buffer_is_a_view():
+    plan = nimble.jit(lambda a, b, c: (a @ b).reshape(-1) @ c, backend="interpret").plan(
+        rand(r, 3, 5), rand(r, 5, 4), rand(r, 12))
+    assert [t.kind for t in plan.views] == ["view"]
+    assert sum(t.kind == "kernel" for t in plan.tasks) == 0
+
+
+def test_generated_kernel_names_are_readable():
+    ks, _ = kernels(lambda x: jnp.tanh(x) + 1.0, rand(r, 4))
+    assert ks[0].name.startswith("nimble_fused_tanh_add_f32_")
+
+
+def test_long_column_reduction_is_split_in_two_stages():
+    x = rand(r, 64, 32, 32, 16)  # batch-norm statistics: 65536 elements into 16 outputs
+    f = lambda a: jnp.mean(jnp.square(a - 1.0), axis=(0, 1, 2))  # noqa: E731
+    plan = nimble.jit(f, backend="interpret").plan(x)
+    reductions = [t for t in plan.tasks if t.name.startswith("nimble_reduce")]
+    assert len(reductions) == 2
+    np.testing.assert_allclose(nimble.jit(f, backend="interpret")(x), f(x), rtol=1e-5)
+
+
+def test_global_average_pool_is_split_over_its_middle_axes():
+    x = rand(r, 2, 56, 56, 24)  # NHWC mean over H, W: the channels stay innermost
+    f = lambda a: jnp.mean(a * 0.5 + 1.0, axis=(1, 2))  # noqa: E731
+    plan = nimble.jit(f, backend="interpret").plan(x)
+    reductions = [t for t in plan.tasks if t.name.startswith("nimble_reduce")]
+    assert len(reductions) == 2
+    first = reductions[0].outputs[0].shape
+    assert first[0] == 2 and first[-1] == 24 and first[1] > 1  # [N, chunks, C]
+    # Both stages read whole warps of neighbouring channels.
+    assert all("tx = threadIdx.x % 32" in t.kernel.source for t in reductions)
+    np.testing.assert_allclose(nimble.jit(f, backend="interpret")(x), f(x), rtol=1e-5)
+
+
+def test_long_row_reduction_is_split_in_two_stages():
+    x = rand(r, 4, 65536)
+    plan = nimble.jit(lambda a: jnp.max(a, axis=-1), backend="interpret").plan(x)
+    assert sum(t.name.startswith("nimble_reduce") for t in plan.tasks) == 2
+    np.testing.assert_array_equal(nimble.jit(lambda a: jnp.max(a, axis=-1), backend="interpret")(x),
+                                  jnp.max(x, axis=-1))
+
+
+def test_large_residual_is_written_once_not_recomputed_downstream():
+    """relu(a * s + b) feeding (through a reshape) a GEMM and the next residual add reads
+    two big buffers: recomputing it in the next kernel would read both again, so it is
+    written once and read back (ResNet's bottleneck blocks)."""
+    x, y = rand(r, 64, 16, 1024), rand(r, 64, 16, 1024)
+    w = rand(r, 1024, 1024)
+
+    def block(x, y, w):
+        h = jax.nn.relu(x * 0.5 + y)
+        return jax.nn.relu((h.reshape(-1, 1024) @ w).reshape(h.shape) + h)
+
+    def last_kernel_inputs(*args):
+        plan = nimble.jit(block, backend="interpret").plan(*args)
+        return len([t for t in plan.tasks if t.kind == "kernel"][-1].inputs)
+
+    assert last_kernel_inputs(x, y, w) == 2  # the GEMM's output and h
+    small = (x[:4], y[:4], w)  # below RECOMPUTE_ANY_BELOW: recomputed from x and y
+    assert last_kernel_inputs(*small) == 3
+    assert_tree_close(nimble.jit(block, backend="interpret")(x, y, w), jax.jit(block)(x, y, w))
+
+
+def test_long_elementwise_chain_is_cut_into_kernels_of_bounded_depth():
+    """An unrolled loop of elementwise steps (400 here) used to be one kernel whose code
+    generation recursed once per step (RecursionError past ~300)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import nimblejax as nimble
+    from nimblejax.compiler.fusion import MAX_INLINE_DEPTH
+
+    def f(x):
+        for _ in range(400):
+            x = jnp.tanh(x * 1.01 + 0.5)
+        return x
+
+    x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, 64), jnp.float32)
+    g = nimble.jit(f, backend="interpret")
+    np.testing.assert_allclose(g(x), jax.jit(f)(x), rtol=1e-5, atol=1e-6)
+    tasks = g.plan(x).tasks
+    assert 1 < len(tasks) <= 1 + 3 * 400 // MAX_INLINE_DEPTH
+    assert all(len(t.eqns) <= MAX_INLINE_DEPTH + 1 for t in tasks)

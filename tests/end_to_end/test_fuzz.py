@@ -1,0 +1,125 @@
+"""Differential fuzzer: random small programs (tests/helpers/fuzz_programs.py) run by nimble and
+by jax.jit must agree.
+
+- CI (`test_fuzz_interpret`): the interpret backend plans each program, race-verifies
+  the plan (NIMBLE_DEBUG=1, conftest) and runs it in random stream interleavings over a
+  NaN-filled arena; every kernel of the plan is compiled with NVRTC where a compiler is
+  available (skipped otherwise); and where a C++ compiler is, the plan's loop kernels
+  themselves run on the CPU (tests/helpers/kernel_emulator.py; GEMMs and large cooperative
+  launches go through JAX there).
+  Deterministic (derandomized) and bounded: FUZZ_CI_EXAMPLES programs, about 1.5 minutes
+  on 2 cores.
+- GPU (`test_fuzz_gpu`, marker `gpu`): the cuda backend runs the generated kernels
+  themselves. NIMBLE_FUZZ_EXAMPLES sets the count (default 300) and NIMBLE_FUZZ_SEED
+  a seed (default: derandomized); it prints one summary line for the record.
+
+Every bug found here becomes a named test in tests/test_fuzz_regressions.py.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, seed, settings
+
+from tests.helpers import kernel_emulator
+import nimblejax as nimble
+from tests.helpers.fuzz_programs import Program, programs
+from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
+
+FUZZ_CI_EXAMPLES = 150
+GPU_EXAMPLES = int(os.environ.get("NIMBLE_FUZZ_EXAMPLES", "300"))
+HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much]
+
+
+def tolerance(dtype, tf32: bool, halves: bool = False) -> dict:
+    name = np.dtype(dtype).name
+    if name in ("bfloat16", "float16") or (name == "float32" and halves):
+        return dict(rtol=5e-2, atol=5e-2)
+    if name == "float32":
+        return dict(rtol=2e-2, atol=2e-2) if tf32 else dict(rtol=1e-4, atol=1e-4)
+    return dict(rtol=0, atol=0)  # ints and bools: bit-exact
+
+
+def assert_same(got, want, tf32: bool = False, halves: bool = False) -> None:
+    got_leaves, got_tree = jax.tree_util.tree_flatten(got)
+    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+    assert got_tree == want_tree, f"{got_tree} != {want_tree}"
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        g, w = np.asarray(g), np.asarray(w)
+        assert (g.shape, g.dtype) == (w.shape, w.dtype), f"output {i}: {g.shape} {g.dtype} != {w.shape} {w.dtype}"
+        tol = tolerance(w.dtype, tf32, halves)
+        finite = np.isfinite(w.astype(np.float64)) if w.size else w
+        if tol["atol"] and np.any(finite):
+            # Errors scale with the values an output is made of, not with each element.
+            tol["atol"] *= max(1.0, float(np.max(np.abs(w.astype(np.float64)[finite]))))
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), equal_nan=True,
+                                   err_msg=f"output {i}", **tol)
+
+
+def check_program(p: Program, backend: str, compile_kernels: bool = False,
+                  emulate: bool = False) -> None:
+    f = p.function()
+    args = p.args()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # jnp's promotion warnings
+        want = jax.jit(f)(*args)
+        nf = nimble.jit(f, backend=backend, max_streams=p.max_streams)
+        for _ in range(2):  # a second call: another interleaving, and the cached plan
+            assert_same(nf(*args), want, p.tf32, p.halves)
+        if compile_kernels or emulate:
+            plan = nf.plan(*args)
+        if compile_kernels:
+            kernels = {t.kernel.name: t.kernel.source for t in plan.tasks if t.kernel}
+            if kernels:
+                compile_to_ptx("\n".join(kernels.values()), "fuzz.cu", arch="sm_90")
+        if emulate:  # the kernels themselves, run on the CPU (tests/helpers/kernel_emulator.py)
+            outs, _ = kernel_emulator.run(plan, args)
+            want_leaves = jax.tree_util.tree_leaves(want)
+            assert_same([np.asarray(o).reshape(np.shape(w)) for o, w in zip(outs, want_leaves)],
+                        [np.asarray(w) for w in want_leaves], p.tf32, p.halves)
+
+
+HAVE_NVRTC = available_compiler() is not None
+HAVE_CXX = kernel_emulator.compiler() is not None
+
+
+@settings(max_examples=FUZZ_CI_EXAMPLES, derandomize=True, deadline=None,
+          suppress_health_check=HEALTH, database=None)
+@given(programs())
+def test_fuzz_interpret(p: Program):
+    check_program(p, "interpret", compile_kernels=HAVE_NVRTC, emulate=HAVE_CXX)
+
+
+def _gpu_settings(fn):
+    fixed = os.environ.get("NIMBLE_FUZZ_SEED")
+    fn = settings(max_examples=GPU_EXAMPLES, derandomize=fixed is None, deadline=None,
+                  suppress_health_check=HEALTH, database=None)(fn)
+    return seed(int(fixed))(fn) if fixed else fn
+
+
+GPU_RUNS = {"examples": 0, "failures": 0}
+
+
+@pytest.mark.gpu
+def test_fuzz_gpu():
+    @_gpu_settings
+    @given(programs(max_ops=10))
+    def run(p: Program):
+        GPU_RUNS["examples"] += 1
+        try:
+            check_program(p, "cuda")
+        except Exception:
+            GPU_RUNS["failures"] += 1
+            raise
+
+    try:
+        run()
+    finally:
+        # One line for the record (the shrinking phase reruns failing programs).
+        print(f"\nnimble fuzz (cuda, {jax.devices()[0].device_kind}): "
+              f"{GPU_RUNS['examples']} programs run, {GPU_RUNS['failures']} failing runs "
+              f"(max_examples={GPU_EXAMPLES}, seed={os.environ.get('NIMBLE_FUZZ_SEED', 'derandomized')})")
