@@ -1,0 +1,81 @@
+"""What nimble.jit accepts as an argument, and the part of an argument a plan depends on.
+
+Shared by the call paths in api.py and the residency check (runtime/residency.py),
+which compares a leaf's signature with the previous call's.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def as_tuple(x) -> tuple:
+    if x is None:
+        return ()
+    return (x,) if isinstance(x, (int, str)) else tuple(x)
+
+
+def is_array_like(x: Any) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float)) or \
+        hasattr(x, "__cuda_array_interface__")
+
+
+def check_leaf(path, leaf: Any, fun: Callable) -> Any:
+    if is_array_like(leaf):
+        return leaf
+    where = jax.tree_util.keystr(path)
+    raise TypeError(
+        f"argument {where} of {getattr(fun, '__name__', 'the function')} is a "
+        f"{type(leaf).__name__}, not an array: pass a jax/numpy/cupy array or a Python "
+        f"scalar, or mark the argument static with static_argnums/static_argnames")
+
+
+def signature(x: Any) -> tuple:
+    """(shape, dtype, weak_type): the part of an argument a plan depends on."""
+    if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
+        dtype = jnp.asarray(x).dtype  # Python scalars are weakly typed, as in jax.jit
+        return (), np.dtype(dtype), True
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # kept: the plan unwraps it
+        return tuple(x.shape), x.dtype if key else np.dtype(x.dtype), bool(getattr(x, "weak_type", False))
+    dtype = np.dtype(x.dtype)
+    if dtype == np.float64 and not jax.config.jax_enable_x64:
+        dtype = np.dtype(np.float32)
+    elif dtype == np.int64 and not jax.config.jax_enable_x64:
+        dtype = np.dtype(np.int32)
+    return tuple(x.shape), dtype, False
+
+
+def static_positions(fun: Callable, nums: tuple, names: tuple) -> tuple[tuple, tuple]:
+    """Complete static_argnums from static_argnames and back, as jax.jit does; refuse
+    positions and names the function does not have (ValueError, as jax.jit)."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return tuple(nums), tuple(names)
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    has_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+    has_varkw = any(p.kind == p.VAR_KEYWORD for p in params)
+    bad_nums = [i for i in nums if not has_varargs and not -len(positional) <= i < len(positional)]
+    if bad_nums:
+        raise ValueError(f"static_argnums {bad_nums} out of range: "
+                         f"{getattr(fun, '__name__', 'the function')} takes {len(positional)} "
+                         f"positional argument(s)")
+    known = {p.name for p in params if p.kind != p.VAR_POSITIONAL}
+    bad_names = sorted(n for n in names if n not in known) if not has_varkw else []
+    if bad_names:
+        raise ValueError(f"static_argnames {bad_names} are not parameters of "
+                         f"{getattr(fun, '__name__', 'the function')} (it takes {sorted(known)})")
+    nums = set(i if i >= 0 else len(positional) + i for i in nums)
+    names = set(names)
+    for i in list(nums):
+        if i < len(positional):
+            names.add(positional[i])
+    for n in list(names):
+        if n in positional:
+            nums.add(positional.index(n))
+    return tuple(sorted(nums)), tuple(sorted(names))
