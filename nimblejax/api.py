@@ -18,11 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from nimblejax import options as options_mod
-from nimblejax.arguments import as_tuple as _as_tuple
-from nimblejax.arguments import check_leaf as _check_leaf
-from nimblejax.arguments import is_array_like as _is_array_like
-from nimblejax.arguments import signature as _signature
-from nimblejax.arguments import static_positions as _static_positions
+from nimblejax.arguments import (as_tuple as _as_tuple, check_hashable as _check_hashable,
+                                 check_leaf as _check_leaf, is_array_like as _is_array_like,
+                                 name_like as _name_like, signature as _signature,
+                                 static_positions as _static_positions)
 from nimblejax.compiler.pipeline import compile_function
 from nimblejax.compiler.plan import Plan
 from nimblejax.options import Options
@@ -90,9 +89,9 @@ def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] =
     arrays on the cuda backend: ``"jax"`` (default) or ``"cupy"``.
 
     Compiler and runtime options (``max_streams``, ``eager``, ``conv``, ``gemm``,
-    ``debug``, ``call_path``; see nimblejax.options) come from the environment when
-    the function is decorated, overridden by ``options=Options(...)`` and then by
-    keyword arguments: ``nimble.jit(f, max_streams=1)``.
+    ``debug``, ``call_path``, ``residency``; see nimblejax.options) come from the
+    environment when the function is decorated, overridden by ``options=Options(...)``
+    and then by keyword arguments: ``nimble.jit(f, max_streams=1)``.
     """
     kwargs = dict(static_argnums=static_argnums, static_argnames=static_argnames,
                   donate_argnums=donate_argnums, backend=backend, output=output,
@@ -100,7 +99,6 @@ def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] =
     if fun is None:
         return functools.partial(jit, **kwargs)
     return NimbleFunction(fun, **kwargs)
-
 
 
 @dataclass
@@ -156,7 +154,7 @@ class NimbleFunction:
     def _explain_bad_call(self, args: tuple, kwargs: dict) -> None:
         """Raise nimble's own TypeError for an unhashable static or a non-array argument."""
         statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
-        self._check_hashable(statics)
+        _check_hashable(statics, self.fun)
         leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
         if not all(map(_is_array_like, leaves)):
             self._raise_bad_leaf(dyn_args, dyn_kwargs)
@@ -356,7 +354,7 @@ class NimbleFunction:
     def _flatten(self, args: tuple, kwargs: dict, abstract_ok: bool = False):
         statics, args, kwargs = self._split_statics(args, kwargs)
         if statics:
-            self._check_hashable(statics)
+            _check_hashable(statics, self.fun)
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         last = self._last
         # A leaf that is the same immutable jax.Array as last call keeps its signature
@@ -381,14 +379,6 @@ class NimbleFunction:
     def _raise_bad_leaf(self, args, kwargs) -> None:
         for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
             _check_leaf(path, leaf, self.fun)
-
-    def _check_hashable(self, statics) -> None:
-        for _, v in statics:
-            try:
-                hash(v)
-            except TypeError:
-                raise TypeError(f"static argument {v!r} of {self.fun.__name__} must be "
-                                f"hashable (it is part of the cache key)") from None
 
     def _split_statics(self, args: tuple, kwargs: dict) -> tuple:
         """(statics, dynamic args, dynamic kwargs); statics are (position or name, value)."""
@@ -459,27 +449,6 @@ class NimbleFunction:
         return frozenset(donated)
 
 
-def _name_like(flat_fun: Callable, fun: Callable, num_leaves: int, args: list, kwargs: dict,
-               static_argnums: tuple, static_argnames: tuple) -> None:
-    """Make JAX's tracing errors about `flat_fun` name `fun` and its arguments, as jax.jit
-    does ("while tracing the function f at file:line ... the argument x"): JAX's debug
-    info for `fun` at these arguments (flat leaves in flat_fun's order), on flat_fun."""
-    try:
-        from jax._src import api_util
-
-        dbg = api_util.debug_info("jit", fun, args, kwargs, static_argnums=static_argnums,
-                                  static_argnames=static_argnames)
-        if len(dbg.arg_names or ()) != num_leaves:
-            return  # names and flat_fun's arguments disagree: keep JAX's generic names
-        save = getattr(api_util, "save_wrapped_fun_debug_info", None)
-        if save is not None:
-            save(flat_fun, dbg)
-        else:
-            flat_fun.__fun_debug_info__ = dbg
-    except Exception:  # noqa: BLE001 - only a nicer message is lost (a JAX without this API)
-        pass
-
-
 def _interpret_runner(plan: Plan, output: str) -> Callable[[list], list]:
     from nimblejax.runtime import interpret
 
@@ -504,7 +473,6 @@ def _on_key_data(run: Callable, leaves: list, out_shapes, output: str) -> Callab
     if all(i is None for i in in_impls + out_impls):
         return run
     return lambda xs: from_key_data(run(to_key_data(xs, in_impls)), out_impls)
-
 
 
 def _ffi_library(required: bool):

@@ -34,6 +34,15 @@ def check_leaf(path, leaf: Any, fun: Callable) -> Any:
         f"scalar, or mark the argument static with static_argnums/static_argnames")
 
 
+def check_hashable(statics: tuple, fun: Callable) -> None:
+    for _, v in statics:
+        try:
+            hash(v)
+        except TypeError:
+            raise TypeError(f"static argument {v!r} of {fun.__name__} must be "
+                            f"hashable (it is part of the cache key)") from None
+
+
 def signature(x: Any) -> tuple:
     """(shape, dtype, weak_type): the part of an argument a plan depends on."""
     if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
@@ -79,3 +88,24 @@ def static_positions(fun: Callable, nums: tuple, names: tuple) -> tuple[tuple, t
         if n in positional:
             nums.add(positional.index(n))
     return tuple(sorted(nums)), tuple(sorted(names))
+
+
+def name_like(flat_fun: Callable, fun: Callable, num_leaves: int, args: list, kwargs: dict,
+              static_argnums: tuple, static_argnames: tuple) -> None:
+    """Make JAX's tracing errors about `flat_fun` name `fun` and its arguments, as jax.jit
+    does ("while tracing the function f at file:line ... the argument x"): JAX's debug
+    info for `fun` at these arguments (flat leaves in flat_fun's order), on flat_fun."""
+    try:
+        from jax._src import api_util
+
+        dbg = api_util.debug_info("jit", fun, args, kwargs, static_argnums=static_argnums,
+                                  static_argnames=static_argnames)
+        if len(dbg.arg_names or ()) != num_leaves:
+            return  # names and flat_fun's arguments disagree: keep JAX's generic names
+        save = getattr(api_util, "save_wrapped_fun_debug_info", None)
+        if save is not None:
+            save(flat_fun, dbg)
+        else:
+            flat_fun.__fun_debug_info__ = dbg
+    except Exception:  # noqa: BLE001 - only a nicer message is lost (a JAX without this API)
+        pass
