@@ -5,6 +5,7 @@ which compares a leaf's signature with the previous call's.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -46,8 +47,7 @@ def check_hashable(statics: tuple, fun: Callable) -> None:
 def signature(x: Any) -> tuple:
     """(shape, dtype, weak_type): the part of an argument a plan depends on."""
     if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
-        dtype = jnp.asarray(x).dtype  # Python scalars are weakly typed, as in jax.jit
-        return (), np.dtype(dtype), True
+        return (), _scalar_dtype(x), True  # Python scalars are weakly typed, as in jax.jit
     if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
         key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # kept: the plan unwraps it
         return tuple(x.shape), x.dtype if key else np.dtype(x.dtype), bool(getattr(x, "weak_type", False))
@@ -57,6 +57,24 @@ def signature(x: Any) -> tuple:
     elif dtype == np.int64 and not jax.config.jax_enable_x64:
         dtype = np.dtype(np.int32)
     return tuple(x.shape), dtype, False
+
+
+def _scalar_dtype(x: bool | int | float) -> np.dtype:
+    """jnp.asarray(x).dtype without making an array (that takes 20 µs, on every call
+    that passes a Python scalar): it depends only on the kind of scalar and x64."""
+    kind = bool if isinstance(x, bool) else int if isinstance(x, int) else float
+    dtype, low, high = _kind_dtype(kind, bool(jax.config.jax_enable_x64))
+    if kind is int and not low <= x <= high:
+        dtype = jnp.asarray(x).dtype  # out of range: raises OverflowError, as jax.jit does
+    return dtype
+
+
+@functools.cache
+def _kind_dtype(kind: type, x64: bool) -> tuple[np.dtype, int, int]:
+    """(dtype, and for an int its range) of a Python scalar of `kind` (x64 keys the cache)."""
+    dtype = np.dtype(jnp.asarray(kind(0)).dtype)
+    info = np.iinfo(dtype) if kind is int else None
+    return dtype, info.min if info else 0, info.max if info else 0
 
 
 def static_positions(fun: Callable, nums: tuple, names: tuple) -> tuple[tuple, tuple]:

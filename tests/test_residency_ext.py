@@ -298,3 +298,23 @@ def test_a_failing_compiler_falls_back(tmp_path, fresh_warnings):
     with pytest.warns(RuntimeWarning, match="building its residency check failed"):
         assert residency.build(str(tmp_path), compiler="false") is None
     assert not list(tmp_path.rglob("*.tmp"))  # no half-written module left behind
+
+
+# ---- the signature of a Python scalar (checked on every call that passes one) ----------
+@pytest.mark.parametrize("x64", [False, True])
+def test_python_scalar_signature_is_jnp_asarray_dtype(x64):
+    from nimblejax.arguments import signature
+
+    r = np.random.default_rng(11)
+    bound = 2 ** 63 if x64 else 2 ** 31
+    ints = [int(v) for v in r.integers(-2 ** 31, 2 ** 31, size=20)] + [bound - 1, -bound]
+    values = ints + [float(v) for v in r.normal(size=10) * 1e3] + [True, False]
+    jax.config.update("jax_enable_x64", x64)
+    try:
+        for x in values:
+            assert signature(x) == ((), np.dtype(jnp.asarray(x).dtype), True), x
+        for x in (bound, -bound - 1):  # out of range: jnp's OverflowError, as jax.jit
+            with pytest.raises(OverflowError):
+                signature(x)
+    finally:
+        jax.config.update("jax_enable_x64", False)

@@ -317,9 +317,11 @@ static PyObject *py_init(PyObject *self, PyObject *args) {
   PyObject *type, *is_deleted, *same;
   if (!PyArg_ParseTuple(args, "O!OOll", &PyType_Type, &type, &is_deleted, &same, &PASSED, &HELD))
     return NULL;
-  Py_XSETREF(array_type, Py_NewRef(type));
-  Py_XSETREF(is_deleted_fn, Py_NewRef(is_deleted));
-  Py_XSETREF(same_signature, Py_NewRef(same));
+  PyObject *old[3] = {array_type, is_deleted_fn, same_signature};
+  array_type = Py_NewRef(type);
+  is_deleted_fn = Py_NewRef(is_deleted);
+  same_signature = Py_NewRef(same);
+  for (int k = 0; k < 3; k++) Py_XDECREF(old[k]);
   Py_RETURN_NONE;
 }
 
@@ -335,7 +337,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_nimble_residency",
                                     "nimblejax's residency check in C (see residency.py).", -1,
-                                    methods};
+                                    methods, NULL, NULL, NULL, NULL};
 
 PyMODINIT_FUNC PyInit__nimble_residency(void) {
   PyObject **names[] = {&s_leaves, &s_outs, &s_sources, &s_sigs, &s_holdable, &s_out_feedable,
