@@ -318,3 +318,11 @@ def test_python_scalar_signature_is_jnp_asarray_dtype(x64):
                 signature(x)
     finally:
         jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("kind", ["held", "fed", "passed"])
+def test_the_wrapper_benchmark_times_its_steady_state(kind):
+    from nimblejax.bench import resident_wrapper
+
+    call = resident_wrapper.steady_call(kind, 3, "python")  # raises if it left the state
+    assert resident_wrapper.per_call_us(call, number=20) > 0
