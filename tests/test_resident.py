@@ -217,3 +217,25 @@ def test_statics_scalars_and_keywords_stay_resident():
     # (b, s, w, x, k) after the statics changed: a Python float is never held.
     assert masks(f)[-1] == (H, H, H, P, P)
     assert f.cache_size == 2
+
+
+@pytest.mark.gpu
+def test_held_and_fed_back_on_the_gpu(check):
+    f, r, p = nimble.jit(layer, backend="cuda"), np.random.default_rng(0), params(11)
+    for _ in range(4):
+        x = fresh_x(r)
+        np.testing.assert_allclose(np.asarray(f(p, x)), np.asarray(layer(p, x)), rtol=2e-3, atol=2e-3)
+    assert masks(f)[-1] == (H, H, H, P)
+    assert (f._steady is residency.steady_python) == (check == "python")
+
+    def step(state, x):
+        new = {k: jnp.tanh(v + jnp.mean(x)) for k, v in state.items()}
+        return new, jnp.sum(new["w"])
+
+    g, state, want = nimble.jit(step, backend="cuda"), params(12), params(12)
+    for _ in range(4):
+        x = fresh_x(r)
+        (state, loss), (want, want_loss) = g(state, x), jax.jit(step)(want, x)
+        for a, b in zip(jax.tree_util.tree_leaves((state, loss)), jax.tree_util.tree_leaves((want, want_loss))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-3)
+    assert masks(g)[-1] == (0, 1, 2, P)
