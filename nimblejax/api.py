@@ -6,7 +6,6 @@ hashed into the cache key, Python scalars weakly typed.
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import sys
 import threading
@@ -19,15 +18,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from nimblejax import options as options_mod
+from nimblejax.arguments import (as_tuple as _as_tuple, check_hashable as _check_hashable,
+                                 check_leaf as _check_leaf, is_array_like as _is_array_like,
+                                 name_like as _name_like, signature as _signature,
+                                 static_positions as _static_positions)
 from nimblejax.compiler.pipeline import compile_function
 from nimblejax.compiler.plan import Plan
 from nimblejax.options import Options
-from nimblejax.runtime.xla_op import HELD, PASSED
-from jax._src.array import ArrayImpl as _ArrayImpl  # the concrete jax.Array type
+from nimblejax.runtime import residency
 
 BACKENDS = ("cuda", "interpret", "jax")
 OUTPUTS = ("jax", "cupy", "numpy")
 _warned_no_gpu = False
+_tree_flatten, _tree_unflatten = jax.tree_util.tree_flatten, jax.tree_util.tree_unflatten
+_PRECISION = residency.PRECISION  # `.value`: the matmul precision now, read cheaply
 
 
 def gpu_available() -> bool:
@@ -85,9 +89,9 @@ def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] =
     arrays on the cuda backend: ``"jax"`` (default) or ``"cupy"``.
 
     Compiler and runtime options (``max_streams``, ``eager``, ``conv``, ``gemm``,
-    ``debug``, ``call_path``; see nimblejax.options) come from the environment when
-    the function is decorated, overridden by ``options=Options(...)`` and then by
-    keyword arguments: ``nimble.jit(f, max_streams=1)``.
+    ``debug``, ``call_path``, ``residency``; see nimblejax.options) come from the
+    environment when the function is decorated, overridden by ``options=Options(...)``
+    and then by keyword arguments: ``nimble.jit(f, max_streams=1)``.
     """
     kwargs = dict(static_argnums=static_argnums, static_argnames=static_argnames,
                   donate_argnums=donate_argnums, backend=backend, output=output,
@@ -95,12 +99,6 @@ def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] =
     if fun is None:
         return functools.partial(jit, **kwargs)
     return NimbleFunction(fun, **kwargs)
-
-
-def _as_tuple(x) -> tuple:
-    if x is None:
-        return ()
-    return (x,) if isinstance(x, (int, str)) else tuple(x)
 
 
 @dataclass
@@ -141,8 +139,9 @@ class NimbleFunction:
         self._plans: dict = {}  # the XLA-operation path's plans, per body and signature
         self._runners: dict = {}  # and their runners (made when lowered)
         self._entry: Optional[Callable] = None  # what a call runs, chosen on the first call
-        self._resident: Optional[_Resident] = None  # the XLA path's last call (api docs)
-        self._resident_fns: dict = {}  # (tree, statics, sig, mask, precision) -> jitted call
+        self._resident: Optional[residency.Record] = None  # the XLA path's last call
+        self._resident_fns: dict = {}  # (tree, statics, sigs, sources, precision) -> jitted call
+        self._has_statics = bool(self.static_argnums or self.static_argnames)
 
     # ---- public -----------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -155,7 +154,7 @@ class NimbleFunction:
     def _explain_bad_call(self, args: tuple, kwargs: dict) -> None:
         """Raise nimble's own TypeError for an unhashable static or a non-array argument."""
         statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
-        self._check_hashable(statics)
+        _check_hashable(statics, self.fun)
         leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
         if not all(map(_is_array_like, leaves)):
             self._raise_bad_leaf(dyn_args, dyn_kwargs)
@@ -238,6 +237,8 @@ class NimbleFunction:
             if self._library is None:
                 return "python", self._call_direct
         self._op_jit_fn = self._op_jit()
+        self._steady, self._decide = residency.implementation(self.options.residency,
+                                                              options_mod.cache_dir())
         return "xla", self._call_xla
 
     def _resolve_backend(self) -> str:
@@ -253,63 +254,33 @@ class NimbleFunction:
 
     # ---- the XLA-operation path -----------------------------------------------------
     def _call_xla(self, *args, **kwargs):
-        """A top-level call on the XLA path, passing JAX only the leaves that changed:
-        - a leaf that is the very jax.Array of the previous call (a parameter in a
-          serving loop) is HELD: its data is still in the resident runner's arena,
-          where that call copied it;
-        - a leaf that is the very jax.Array the previous call returned as flat output
-          j (training state fed back) is copied inside the arena from j's buffer;
-        - every other leaf is PASSED, and JAX dispatches only those.
-        A jax.Array is immutable and we hold the previous call's leaves and results,
-        so the same object means the same data and its id cannot be reused. numpy
-        arrays (mutable) are always passed, and so is a deleted array (JAX then says
-        so). Calls under a JAX transformation, and calls whose signature changed,
-        pass every leaf. The steady state (the same sources as last call) is one pass
-        over the leaves, with no hashing of signatures and no Python frame per leaf."""
-        statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
-        leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        with self._lock:
-            last = self._resident
-            sources = None
-            if (last is not None and last.in_tree == in_tree and last.statics == statics
-                    and last.precision == jax.config.jax_default_matmul_precision):
-                sources = _sources(leaves, last)
-            if sources is not None and sources == last.sources:
-                record = last
-            else:
-                record = self._resident_record(leaves, in_tree, statics, sources, last)
-                if record is None:
-                    self._resident = None
-                    return self._op_jit_fn(*args, **kwargs)
-            outs = record.fn(*[leaves[i] for i in record.passed])
-            record.leaves, record.outs, record.out_ids = leaves, outs, None
-            for i in record.not_held:
-                record.candidate[i] = type(leaves[i]) is _ArrayImpl and i not in record.always_passed
-            self._resident = record
-        return jax.tree_util.tree_unflatten(record.out_tree, outs)
-
-    def _resident_record(self, leaves: list, in_tree, statics, sources, last) -> Optional["_Resident"]:
-        """The record (and jitted call) of a call whose operands come from `sources`;
-        every leaf passed when `sources` is None (a first call, a new signature). None:
-        take the full path."""
-        if sources is None:
-            if any(isinstance(x, jax.core.Tracer) or not _is_array_like(x) for x in leaves):
-                return None  # under a transformation, or a bad argument: the full path says
-            sigs = tuple(_signature(x) for x in leaves)
-            sources = [PASSED] * len(leaves)
+        """A top-level call on the XLA path, handing JAX only the leaves that are not
+        resident in the runner's arena (runtime/residency.py says which, and why).
+        Calls under a JAX transformation, and calls whose signature changed, pass every
+        leaf. The steady state is tree_flatten, one call of the residency check (which
+        also runs the jitted call) and tree_unflatten."""
+        if self._has_statics:
+            statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
+            leaves, in_tree = _tree_flatten((dyn_args, dyn_kwargs))
         else:
-            sigs = last.sigs
-        precision = jax.config.jax_default_matmul_precision
-        key = (in_tree, statics, sigs, tuple(sources), precision)
-        made = self._resident_fns.get(key)
-        if made is None:
-            made = self._resident_fns[key] = self._make_resident(in_tree, statics, sigs, tuple(sources))
-        if made is False:
-            return None
-        fn, always_passed, feedable, out_tree = made
-        candidate = [type(x) is _ArrayImpl and i not in always_passed for i, x in enumerate(leaves)]
-        return _Resident(in_tree, statics, precision, sigs, always_passed, feedable, out_tree(),
-                         list(sources), fn, leaves, candidate)
+            statics, (leaves, in_tree) = (), _tree_flatten((args, kwargs))
+        with self._lock:
+            last, decided = self._resident, None
+            if (last is not None and last.in_tree == in_tree and last.statics == statics
+                    and last.precision == _PRECISION.value):
+                outs = self._steady(leaves, last)
+                if outs is not None:
+                    return _tree_unflatten(last.out_tree, outs)
+                decided = self._decide(leaves, last)
+            made = residency.new_record(leaves, in_tree, statics, decided, last, self._resident_fns,
+                                        self._make_resident)
+            if made is None:
+                self._resident = None
+                return self._op_jit_fn(*args, **kwargs)
+            record, passed = made
+            record.outs = outs = record.fn(*passed)
+            self._resident = record
+        return _tree_unflatten(record.out_tree, outs)
 
     def _make_resident(self, in_tree, statics, sigs, sources):
         """(the jitted call passing the PASSED leaves, the leaves always passed, the
@@ -324,7 +295,7 @@ class NimbleFunction:
         if any(xla_op.key_impl(s) is not None for s in list(specs) + list(out_specs)):
             return False
         donated = self._donated_leaves(in_tree)
-        precision = jax.config.jax_default_matmul_precision
+        precision = _PRECISION.value
         body = xla_op.Body((id(self), in_tree, statics, donated, precision), flat_fun,
                            self._plan_flat, self._make_runner(), self._runners, self._plans, donated,
                            arena="resident")
@@ -338,10 +309,10 @@ class NimbleFunction:
         returned = {a for a in plan.graph.outputs if plan.output_kind(a) == "input"}
         always_passed = frozenset(i for i, v in enumerate(plan.graph.inputs) if v in returned) | donated
         feedable = frozenset(j for j, a in enumerate(plan.graph.outputs) if plan.output_kind(a) == "buffer")
-        residency = xla_op.Residency(sources, avals)
-        positions = [i for i, src in enumerate(sources) if src == PASSED]
+        layout = xla_op.Residency(sources, avals)
+        positions = [i for i, src in enumerate(sources) if src == xla_op.PASSED]
         donate = tuple(k for k, i in enumerate(positions) if i in donated)
-        fn = jax.jit(lambda *xs: xla_op.resident_call(body, residency, list(xs)), donate_argnums=donate)
+        fn = jax.jit(lambda *xs: xla_op.resident_call(body, layout, list(xs)), donate_argnums=donate)
         return fn, always_passed, feedable, lambda: out_tree_box[-1]
 
     def _op_jit(self) -> Callable:
@@ -383,7 +354,7 @@ class NimbleFunction:
     def _flatten(self, args: tuple, kwargs: dict, abstract_ok: bool = False):
         statics, args, kwargs = self._split_statics(args, kwargs)
         if statics:
-            self._check_hashable(statics)
+            _check_hashable(statics, self.fun)
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
         last = self._last
         # A leaf that is the same immutable jax.Array as last call keeps its signature
@@ -408,14 +379,6 @@ class NimbleFunction:
     def _raise_bad_leaf(self, args, kwargs) -> None:
         for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
             _check_leaf(path, leaf, self.fun)
-
-    def _check_hashable(self, statics) -> None:
-        for _, v in statics:
-            try:
-                hash(v)
-            except TypeError:
-                raise TypeError(f"static argument {v!r} of {self.fun.__name__} must be "
-                                f"hashable (it is part of the cache key)") from None
 
     def _split_statics(self, args: tuple, kwargs: dict) -> tuple:
         """(statics, dynamic args, dynamic kwargs); statics are (position or name, value)."""
@@ -486,81 +449,6 @@ class NimbleFunction:
         return frozenset(donated)
 
 
-class _Resident:
-    """The XLA path's previous call: its leaves and flat results (held, so their ids stay
-    theirs), the leaves' signatures, where each operand came from (`sources`), which
-    leaves may be HELD next call (`candidate`: concrete jax.Arrays not `always_passed`),
-    which results may be fed back (`feedable`: in an arena buffer of their own), and
-    the jitted call that passed its `passed` leaves."""
-
-    __slots__ = ("in_tree", "statics", "precision", "sigs", "always_passed", "feedable",
-                 "out_tree", "sources", "passed", "not_held", "fn", "leaves", "candidate", "outs",
-                 "out_ids")
-
-    def __init__(self, in_tree, statics, precision, sigs, always_passed, feedable, out_tree,
-                 sources, fn, leaves, candidate) -> None:
-        self.in_tree, self.statics, self.precision, self.sigs = in_tree, statics, precision, sigs
-        self.always_passed, self.feedable = always_passed, feedable
-        self.out_tree, self.sources, self.fn = out_tree, sources, fn
-        self.passed = [i for i, src in enumerate(sources) if src == PASSED]
-        self.not_held = [i for i, src in enumerate(sources) if src != HELD]
-        self.leaves, self.candidate = leaves, candidate
-        self.outs: list = []
-        self.out_ids: Optional[dict] = None  # id(result) -> flat index, made when needed
-
-
-def _sources(leaves: list, last: _Resident) -> Optional[list]:
-    """Where each leaf's data comes from this call (PASSED, HELD or a previous result),
-    or None when a leaf that is not held changed its signature (the plan changes)."""
-    sources = [HELD if (c and a is b) else PASSED
-               for a, b, c in zip(leaves, last.leaves, last.candidate)]
-    if any(map(_is_deleted, [a for a, s in zip(leaves, sources) if s == HELD])):
-        sources = [PASSED if s == HELD and a.is_deleted() else s for a, s in zip(leaves, sources)]
-    passed = [i for i, s in enumerate(sources) if s == PASSED]
-    if passed and last.feedable:
-        if last.out_ids is None:
-            last.out_ids = {id(o): j for j, o in enumerate(last.outs) if j in last.feedable}
-        for i in passed:
-            x = leaves[i]
-            j = last.out_ids.get(id(x))
-            if j is not None and last.outs[j] is x and i not in last.always_passed and not x.is_deleted():
-                sources[i] = j
-    for i, src in enumerate(sources):  # a leaf that is not held must keep its signature
-        if src == HELD:
-            continue
-        x, sig = leaves[i], last.sigs[i]
-        if type(x) is _ArrayImpl:
-            if x.shape != sig[0] or x.dtype != sig[1] or x.weak_type != sig[2]:
-                return None
-        elif isinstance(x, jax.core.Tracer) or not _is_array_like(x) or _signature(x) != sig:
-            return None
-    return sources
-
-
-_is_deleted = _ArrayImpl.is_deleted
-
-
-def _name_like(flat_fun: Callable, fun: Callable, num_leaves: int, args: list, kwargs: dict,
-               static_argnums: tuple, static_argnames: tuple) -> None:
-    """Make JAX's tracing errors about `flat_fun` name `fun` and its arguments, as jax.jit
-    does ("while tracing the function f at file:line ... the argument x"): JAX's debug
-    info for `fun` at these arguments (flat leaves in flat_fun's order), on flat_fun."""
-    try:
-        from jax._src import api_util
-
-        dbg = api_util.debug_info("jit", fun, args, kwargs, static_argnums=static_argnums,
-                                  static_argnames=static_argnames)
-        if len(dbg.arg_names or ()) != num_leaves:
-            return  # names and flat_fun's arguments disagree: keep JAX's generic names
-        save = getattr(api_util, "save_wrapped_fun_debug_info", None)
-        if save is not None:
-            save(flat_fun, dbg)
-        else:
-            flat_fun.__fun_debug_info__ = dbg
-    except Exception:  # noqa: BLE001 - only a nicer message is lost (a JAX without this API)
-        pass
-
-
 def _interpret_runner(plan: Plan, output: str) -> Callable[[list], list]:
     from nimblejax.runtime import interpret
 
@@ -587,37 +475,6 @@ def _on_key_data(run: Callable, leaves: list, out_shapes, output: str) -> Callab
     return lambda xs: from_key_data(run(to_key_data(xs, in_impls)), out_impls)
 
 
-def _static_positions(fun: Callable, nums: tuple, names: tuple) -> tuple[tuple, tuple]:
-    """Complete static_argnums from static_argnames and back, as jax.jit does; refuse
-    positions and names the function does not have (ValueError, as jax.jit)."""
-    try:
-        params = list(inspect.signature(fun).parameters.values())
-    except (TypeError, ValueError):
-        return tuple(nums), tuple(names)
-    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    has_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
-    has_varkw = any(p.kind == p.VAR_KEYWORD for p in params)
-    bad_nums = [i for i in nums if not has_varargs and not -len(positional) <= i < len(positional)]
-    if bad_nums:
-        raise ValueError(f"static_argnums {bad_nums} out of range: "
-                         f"{getattr(fun, '__name__', 'the function')} takes {len(positional)} "
-                         f"positional argument(s)")
-    known = {p.name for p in params if p.kind != p.VAR_POSITIONAL}
-    bad_names = sorted(n for n in names if n not in known) if not has_varkw else []
-    if bad_names:
-        raise ValueError(f"static_argnames {bad_names} are not parameters of "
-                         f"{getattr(fun, '__name__', 'the function')} (it takes {sorted(known)})")
-    nums = set(i if i >= 0 else len(positional) + i for i in nums)
-    names = set(names)
-    for i in list(nums):
-        if i < len(positional):
-            names.add(positional[i])
-    for n in list(names):
-        if n in positional:
-            nums.add(positional.index(n))
-    return tuple(sorted(nums)), tuple(sorted(names))
-
-
 def _ffi_library(required: bool):
     """The loaded and initialized XLA FFI handler, or None (it warned why) where it
     cannot be built or loaded; `required` turns that into an error."""
@@ -637,32 +494,3 @@ def _ffi_library(required: bool):
     return library
 
 
-def _is_array_like(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float)) or \
-        hasattr(x, "__cuda_array_interface__")
-
-
-def _check_leaf(path, leaf: Any, fun: Callable) -> Any:
-    if _is_array_like(leaf):
-        return leaf
-    where = jax.tree_util.keystr(path)
-    raise TypeError(
-        f"argument {where} of {getattr(fun, '__name__', 'the function')} is a "
-        f"{type(leaf).__name__}, not an array: pass a jax/numpy/cupy array or a Python "
-        f"scalar, or mark the argument static with static_argnums/static_argnames")
-
-
-def _signature(x: Any) -> tuple:
-    """(shape, dtype, weak_type): the part of an argument a plan depends on."""
-    if isinstance(x, (bool, int, float)) and not isinstance(x, np.generic):
-        dtype = jnp.asarray(x).dtype  # Python scalars are weakly typed, as in jax.jit
-        return (), np.dtype(dtype), True
-    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
-        key = jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)  # kept: the plan unwraps it
-        return tuple(x.shape), x.dtype if key else np.dtype(x.dtype), bool(getattr(x, "weak_type", False))
-    dtype = np.dtype(x.dtype)
-    if dtype == np.float64 and not jax.config.jax_enable_x64:
-        dtype = np.dtype(np.float32)
-    elif dtype == np.int64 and not jax.config.jax_enable_x64:
-        dtype = np.dtype(np.int32)
-    return tuple(x.shape), dtype, False

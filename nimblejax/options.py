@@ -14,9 +14,15 @@ settings never share a stale plan.
 | max_streams  | NIMBLE_MAX_STREAMS   | stream cap (None: no cap)   | the plan      |
 | debug        | NIMBLE_DEBUG         | 0 / 1 / 2 (below)           | checks        |
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
+| residency    | NIMBLE_RESIDENCY     | "auto" / "c" / "python"     | runtime       |
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
 after every compiler pass to stderr (compiler/printing.py).
+
+`residency`: which implementation of the XLA call path's residency check runs
+(runtime/residency.py): "c" the C extension built on first use, "python" the pure-Python
+one, "auto" the C one where it can be built (else Python, after one warning). Both
+decide alike; "python" is for debugging and for machines without a C compiler.
 
 Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
 convolution: `use_cudnn` in compiler/canonicalize/conv.py.
@@ -35,8 +41,10 @@ from typing import Any, Callable, Optional
 GEMM_LIBRARIES = ("lt", "cublas")
 CONV_PATHS = ("auto", "cudnn", "im2col")
 CALL_PATHS = ("auto", "ffi", "python")
+RESIDENCY_CHECKS = ("auto", "c", "python")
 _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
-        "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH"}
+        "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
+        "residency": "NIMBLE_RESIDENCY"}
 
 
 @dataclass(frozen=True)
@@ -48,11 +56,13 @@ class Options:
     max_streams: Optional[int] = None
     debug: int = 0
     call_path: str = "auto"
+    residency: str = "auto"
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
         _check_choice("conv", self.conv, CONV_PATHS)
         _check_choice("call_path", self.call_path, CALL_PATHS)
+        _check_choice("residency", self.residency, RESIDENCY_CHECKS)
         if self.max_streams is not None and (not isinstance(self.max_streams, int)
                                              or isinstance(self.max_streams, bool)
                                              or self.max_streams < 1):
@@ -90,6 +100,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "max_streams": _int_or_none(env.get(_ENV["max_streams"], ""), "max_streams"),
         "debug": _int_or_none(env.get(_ENV["debug"], ""), "debug") or 0,
         "call_path": env.get(_ENV["call_path"], "auto"),
+        "residency": env.get(_ENV["residency"], "auto"),
     }
     if base is not None:
         default = Options()
@@ -140,7 +151,7 @@ def env_value(name: str) -> Optional[str]:
 
 
 def cache_dir() -> str:
-    """Where built artifacts (the XLA FFI handler) are cached:
+    """Where built artifacts (the XLA FFI handler, the residency check) are cached:
     $NIMBLEJAX_CACHE_DIR, else $XDG_CACHE_HOME/nimblejax, else ~/.cache/nimblejax."""
     explicit = os.environ.get("NIMBLEJAX_CACHE_DIR")
     if explicit:

@@ -1,9 +1,11 @@
 """The XLA call path's resident operands (api.py `_call_xla`): a leaf that is the very
 jax.Array of the previous call is not passed again, its data stays in the runner's
 arena. The interpret backend keeps its operands as the GPU arena does, so a wrong
-residency decision is a wrong answer here too."""
+residency decision is a wrong answer here too. Every test runs on both residency checks:
+the C extension (runtime/residency.c) and its pure-Python twin."""
 from __future__ import annotations
 
+import shutil
 import threading
 
 import jax
@@ -12,6 +14,16 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
+from nimblejax.runtime import residency
+
+
+@pytest.fixture(autouse=True, params=["c", "python"])
+def check(request, monkeypatch) -> str:
+    """NIMBLE_RESIDENCY for the functions a test makes (read when they are decorated)."""
+    if request.param == "c" and not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler for the residency extension")
+    monkeypatch.setenv("NIMBLE_RESIDENCY", request.param)
+    return request.param
 
 
 def layer(p, x):
@@ -163,3 +175,67 @@ def test_two_threads_with_their_own_parameters():
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors[0]
+
+
+def test_the_chosen_check_runs(check):
+    f, r, p = nimble.jit(layer, backend="interpret"), np.random.default_rng(0), params(8)
+    f(p, fresh_x(r))
+    assert f.options.residency == check
+    assert (f._steady is residency.steady_python) == (check == "python")
+
+
+def test_a_change_of_matmul_precision_makes_another_call():
+    f, r, p = nimble.jit(layer, backend="interpret"), np.random.default_rng(0), params(9)
+    x = fresh_x(r)
+    f(p, x)
+    f(p, x)
+    with jax.default_matmul_precision("highest"):
+        close(f(p, x), layer(p, x))
+        close(f(p, x), layer(p, x))
+    jax.config.update("jax_default_matmul_precision", "bfloat16")
+    try:
+        close(f(p, x), layer(p, x))
+    finally:
+        jax.config.update("jax_default_matmul_precision", None)
+    precisions = [key[4] for key in f._resident_fns]
+    assert precisions == [None, None, "highest", "highest", "bfloat16"]
+    # Back to the default: the record of the default precision's call is made again.
+    f(p, x)
+    assert f._resident.precision is None
+
+
+def test_statics_scalars_and_keywords_stay_resident():
+    def scaled(p, x, *, k, relu):
+        y = layer(p, x) * k
+        return jnp.maximum(y, 0) if relu else y
+
+    f = nimble.jit(scaled, static_argnames="relu", backend="interpret")
+    r, p = np.random.default_rng(0), params(10)
+    for k, relu in ((0.5, True), (1.5, True), (2.5, False), (3.5, False)):
+        x = fresh_x(r)
+        close(f(p, x, k=k, relu=relu), scaled(p, x, k=k, relu=relu))
+    # (b, s, w, x, k) after the statics changed: a Python float is never held.
+    assert masks(f)[-1] == (H, H, H, P, P)
+    assert f.cache_size == 2
+
+
+@pytest.mark.gpu
+def test_held_and_fed_back_on_the_gpu(check):
+    f, r, p = nimble.jit(layer, backend="cuda"), np.random.default_rng(0), params(11)
+    for _ in range(4):
+        x = fresh_x(r)
+        np.testing.assert_allclose(np.asarray(f(p, x)), np.asarray(layer(p, x)), rtol=2e-3, atol=2e-3)
+    assert masks(f)[-1] == (H, H, H, P)
+    assert (f._steady is residency.steady_python) == (check == "python")
+
+    def step(state, x):
+        new = {k: jnp.tanh(v + jnp.mean(x)) for k, v in state.items()}
+        return new, jnp.sum(new["w"])
+
+    g, state, want = nimble.jit(step, backend="cuda"), params(12), params(12)
+    for _ in range(4):
+        x = fresh_x(r)
+        (state, loss), (want, want_loss) = g(state, x), jax.jit(step)(want, x)
+        for a, b in zip(jax.tree_util.tree_leaves((state, loss)), jax.tree_util.tree_leaves((want, want_loss))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-3)
+    assert masks(g)[-1] == (0, 1, 2, P)

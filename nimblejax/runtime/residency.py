@@ -1,0 +1,283 @@
+"""Resident operands of the XLA call path: which leaves of a top-level call JAX is handed.
+
+api.py `_call_xla` holds the previous call's `Record`: its leaves and flat results (held,
+so their ids stay theirs), the leaves' signatures and where each operand came from.
+A new call's leaf is
+- HELD: the very jax.Array of the previous call (a parameter in a serving loop), of
+  jax's concrete array type, not deleted, and not always passed. Its data is still in
+  the resident runner's arena, where an earlier call copied it;
+- j >= 0: the very jax.Array the previous call returned as flat output j (training
+  state fed back), where j is feedable (a buffer of its own in the arena), the leaf is
+  not always passed and not deleted. It is copied inside the arena from j's buffer;
+- PASSED: every other leaf, and JAX dispatches only those.
+A jax.Array is immutable and the record holds the previous call's leaves and results,
+so the same object means the same data, and its id cannot be reused. numpy arrays
+(mutable) are always passed, and so is a deleted array (JAX then says so). A leaf that
+is not held must keep its signature, else the plan changes (the decision is None).
+Always passed: the plan's pass-through inputs and donated leaves (see `_make_resident`
+in api.py for why).
+
+The per-call check comes twice, deciding alike (tests/test_residency_ext.py):
+residency.c, a CPython extension built on first use with the system C compiler and
+cached on disk per Python version and source hash (as runtime/ffi builds its handler),
+and `steady_python`/`decide_python` below, used where no C compiler or Python headers
+are found (after one warning) or with NIMBLE_RESIDENCY=python. A steady-state call is
+then tree_flatten, one C call (the decision, the jitted call over the PASSED leaves, the
+record's update) and tree_unflatten.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+from types import ModuleType
+from typing import Any, Callable, Optional
+
+import jax
+
+from nimblejax.arguments import is_array_like, signature
+from nimblejax.runtime.ffi import _first_lines, _warn_once
+from nimblejax.runtime.xla_op import HELD, PASSED
+from jax._src.array import ArrayImpl  # the concrete jax.Array type
+
+_SOURCE = pathlib.Path(__file__).with_name("residency.c")
+_MODULE = "_nimble_residency"
+_CFLAGS = ("-O2", "-shared", "-fPIC")
+_BUILD_TIMEOUT_S = 120
+_FALLBACK = "its XLA call path checks residency in Python (slower per call)"
+
+
+class _ConfigPrecision:
+    """jax.config's matmul precision, where jax has no State object for it."""
+
+    @property
+    def value(self) -> Any:
+        return jax.config.jax_default_matmul_precision
+
+
+def _precision_state() -> Any:
+    # jax's State reads the setting in C++ and sees `with jax.default_matmul_precision`
+    # and jax.config.update alike, at a third of jax.config's attribute lookup.
+    try:
+        from jax._src import config as jax_config
+
+        state = jax_config.default_matmul_precision
+        state.value
+        return state
+    except (ImportError, AttributeError):
+        return _ConfigPrecision()
+
+
+PRECISION = _precision_state()
+"""`PRECISION.value`: the default matmul precision now (part of a resident call's key)."""
+
+
+class Record:
+    """The XLA path's previous call; `sources`, `passed` (the PASSED indices) and `fn`
+    (the jitted call over the PASSED leaves) belong to one tuple of sources. The C
+    check reads `leaves`, `outs`, `sources`, `sigs`, `holdable`, `out_feedable`, `avals`
+    and `fn`, and writes `leaves`, `outs` and `avals`."""
+
+    __slots__ = ("in_tree", "statics", "precision", "sigs", "always_passed", "feedable", "out_tree",
+                 "sources", "passed", "fn", "leaves", "outs", "holdable", "out_feedable", "avals")
+
+    def __init__(self, in_tree, statics, precision, sigs: tuple, always_passed: frozenset,
+                 feedable: frozenset, out_tree, sources: list, fn: Callable, leaves: list) -> None:
+        self.in_tree, self.statics, self.precision, self.sigs = in_tree, statics, precision, sigs
+        self.always_passed, self.feedable = always_passed, feedable
+        self.out_tree, self.sources, self.fn, self.leaves = out_tree, sources, fn, leaves
+        self.passed = [i for i, src in enumerate(sources) if src == PASSED]
+        self.outs: list = []
+        # Per leaf: 1 where it may be held or fed back (not always passed); per result:
+        # 1 where it may be fed back. Bytes, so that the C check reads them directly.
+        self.holdable = bytes(i not in always_passed for i in range(len(sigs)))
+        self.out_feedable = bytes(j in feedable for j in range(max(feedable, default=-1) + 1))
+        # Per leaf: the last aval that matched its signature (the C check's shortcut).
+        self.avals: list = [None] * len(sigs)
+
+
+def new_record(leaves: list, in_tree, statics, decided: Optional[tuple], last: Optional[Record],
+               made: dict, make: Callable) -> Optional[tuple[Record, list]]:
+    """(a record for the sources `decided` says, the PASSED leaves); every leaf passed
+    when `decided` is None (a first call, a new signature). `make(in_tree, statics, sigs,
+    sources)` makes the jitted call, cached in `made`. None: take the full path."""
+    if decided is None:
+        if any(isinstance(x, jax.core.Tracer) or not is_array_like(x) for x in leaves):
+            return None  # under a transformation, or a bad argument: the full path says
+        sigs, sources, passed = tuple(signature(x) for x in leaves), [PASSED] * len(leaves), leaves
+    else:
+        sigs, (sources, passed) = last.sigs, decided
+    precision = PRECISION.value
+    key = (in_tree, statics, sigs, tuple(sources), precision)
+    entry = made.get(key)
+    if entry is None:
+        entry = made[key] = make(in_tree, statics, sigs, tuple(sources))
+    if entry is False:
+        return None
+    fn, always_passed, feedable, out_tree = entry
+    record = Record(in_tree, statics, precision, sigs, always_passed, feedable, out_tree(),
+                    list(sources), fn, leaves)
+    return record, passed
+
+
+# ---- the check in Python (the C extension's twin) ------------------------------------
+def same_signature(x: Any, sig: tuple) -> bool:
+    """Whether leaf x (not held) still has signature `sig`."""
+    if type(x) is ArrayImpl:
+        return x.shape == sig[0] and x.dtype == sig[1] and x.weak_type == sig[2]
+    return not isinstance(x, jax.core.Tracer) and is_array_like(x) and signature(x) == sig
+
+
+def sources_python(leaves: list, last: Record) -> Optional[list]:
+    """Where each leaf's data comes from this call (PASSED, HELD or a previous result),
+    or None when a leaf that is not held changed its signature (the plan changes)."""
+    if len(leaves) != len(last.leaves):
+        return None
+    sources = [HELD if (h and a is b and type(a) is ArrayImpl) else PASSED
+               for a, b, h in zip(leaves, last.leaves, last.holdable)]
+    if any(map(ArrayImpl.is_deleted, [a for a, s in zip(leaves, sources) if s == HELD])):
+        sources = [PASSED if s == HELD and a.is_deleted() else s for a, s in zip(leaves, sources)]
+    passed = [i for i, s in enumerate(sources) if s == PASSED]
+    if passed and last.feedable:
+        out_ids = {id(o): j for j, o in enumerate(last.outs) if j in last.feedable}
+        for i in passed:
+            x = leaves[i]
+            j = out_ids.get(id(x))
+            if j is not None and last.outs[j] is x and last.holdable[i] and not x.is_deleted():
+                sources[i] = j
+    for i, src in enumerate(sources):
+        if src != HELD and not same_signature(leaves[i], last.sigs[i]):
+            return None
+    return sources
+
+
+def steady_python(leaves: list, last: Record) -> Optional[list]:
+    """The results of `last.fn` over the PASSED leaves when this call's sources are
+    `last.sources` (then `last` holds these leaves and results), else None."""
+    if sources_python(leaves, last) != last.sources:
+        return None
+    outs = last.fn(*[leaves[i] for i in last.passed])
+    last.leaves, last.outs = leaves, outs
+    return outs
+
+
+def decide_python(leaves: list, last: Record) -> Optional[tuple[list, list]]:
+    """(this call's sources, its PASSED leaves), or None when a signature changed; the
+    sources are `last.sources` itself when they are the same."""
+    sources = sources_python(leaves, last)
+    if sources is None:
+        return None
+    if sources == last.sources:
+        sources = last.sources
+    return sources, [x for x, s in zip(leaves, sources) if s == PASSED]
+
+
+# ---- the C extension ---------------------------------------------------------------
+_lock = threading.Lock()
+_extension: dict[str, Optional[ModuleType]] = {}  # cache dir -> the loaded module or None
+
+
+def implementation(choice: str, cache_dir: str) -> tuple[Callable, Callable]:
+    """(steady, decide) for Options.residency `choice`: "python", "c" (RuntimeError
+    where the extension cannot be built) or "auto" (the extension, else Python)."""
+    if choice == "python":
+        return steady_python, decide_python
+    ext = load_extension(cache_dir)
+    if ext is None:
+        if choice == "c":
+            raise RuntimeError("residency='c': nimblejax's residency check could not be built "
+                               "(see the warning above); use residency='auto' or 'python'")
+        return steady_python, decide_python
+    return ext.steady, ext.decide
+
+
+def load_extension(cache_dir: str, compiler: Optional[str] = None) -> Optional[ModuleType]:
+    """The residency extension, built (or found cached) and initialized once per process
+    and cache dir; None (after one warning) where it cannot be built or loaded."""
+    with _lock:
+        if cache_dir not in _extension:
+            path = build(cache_dir, compiler)
+            _extension[cache_dir] = None if path is None else _load(path)
+        return _extension[cache_dir]
+
+
+def _load(path: pathlib.Path) -> Optional[ModuleType]:
+    try:
+        spec = importlib.util.spec_from_file_location(_MODULE, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.init(ArrayImpl, ArrayImpl.is_deleted, same_signature, PASSED, HELD)
+    except (ImportError, OSError, AttributeError, TypeError) as exc:
+        _warn_once(f"nimblejax: cannot load its residency check {path}: {exc}; {_FALLBACK}.")
+        return None
+    return module
+
+
+def _flags() -> list[str]:
+    return [*_CFLAGS, f"-I{sysconfig.get_paths()['include']}"]
+
+
+def build_path(cache_dir: str) -> pathlib.Path:
+    """``<cache_dir>/residency-<python tag>-<sha1(source, flags, ABI)[:12]>/<module>``."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    digest = hashlib.sha1(_SOURCE.read_bytes())
+    for part in [*_flags(), suffix]:
+        digest.update(b"\0" + part.encode())
+    tag = f"residency-{sys.implementation.cache_tag}-{digest.hexdigest()[:12]}"
+    return pathlib.Path(cache_dir) / tag / f"{_MODULE}{suffix}"
+
+
+def build(cache_dir: str, compiler: Optional[str] = None) -> Optional[pathlib.Path]:
+    """Compile residency.c, or reuse a cached build: the path of the module, or None
+    (after one warning) without a compiler or Python headers or when the build fails.
+    The compiler writes a temporary file renamed into place, so processes building at
+    once both succeed and no one loads a half-written module."""
+    cc = shutil.which(compiler) if compiler else shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        _warn_once(f"nimblejax: no C compiler ({compiler or 'cc or gcc on PATH'}) to build its "
+                   f"residency check; {_FALLBACK}.")
+        return None
+    include = sysconfig.get_paths()["include"]
+    if not os.path.isfile(os.path.join(include, "Python.h")):
+        _warn_once(f"nimblejax: no Python headers (Python.h in {include}; a python3-dev package) "
+                   f"to build its residency check; {_FALLBACK}.")
+        return None
+    try:
+        target = build_path(cache_dir)
+        if target.is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{_MODULE}.", suffix=".tmp", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        _warn_once(f"nimblejax: cannot build its residency check in {cache_dir}: {exc}; {_FALLBACK}.")
+        return None
+    tmp = pathlib.Path(tmp_name)
+    try:
+        error = _compile(cc, tmp)
+        if error is None:
+            os.replace(tmp, target)
+            return target
+    finally:
+        tmp.unlink(missing_ok=True)
+    _warn_once(f"nimblejax: building its residency check failed: {error}\n{_FALLBACK}.")
+    return None
+
+
+def _compile(cc: str, output: pathlib.Path) -> Optional[str]:
+    """Compile residency.c into `output`; an error text, or None."""
+    try:
+        proc = subprocess.run([cc, *_flags(), str(_SOURCE), "-o", str(output)], capture_output=True,
+                              text=True, timeout=_BUILD_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"could not run {cc}: {exc}"
+    if proc.returncode != 0:
+        return f"{cc} exited with status {proc.returncode}:\n{_first_lines(proc.stderr)}"
+    return None
