@@ -16,7 +16,7 @@ import numpy as np
 from nimblejax.compiler.plan import Plan
 from nimblejax.runtime import inplace as inplace_mod
 from nimblejax.runtime.ffi import TARGET
-from nimblejax.runtime.xla_op import PASSED, Runner
+from nimblejax.runtime.runner import PASSED, Runner
 
 
 class FfiRunner(Runner):

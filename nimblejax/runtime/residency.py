@@ -44,7 +44,7 @@ import jax
 
 from nimblejax.arguments import is_array_like, signature
 from nimblejax.runtime.ffi import _first_lines, _warn_once
-from nimblejax.runtime.xla_op import HELD, PASSED
+from nimblejax.runtime.runner import HELD, PASSED
 from jax._src.array import ArrayImpl  # the concrete jax.Array type
 
 _SOURCE = pathlib.Path(__file__).with_name("residency.c")

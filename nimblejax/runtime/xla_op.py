@@ -31,7 +31,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from nimblejax.compiler.plan import Plan
-from nimblejax.runtime.ffi import TARGET
+from nimblejax.runtime.runner import PASSED, Runner
 
 nimble_call_p = Primitive("nimble_call")
 nimble_call_p.multiple_results = True
@@ -155,7 +155,6 @@ nimble_resident_p = Primitive("nimble_resident_call")
 nimble_resident_p.multiple_results = True
 
 
-PASSED, HELD = -1, -2  # a resident call's operand sources; j >= 0: the previous call's output j
 
 
 @dataclass(frozen=True)
@@ -256,28 +255,6 @@ def _vjp_body(body: Body, n: int) -> Body:
 
 
 # ---- runners: what a lowered nimble_call emits ----------------------------------------
-class Runner:
-    """Emits the traced computation that runs `plan` (inside lowering)."""
-
-    plan: Plan
-
-    def place(self, devices) -> None:
-        """Make the plan runnable on these (local) devices."""
-
-    def lower(self, ctx, *args, sources: "tuple | None" = None):
-        """The MLIR of one call: the lowering of `emit`, or of `emit_resident` for a
-        resident call's operand `sources`."""
-        emit = self.emit if sources is None else functools.partial(self.emit_resident, sources)
-        return mlir.lower_fun(emit, multiple_results=True)(ctx, *args)
-
-    def emit(self, *xs):
-        raise NotImplementedError
-
-    def emit_resident(self, sources: tuple, *xs):
-        """`emit` with only the operands whose source is PASSED (Residency)."""
-        raise NotImplementedError
-
-
 class InterpretRunner(Runner):
     """The CPU plan interpreter behind a host callback; each call takes another
     interleaving of the streams.
