@@ -9,14 +9,17 @@ value is materialized in a buffer. A reduction roots a kernel into whose loop it
 producers are inlined. A scatter roots a kernel that computes its operand straight into
 its output (`zeros(...).at[ids].add(g)` writes the table once) and its indices and
 updates where it reads them; a scatter that is the only reader of an operand buffer the
-plan writes updates that buffer in place (`_in_place`). This is XLA's loop/input fusion
-with producer duplication, kept deliberately simple.
+plan writes updates that buffer in place (`_in_place`). A library GEMM's group also
+takes the bias add, residual add, scale and activation after it that cuBLASLt computes in
+its epilogue (compiler/epilogue.py); other groups treat those nodes as opaque readers.
+This is XLA's loop/input fusion with producer duplication, kept deliberately simple.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+from nimblejax.compiler.epilogue import EpilogueMatch, find_epilogues
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind
 from nimblejax.compiler.lowering.registry import rule_for
@@ -40,21 +43,25 @@ class Group:
     nodes: tuple[Node, ...]  # topological order, root last
     inputs: tuple[Var, ...]  # materialized values read
     in_place: bool = False  # the root's rule updates its `in_place` operand's buffer
+    # A GEMM group's epilogue: its nodes follow the root (the dot), and it writes the
+    # epilogue's last value instead of the root's.
+    epilogue: EpilogueMatch | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", GroupKind(self.kind))  # a string is checked
 
     @property
     def output(self) -> Var:
-        return self.root.outputs[0]
+        return self.outputs[0]
 
     @property
     def outputs(self) -> tuple[Var, ...]:
-        return self.root.outputs
+        return (self.epilogue.output,) if self.epilogue is not None else self.root.outputs
 
 
-def fuse(graph: Graph) -> list[Group]:
-    """Groups of a canonicalized graph (compiler/canonicalize), in topological order."""
+def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
+    """Groups of a canonicalized graph (compiler/canonicalize), in topological order.
+    `gemm_epilogues`: whether GEMMs take their epilogues (cuBLASLt; plain cuBLAS has none)."""
     consumers = graph.consumers()
     outputs = {a for a in graph.outputs if isinstance(a, Var)}
     owner: dict[Node, frozenset[int]] = {}
@@ -68,9 +75,18 @@ def fuse(graph: Graph) -> list[Group]:
         owner[node] = frozenset([gid])
         depth[node] = 0
 
+    epilogues = find_epilogues(graph, consumers, outputs) if gemm_epilogues else {}
+    for dot, match in epilogues.items():  # decided first: the walk below skips their nodes
+        new_group(dot)
+        for n in match.nodes:
+            owner[n] = owner[dot]
+    opaque = {n for match in epilogues.values() for n in match.nodes}
+
     for node in reversed(graph.nodes):
+        if node in epilogues or node in opaque:
+            continue
         if rule_for(node).kind is RuleKind.ELEMENTWISE:
-            groups = _inline_target(node, consumers, outputs, owner)
+            groups = _inline_target(node, consumers, outputs, owner, opaque)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
             if groups is not None and (len(groups) == 1 or node not in written):
@@ -85,10 +101,13 @@ def fuse(graph: Graph) -> list[Group]:
     for node in graph.nodes:
         for gid in owner.get(node, ()):
             members[gid].append(node)
-    groups = [_make_group(roots[gid], members[gid]) for gid in sorted(roots, reverse=True)]
+    groups = [_make_group(roots[gid], members[gid], epilogues.get(roots[gid]))
+              for gid in sorted(roots, reverse=True)]
     groups = _in_place(groups, consumers, outputs)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    return sorted(groups, key=lambda g: order[g.root])
+    # By the node that writes each group's output (its last): the root, or an epilogue's
+    # last node, after every value the epilogue reads.
+    return sorted(groups, key=lambda g: order[g.nodes[-1]])
 
 
 def _in_place(groups: list[Group], consumers, outputs) -> list[Group]:
@@ -137,7 +156,9 @@ def _worth_writing(graph: Graph, consumers) -> set[Node]:
     return chosen
 
 
-def _inline_target(node: Node, consumers, outputs, owner) -> frozenset[int] | None:
+def _inline_target(node: Node, consumers, outputs, owner, opaque=frozenset()) -> frozenset[int] | None:
+    """The groups that recompute `node`, or None if it is written. `opaque`: nodes of GEMM
+    epilogues, which read their operands from memory."""
     out = node.outputs[0]
     users = consumers.get(out, [])
     if not users or out in outputs:
@@ -145,6 +166,8 @@ def _inline_target(node: Node, consumers, outputs, owner) -> frozenset[int] | No
     groups: set[int] = set()
     for user in users:
         rule = rule_for(user)
+        if user in opaque:
+            return None
         if rule.kind is RuleKind.ELEMENTWISE:
             groups |= owner[user]
         elif rule.kind is RuleKind.REDUCTION and user.inputs[0] is out:
@@ -168,7 +191,7 @@ def _strided_into_kernel(node: Node, groups, roots) -> bool:
     return any(rule_for(roots[g]).fuses for g in groups)
 
 
-def _make_group(root: Node, nodes: list[Node]) -> Group:
+def _make_group(root: Node, nodes: list[Node], epilogue: EpilogueMatch | None = None) -> Group:
     produced = {v for n in nodes for v in n.outputs}
     inputs: list[Var] = []
     for n in nodes:
@@ -182,4 +205,4 @@ def _make_group(root: Node, nodes: list[Node]) -> Group:
     if kind is GroupKind.FUSED and all(n.name in VIEW_PRIMS and n.params.get("dimensions") is None
                                for n in nodes):
         kind = GroupKind.VIEW
-    return Group(kind, root, tuple(nodes), tuple(inputs))
+    return Group(kind, root, tuple(nodes), tuple(inputs), epilogue=epilogue)
