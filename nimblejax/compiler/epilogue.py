@@ -10,7 +10,9 @@ cuBLASLt applies them (C = act(alpha * A @ B + R + bias)):
 
 - bias: a vector of n values added to every row of the GEMM's row-major (batch, m, n)
   output. It is found back through the reshapes and broadcast_in_dims that give it the
-  output's rank (`x @ w + b` in jax.numpy and flax.linen.Dense), which join the group.
+  output's rank (`x @ w + b` in jax.numpy and flax.linen.Dense): the GEMM reads the
+  vector itself, and those nodes (its `bias_path`) are only copied into the group's
+  equations for the CPU interpreter (an LSTM's one broadcast bias serves every step).
 - residual: a value of the output's shape that is written anyway (a graph input, or a
   value some library call or kernel reads), read as cuBLASLt's C with beta = 1.
 - activation: relu (max(x, 0)) or gelu_tanh (jax.nn.gelu(approximate=True)'s
@@ -42,16 +44,25 @@ GELU_CUBIC = 0.044715
 
 @dataclass(frozen=True, eq=False)
 class EpilogueMatch:
-    """A GEMM's epilogue: the nodes after `dot` its call computes (graph order) and
-    the value it writes."""
+    """A GEMM's epilogue: the nodes after `dot` its call computes (graph order), the
+    nodes that only lay its bias vector out as the add reads it, and the value it writes."""
 
     dot: Node
-    nodes: tuple[Node, ...]
+    chain: tuple[Node, ...]
+    bias_path: tuple[Node, ...]  # nearest the bias add first
     output: Var
     alpha: float = 1.0
     bias: Optional[Var] = None
     residual: Optional[Var] = None
     activation: str = "none"
+    bias_add: Optional[Node] = None
+
+    @property
+    def path_edges(self) -> list[tuple[Var, Node]]:
+        """(value, user) from the bias path's first node to the bias add: uses that only
+        the group's equations make (the GEMM reads `bias`, the path's input)."""
+        users = (self.bias_add, *self.bias_path[:-1])
+        return [(p.outputs[0], u) for p, u in zip(self.bias_path, users)]
 
     @property
     def epilogue(self) -> Epilogue:
@@ -97,8 +108,8 @@ def find_epilogues(graph: Graph, consumers: Mapping[Var, list[Node]],
         if node.name == "dot_general" and node not in ctx.claimed and is_library_gemm(node):
             match = match_epilogue(node, ctx)
             if match is not None:
-                match = replace(match, nodes=tuple(sorted(match.nodes, key=order.__getitem__)))
-                ctx.claimed.update(match.nodes)
+                match = replace(match, chain=tuple(sorted(match.chain, key=order.__getitem__)))
+                ctx.claimed.update(match.chain)
                 found[node] = match
     return found
 
@@ -110,6 +121,9 @@ def match_epilogue(dot: Node, ctx: _Context) -> Optional[EpilogueMatch]:
     taken: list[Node] = []  # the steps' nodes
     views: list[Node] = []  # reshapes since the last step: taken only if a step follows
     alpha, bias, residual, activation = 1.0, None, None, "none"
+    path: tuple[Node, ...] = ()
+    bias_add = None
+    written = cur  # the last step's value (cur may be a view of it, not taken)
     while activation == "none":
         users = ctx.consumers.get(cur, [])
         if cur in ctx.outputs or not users:
@@ -134,7 +148,7 @@ def match_epilogue(dot: Node, ctx: _Context) -> Optional[EpilogueMatch]:
                 step = (user,)
             elif user.name == "add" and bias is None and (found := _bias(other, cur, user, n, ctx)):
                 bias, path = found
-                step = (*path, user)
+                bias_add, step = user, (user,)
             elif user.name == "add" and residual is None and _residual(other, cur, ctx):
                 residual, step = other, (user,)
             elif _is_relu(user, cur):
@@ -143,10 +157,11 @@ def match_epilogue(dot: Node, ctx: _Context) -> Optional[EpilogueMatch]:
                 break
         taken += views + list(step)
         views = []
-        cur = step[-1].outputs[0]  # a step's last node (in dependence order) writes its value
+        cur = written = step[-1].outputs[0]  # a step's last node (dependence order) makes it
     if not taken:
         return None
-    return EpilogueMatch(dot, tuple(taken), cur, alpha, bias, residual, activation)
+    return EpilogueMatch(dot, tuple(taken), path, written, alpha, bias, residual, activation,
+                         bias_add)
 
 
 def _other_operand(node: Node, cur: Var) -> Optional[Atom]:
@@ -175,8 +190,9 @@ def _scale(node: Node, cur: Var) -> Optional[float]:
 # ---- bias and residual --------------------------------------------------------------------
 def _bias(e: Optional[Atom], cur: Var, add: Node, n: int,
           ctx: _Context) -> Optional[tuple[Var, tuple[Node, ...]]]:
-    """(the n-vector, the nodes between it and the add) when `e` adds the same n values
-    to every row of cur (row-major: element t gets vector[t % n])."""
+    """(the n-vector, the nodes between it and the add, nearest the add first) when `e`
+    adds the same n values to every row of cur (row-major: element t gets vector[t % n]).
+    Those nodes may have other uses: they stay where they are and are copied."""
     if not isinstance(e, Var):
         return None
     path: list[Node] = []
@@ -185,13 +201,13 @@ def _bias(e: Optional[Atom], cur: Var, add: Node, n: int,
     else:
         p = ctx.producer.get(e)
         if (e.shape != cur.shape or not ctx.free(p) or p.name != "broadcast_in_dim"
-                or not ctx.only_use(e, add) or not _broadcast_along_rows(p, cur.shape, n)):
+                or not _broadcast_along_rows(p, cur.shape, n)):
             return None
         src, path = p.inputs[0], [p]
     # Back through rank changes (jnp's (n,) → (1, n)): the same n values in the same order.
     while True:
         p = ctx.producer.get(src)
-        if not (ctx.free(p) and _same_values(p) and ctx.only_use(src, path[-1] if path else add)):
+        if not (ctx.free(p) and _same_values(p)):
             return src, tuple(path)
         path.append(p)
         src = p.inputs[0]

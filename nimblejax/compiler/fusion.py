@@ -75,22 +75,24 @@ def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
         owner[node] = frozenset([gid])
         depth[node] = 0
 
-    epilogues = find_epilogues(graph, consumers, outputs) if gemm_epilogues else {}
-    for dot, match in epilogues.items():  # decided first: the walk below skips their nodes
+    ep = _Epilogues(find_epilogues(graph, consumers, outputs) if gemm_epilogues else {})
+    for dot, match in ep.matches.items():  # decided first: the walk below skips them
         new_group(dot)
-        for n in match.nodes:
+        for n in match.chain:
             owner[n] = owner[dot]
-    opaque = {n for match in epilogues.values() for n in match.nodes}
 
     for node in reversed(graph.nodes):
-        if node in epilogues or node in opaque:
+        if node in ep.opaque:
             continue
+        users = ep.live_users(node, consumers, owner)
+        if node in ep.copies and not users and node.outputs[0] not in outputs:
+            continue  # only GEMM epilogues' equations compute it
         if rule_for(node).kind is RuleKind.ELEMENTWISE:
-            groups = _inline_target(node, consumers, outputs, owner, opaque)
+            groups = _inline_target(node, users, outputs, owner, ep.opaque)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
             if groups is not None and (len(groups) == 1 or node not in written):
-                d = 1 + max(depth[u] for u in consumers[node.outputs[0]])
+                d = 1 + max(depth[u] for u in users)
                 if d <= MAX_INLINE_DEPTH:
                     owner[node] = groups
                     depth[node] = d
@@ -99,15 +101,42 @@ def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
 
     members: dict[int, list[Node]] = {gid: [] for gid in roots}
     for node in graph.nodes:
-        for gid in owner.get(node, ()):
+        copied = frozenset(g for dot in ep.copies.get(node, ()) for g in owner[dot])
+        for gid in owner.get(node, frozenset()) | copied:
             members[gid].append(node)
-    groups = [_make_group(roots[gid], members[gid], epilogues.get(roots[gid]))
+    groups = [_make_group(roots[gid], members[gid], ep.matches.get(roots[gid]))
               for gid in sorted(roots, reverse=True)]
     groups = _in_place(groups, consumers, outputs)
     order = {n: i for i, n in enumerate(graph.nodes)}
     # By the node that writes each group's output (its last): the root, or an epilogue's
     # last node, after every value the epilogue reads.
     return sorted(groups, key=lambda g: order[g.nodes[-1]])
+
+
+class _Epilogues:
+    """The GEMM epilogues fusion was given (compiler/epilogue.py), as the walk reads them.
+
+    `opaque`: each dot and its chain, fixed in the dot's group; producers that feed
+    them are written, since a library call reads its operands from memory. `copies`:
+    bias-path node → the dots whose group recomputes it in its equations (the GEMM reads
+    the vector before it); the edges along such a path do not count as uses."""
+
+    def __init__(self, matches: dict[Node, EpilogueMatch]) -> None:
+        self.matches = matches
+        self.opaque = {n for dot, m in matches.items() for n in (dot, *m.chain)}
+        self.copies: dict[Node, list[Node]] = {}
+        self.copy_edges: set[tuple[Var, Node]] = set()
+        for dot, m in matches.items():
+            for p in m.bias_path:
+                self.copies.setdefault(p, []).append(dot)
+            self.copy_edges.update(m.path_edges)
+
+    def live_users(self, node: Node, consumers, owner) -> list[Node]:
+        """node's consumers, less the bias paths' copies of it (a copy with no group of
+        its own, or the epilogue's add)."""
+        out = node.outputs[0]
+        return [u for u in consumers.get(out, [])
+                if not ((out, u) in self.copy_edges and (u in self.opaque or u not in owner))]
 
 
 def _in_place(groups: list[Group], consumers, outputs) -> list[Group]:
@@ -156,17 +185,18 @@ def _worth_writing(graph: Graph, consumers) -> set[Node]:
     return chosen
 
 
-def _inline_target(node: Node, consumers, outputs, owner, opaque=frozenset()) -> frozenset[int] | None:
-    """The groups that recompute `node`, or None if it is written. `opaque`: nodes of GEMM
-    epilogues, which read their operands from memory."""
+def _inline_target(node: Node, users: list[Node], outputs, owner,
+                   opaque=frozenset()) -> frozenset[int] | None:
+    """The groups that recompute `node` (read by `users`), or None if it is written.
+    `opaque`: GEMMs with epilogues, which read their operands from memory, as does a
+    bias-path copy with no group of its own."""
     out = node.outputs[0]
-    users = consumers.get(out, [])
     if not users or out in outputs:
         return None
     groups: set[int] = set()
     for user in users:
         rule = rule_for(user)
-        if user in opaque:
+        if user in opaque or user not in owner:
             return None
         if rule.kind is RuleKind.ELEMENTWISE:
             groups |= owner[user]
