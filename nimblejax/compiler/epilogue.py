@@ -14,7 +14,8 @@ cuBLASLt applies them (C = act(alpha * A @ B + R + bias)):
   vector itself, and those nodes (its `bias_path`) are only copied into the group's
   equations for the CPU interpreter (an LSTM's one broadcast bias serves every step).
 - residual: a value of the output's shape that is written anyway (a graph input, or a
-  value some library call or kernel reads), read as cuBLASLt's C with beta = 1.
+  value some library call or kernel reads) and not computed later than the dot's
+  operands, read as cuBLASLt's C with beta = 1.
 - activation: relu (max(x, 0)) or gelu_tanh (jax.nn.gelu(approximate=True)'s
   equations). The erf GELU (approximate=False; BERT's) is not cuBLASLt's GELU: it stays
   a kernel, after a GEMM that adds the bias.
@@ -85,6 +86,7 @@ class _Context:
     consumers: Mapping[Var, list[Node]]
     producer: Mapping[Var, Node]
     outputs: frozenset
+    depth: Mapping[Node, int]  # longest chain of nodes from the graph's inputs
     claimed: set  # nodes already in an epilogue
 
     def only_use(self, v: Atom, user: Node) -> bool:
@@ -98,15 +100,17 @@ class _Context:
 
 def find_epilogues(graph: Graph, consumers: Mapping[Var, list[Node]],
                    outputs) -> dict[Node, EpilogueMatch]:
-    """dot_general node → its epilogue, for the library GEMMs that have one. Earlier
-    dots claim first: `x @ w1 + y @ w2` adds the second product as the first's residual."""
+    """dot_general node → its epilogue, for the library GEMMs that have one."""
     producer = {v: n for n in graph.nodes for v in n.outputs}
-    ctx = _Context(consumers, producer, frozenset(outputs), set())
+    depth: dict[Node, int] = {}
+    for node in graph.nodes:
+        depth[node] = 1 + max((depth[producer[a]] for a in node.inputs if a in producer), default=0)
+    ctx = _Context(consumers, producer, frozenset(outputs), depth, set())
     found: dict[Node, EpilogueMatch] = {}
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in graph.nodes:
         if node.name == "dot_general" and node not in ctx.claimed and is_library_gemm(node):
-            match = match_epilogue(node, ctx)
+            match = _Chain(node, ctx).match()
             if match is not None:
                 match = replace(match, chain=tuple(sorted(match.chain, key=order.__getitem__)))
                 ctx.claimed.update(match.chain)
@@ -114,54 +118,65 @@ def find_epilogues(graph: Graph, consumers: Mapping[Var, list[Node]],
     return found
 
 
-def match_epilogue(dot: Node, ctx: _Context) -> Optional[EpilogueMatch]:
-    """The longest epilogue chain after `dot`, or None if it has none."""
-    n = gemm_sizes(dot)[2]
-    cur = dot.outputs[0]
-    taken: list[Node] = []  # the steps' nodes
-    views: list[Node] = []  # reshapes since the last step: taken only if a step follows
-    alpha, bias, residual, activation = 1.0, None, None, "none"
-    path: tuple[Node, ...] = ()
-    bias_add = None
-    written = cur  # the last step's value (cur may be a view of it, not taken)
-    while activation == "none":
-        users = ctx.consumers.get(cur, [])
-        if cur in ctx.outputs or not users:
-            break
-        if len(users) > 1:  # only an activation reads its input several times
-            step = _gelu_tanh(cur, ctx)
+class _Chain:
+    """The steps after one dot, taken while they match (module docstring's order)."""
+
+    def __init__(self, dot: Node, ctx: _Context) -> None:
+        self.dot, self.ctx, self.n = dot, ctx, gemm_sizes(dot)[2]
+        self.taken: list[Node] = []
+        self.alpha, self.activation = 1.0, "none"
+        self.bias: Optional[Var] = None
+        self.residual: Optional[Var] = None
+        self.bias_path: tuple[Node, ...] = ()
+        self.bias_add: Optional[Node] = None
+
+    def match(self) -> Optional[EpilogueMatch]:
+        cur = written = self.dot.outputs[0]  # cur may be a view of `written`, not taken yet
+        views: list[Node] = []  # reshapes since the last step: taken only if a step follows
+        while self.activation == "none":
+            users = self.ctx.consumers.get(cur, [])
+            if cur in self.ctx.outputs or not users:
+                break
+            if len(users) == 1 and users[0].name in VIEWS and users[0].params.get("dimensions") is None \
+                    and self.ctx.free(users[0]) and self.ctx.only_use(cur, users[0]):
+                views.append(users[0])
+                cur = users[0].outputs[0]
+                continue
+            step = self._step(cur, users)
             if step is None:
                 break
-            activation = "gelu_tanh"
+            self.taken += views + list(step)
+            views = []
+            cur = written = step[-1].outputs[0]  # a step's last node (dependence order) makes it
+        if not self.taken:
+            return None
+        return EpilogueMatch(self.dot, tuple(self.taken), self.bias_path, written, self.alpha,
+                             self.bias, self.residual, self.activation, self.bias_add)
+
+    def _step(self, cur: Var, users: list[Node]) -> Optional[tuple[Node, ...]]:
+        """The nodes of the next step after cur, recorded, or None."""
+        if len(users) > 1:  # only an activation reads its input several times
+            gelu = _gelu_tanh(cur, self.ctx)
+            if gelu is not None:
+                self.activation = "gelu_tanh"
+            return gelu
+        user, ctx = users[0], self.ctx
+        if not (ctx.free(user) and ctx.only_use(cur, user)):
+            return None
+        other = _other_operand(user, cur)
+        scale = _scale(user, cur) if self.bias is None and self.residual is None else None
+        if scale is not None:
+            self.alpha *= scale
+        elif user.name == "add" and self.bias is None and (found := _bias(other, cur, self.n, ctx)):
+            self.bias, self.bias_path = found
+            self.bias_add = user
+        elif user.name == "add" and self.residual is None and _residual(other, cur, self.dot, ctx):
+            self.residual = other
+        elif _is_relu(user, cur):
+            self.activation = "relu"
         else:
-            user = users[0]
-            if not (ctx.free(user) and ctx.only_use(cur, user)):
-                break
-            if user.name in VIEWS and user.params.get("dimensions") is None:
-                views.append(user)
-                cur = user.outputs[0]
-                continue
-            other = _other_operand(user, cur)
-            scale = _scale(user, cur) if bias is None and residual is None else None
-            if scale is not None:
-                alpha *= scale
-                step = (user,)
-            elif user.name == "add" and bias is None and (found := _bias(other, cur, user, n, ctx)):
-                bias, path = found
-                bias_add, step = user, (user,)
-            elif user.name == "add" and residual is None and _residual(other, cur, ctx):
-                residual, step = other, (user,)
-            elif _is_relu(user, cur):
-                activation, step = "relu", (user,)
-            else:
-                break
-        taken += views + list(step)
-        views = []
-        cur = written = step[-1].outputs[0]  # a step's last node (dependence order) makes it
-    if not taken:
-        return None
-    return EpilogueMatch(dot, tuple(taken), path, written, alpha, bias, residual, activation,
-                         bias_add)
+            return None
+        return (user,)
 
 
 def _other_operand(node: Node, cur: Var) -> Optional[Atom]:
@@ -188,8 +203,7 @@ def _scale(node: Node, cur: Var) -> Optional[float]:
 
 
 # ---- bias and residual --------------------------------------------------------------------
-def _bias(e: Optional[Atom], cur: Var, add: Node, n: int,
-          ctx: _Context) -> Optional[tuple[Var, tuple[Node, ...]]]:
+def _bias(e: Optional[Atom], cur: Var, n: int, ctx: _Context) -> Optional[tuple[Var, tuple[Node, ...]]]:
     """(the n-vector, the nodes between it and the add, nearest the add first) when `e`
     adds the same n values to every row of cur (row-major: element t gets vector[t % n]).
     Those nodes may have other uses: they stay where they are and are copied."""
@@ -245,11 +259,16 @@ def _same_values(node: Node) -> bool:
     return node.name == "broadcast_in_dim" and node.inputs[0].size == node.outputs[0].size
 
 
-def _residual(r: Optional[Atom], cur: Var, ctx: _Context) -> bool:
-    """r of cur's shape, in a buffer anyway: reading it in the GEMM costs no extra write."""
+def _residual(r: Optional[Atom], cur: Var, dot: Node, ctx: _Context) -> bool:
+    """r of cur's shape, in a buffer anyway (reading it in the GEMM costs no extra write)
+    and ready about when the dot's operands are: the GEMM waits for it. So of the two
+    products in an LSTM step's `x @ w_ih + h @ w_hh`, the recurrent one, on the critical
+    path, adds the other (computed off it) rather than waiting for it."""
     if not isinstance(r, Var) or r.shape != cur.shape or r.dtype != cur.dtype:
         return False
     p = ctx.producer.get(r)
+    if p is not None and ctx.depth[p] > ctx.depth[dot]:
+        return False
     if p is None or r in ctx.outputs or rule_for(p).kind is not RuleKind.ELEMENTWISE:
         return True
     return _read_from_memory(r, ctx)
