@@ -312,17 +312,35 @@ def _gpu_tolerance(precision: str, dtype, label: str, want: np.ndarray) -> dict:
     return dict(rtol=1e-5, atol=(1e-3 if "gelu" in label else 1e-5) * scale)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 3])
-@pytest.mark.parametrize("precision,dtype", GPU_CASES, ids=lambda c: str(c))
-@pytest.mark.parametrize("label", sorted(GPU_EPILOGUES))
-def test_epilogue_matches_jax_on_the_gpu(label, precision, dtype, batch):
+def _gpu_case(label: str, precision: str, dtype, batch: int):
     rng = np.random.default_rng(7)
     lead = (batch,) if batch > 1 else ()
     x = rand(rng, *lead, 96, 64, dtype=dtype)
     w = rand(rng, *lead, 64, 40, dtype=dtype, scale=0.2)
     b, res = rand(rng, 40, dtype=dtype), rand(rng, *lead, 96, 40, dtype=dtype)
     fn = lambda x, w, b, res: GPU_EPILOGUES[label](precision, x, w, b, res)  # noqa: E731
+    return fn, (x, w, b, res)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("precision,dtype", GPU_CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("label", sorted(GPU_EPILOGUES))
+def test_gpu_cases_plan_one_gemm_with_their_epilogue(label, precision, dtype, batch):
+    """The GPU test's premise, on the CPU: each case is one GEMM task with that epilogue."""
+    fn, args = _gpu_case(label, precision, dtype, batch)
+    plan = plan_of(fn, *args)
+    (g,) = plan.tasks
+    assert (g.gemm.label, g.gemm.batch) == (label, batch)
+    assert g.gemm.compute == ("f32" if precision == "highest" else "tf32") or dtype == jnp.bfloat16
+    assert_matches_jax(fn, *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("precision,dtype", GPU_CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("label", sorted(GPU_EPILOGUES))
+def test_epilogue_matches_jax_on_the_gpu(label, precision, dtype, batch):
+    fn, (x, w, b, res) = _gpu_case(label, precision, dtype, batch)
     f = nimble.jit(fn, backend="cuda")
     (g,) = [t for t in f.plan(x, w, b, res).tasks if t.kind == "gemm"]
     assert (g.gemm.label, g.gemm.batch) == (label, batch)
