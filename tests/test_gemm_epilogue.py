@@ -221,6 +221,21 @@ def test_one_broadcast_bias_serves_several_gemms():
     assert_matches_jax(steps, xs, w, b)
 
 
+def test_bias_vector_is_written_when_its_layout_is_also_inlined_elsewhere():
+    """The reshape of tanh(b) feeds the GEMM's bias add and a kernel: the kernel
+    recomputes it, and tanh(b), which the GEMM reads, is still written."""
+    x, w, b = dense_args()
+
+    def fn(x, w, b):
+        cb = jnp.tanh(b).reshape(1, 24)
+        return x @ w + cb, cb * 2.0
+
+    plan = plan_of(fn, x, w, b)
+    (g,) = [t for t in plan.tasks if t.kind == "gemm"]
+    assert g.gemm.label == "bias" and any(g.gemm.bias in t.outputs for t in plan.tasks)
+    assert_matches_jax(fn, x, w, b)
+
+
 def test_equality_includes_the_epilogue_so_algorithm_caches_differ():
     x, w, b = dense_args()
     (plain,), _ = gemms_and_kernels(lambda x, w: x @ w, x, w)
@@ -230,18 +245,31 @@ def test_equality_includes_the_epilogue_so_algorithm_caches_differ():
     assert again.gemm == biased.gemm and hash(again.gemm) == hash(biased.gemm)
 
 
-def test_every_task_equation_reads_only_its_inputs_or_earlier_equations():
+def _programs():
+    from models import MODELS as TEST_MODELS, model_args
     from nimblejax.bench.models import MODELS
 
     for name in ("bert", "lstm", "mlp"):
         fn, args = MODELS[name].build(2, jnp.float32, np.random.default_rng(1), tiny=True)
-        plan = plan_of(fn, *args)
-        for t in plan.tasks:
+        yield name, fn, args, {}
+    for name, (fn, _, opts) in TEST_MODELS.items():
+        yield name, fn, model_args(name), opts
+
+
+def test_every_task_reads_values_written_before_it():
+    """Each task's equations read only its inputs or earlier equations, and each input
+    is an argument, a constant, or written by a task (or view) before it."""
+    for name, fn, args, opts in _programs():
+        plan = plan_of(fn, *args, **opts)
+        written = set(plan.graph.inputs) | set(plan.graph.consts) | {v for t in plan.views for v in t.outputs}
+        for t in plan.tasks:  # launch order is a topological order
+            assert set(t.inputs) <= written | {v for u in plan.views for v in u.outputs}, (name, t.name)
             known = set(t.inputs)
             for e in t.eqns:
-                assert all(a in known for a in e.inputs if isinstance(a, Var)), (t.name, e)
+                assert all(a in known for a in e.inputs if isinstance(a, Var)), (name, t.name, e)
                 known |= set(e.outputs)
-            assert set(t.outputs) <= known, t.name
+            assert set(t.outputs) <= known, (name, t.name)
+            written |= set(t.outputs)
 
 
 def test_bert_gemms_take_bias_scale_and_residual():

@@ -85,10 +85,11 @@ def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
         if node in ep.opaque:
             continue
         users = ep.live_users(node, consumers, owner)
-        if node in ep.copies and not users and node.outputs[0] not in outputs:
+        read = node.outputs[0] in ep.vectors  # a GEMM reads it from memory
+        if node in ep.copies and not users and not read and node.outputs[0] not in outputs:
             continue  # only GEMM epilogues' equations compute it
         if rule_for(node).kind is RuleKind.ELEMENTWISE:
-            groups = _inline_target(node, users, outputs, owner, ep.opaque)
+            groups = None if read else _inline_target(node, users, outputs, owner, ep.opaque)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
             if groups is not None and (len(groups) == 1 or node not in written):
@@ -119,13 +120,15 @@ class _Epilogues:
     `opaque`: each dot and its chain, fixed in the dot's group; producers that feed
     them are written, since a library call reads its operands from memory. `copies`:
     bias-path node → the dots whose group recomputes it in its equations (the GEMM reads
-    the vector before it); the edges along such a path do not count as uses."""
+    the vector before it); the edges along such a path do not count as uses, and the
+    `vectors` at their start are written whoever else reads them."""
 
     def __init__(self, matches: dict[Node, EpilogueMatch]) -> None:
         self.matches = matches
         self.opaque = {n for dot, m in matches.items() for n in (dot, *m.chain)}
         self.copies: dict[Node, list[Node]] = {}
         self.copy_edges: set[tuple[Var, Node]] = set()
+        self.vectors = {m.bias for m in matches.values() if m.bias is not None}
         for dot, m in matches.items():
             for p in m.bias_path:
                 self.copies.setdefault(p, []).append(dot)
