@@ -40,7 +40,7 @@ MAX_INLINE_DEPTH = 96
 class Group:
     kind: GroupKind
     root: Node
-    nodes: tuple[Node, ...]  # topological order, root last
+    nodes: tuple[Node, ...]  # topological order, root last (an epilogue's nodes follow a dot)
     inputs: tuple[Var, ...]  # materialized values read
     in_place: bool = False  # the root's rule updates its `in_place` operand's buffer
     # A GEMM group's epilogue: its nodes follow the root (the dot), and it writes the
