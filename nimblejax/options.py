@@ -7,7 +7,7 @@ settings never share a stale plan.
 
 | field        | environment          | values                      | changes       |
 |--------------|----------------------|-----------------------------|---------------|
-| gemm         | NIMBLE_GEMM          | "lt" (cuBLASLt) / "cublas"  | runtime       |
+| gemm         | NIMBLE_GEMM          | "lt" (cuBLASLt) / "cublas"  | the plan      |
 | conv         | NIMBLE_CONV          | "auto" / "cudnn" / "im2col" | the plan      |
 | cudnn        | (a file search)      | whether libcudnn is found   | the plan      |
 | eager        | NIMBLE_EAGER         | launch tasks one by one     | runtime       |
@@ -15,6 +15,9 @@ settings never share a stale plan.
 | debug        | NIMBLE_DEBUG         | 0 / 1 / 2 (below)           | checks        |
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
 | residency    | NIMBLE_RESIDENCY     | "auto" / "c" / "python"     | runtime       |
+
+`gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
+activation as kernels (compiler/epilogue.py).
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
 after every compiler pass to stderr (compiler/printing.py).

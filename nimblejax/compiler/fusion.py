@@ -9,14 +9,17 @@ value is materialized in a buffer. A reduction roots a kernel into whose loop it
 producers are inlined. A scatter roots a kernel that computes its operand straight into
 its output (`zeros(...).at[ids].add(g)` writes the table once) and its indices and
 updates where it reads them; a scatter that is the only reader of an operand buffer the
-plan writes updates that buffer in place (`_in_place`). This is XLA's loop/input fusion
-with producer duplication, kept deliberately simple.
+plan writes updates that buffer in place (`_in_place`). A library GEMM's group also
+takes the bias add, residual add, scale and activation after it that cuBLASLt computes in
+its epilogue (compiler/epilogue.py); other groups treat those nodes as opaque readers.
+This is XLA's loop/input fusion with producer duplication, kept deliberately simple.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+from nimblejax.compiler.epilogue import EpilogueMatch, find_epilogues
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind
 from nimblejax.compiler.lowering.registry import rule_for
@@ -37,24 +40,28 @@ MAX_INLINE_DEPTH = 96
 class Group:
     kind: GroupKind
     root: Node
-    nodes: tuple[Node, ...]  # topological order, root last
+    nodes: tuple[Node, ...]  # topological order, root last (an epilogue's nodes follow a dot)
     inputs: tuple[Var, ...]  # materialized values read
     in_place: bool = False  # the root's rule updates its `in_place` operand's buffer
+    # A GEMM group's epilogue: its nodes follow the root (the dot), and it writes the
+    # epilogue's last value instead of the root's.
+    epilogue: EpilogueMatch | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", GroupKind(self.kind))  # a string is checked
 
     @property
     def output(self) -> Var:
-        return self.root.outputs[0]
+        return self.outputs[0]
 
     @property
     def outputs(self) -> tuple[Var, ...]:
-        return self.root.outputs
+        return (self.epilogue.output,) if self.epilogue is not None else self.root.outputs
 
 
-def fuse(graph: Graph) -> list[Group]:
-    """Groups of a canonicalized graph (compiler/canonicalize), in topological order."""
+def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
+    """Groups of a canonicalized graph (compiler/canonicalize), in topological order.
+    `gemm_epilogues`: whether GEMMs take their epilogues (cuBLASLt; plain cuBLAS has none)."""
     consumers = graph.consumers()
     outputs = {a for a in graph.outputs if isinstance(a, Var)}
     owner: dict[Node, frozenset[int]] = {}
@@ -68,13 +75,25 @@ def fuse(graph: Graph) -> list[Group]:
         owner[node] = frozenset([gid])
         depth[node] = 0
 
+    ep = _Epilogues(find_epilogues(graph, consumers, outputs) if gemm_epilogues else {})
+    for dot, match in ep.matches.items():  # decided first: the walk below skips them
+        new_group(dot)
+        for n in match.chain:
+            owner[n] = owner[dot]
+
     for node in reversed(graph.nodes):
+        if node in ep.opaque:
+            continue
+        users = ep.live_users(node, consumers, owner)
+        read = node.outputs[0] in ep.vectors  # a GEMM reads it from memory
+        if node in ep.copies and not users and not read and node.outputs[0] not in outputs:
+            continue  # only GEMM epilogues' equations compute it
         if rule_for(node).kind is RuleKind.ELEMENTWISE:
-            groups = _inline_target(node, consumers, outputs, owner)
+            groups = None if read else _inline_target(node, users, outputs, owner, ep.opaque)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
             if groups is not None and (len(groups) == 1 or node not in written):
-                d = 1 + max(depth[u] for u in consumers[node.outputs[0]])
+                d = 1 + max(depth[u] for u in users)
                 if d <= MAX_INLINE_DEPTH:
                     owner[node] = groups
                     depth[node] = d
@@ -83,12 +102,44 @@ def fuse(graph: Graph) -> list[Group]:
 
     members: dict[int, list[Node]] = {gid: [] for gid in roots}
     for node in graph.nodes:
-        for gid in owner.get(node, ()):
+        copied = frozenset(g for dot in ep.copies.get(node, ()) for g in owner[dot])
+        for gid in owner.get(node, frozenset()) | copied:
             members[gid].append(node)
-    groups = [_make_group(roots[gid], members[gid]) for gid in sorted(roots, reverse=True)]
+    groups = [_make_group(roots[gid], members[gid], ep.matches.get(roots[gid]))
+              for gid in sorted(roots, reverse=True)]
     groups = _in_place(groups, consumers, outputs)
     order = {n: i for i, n in enumerate(graph.nodes)}
-    return sorted(groups, key=lambda g: order[g.root])
+    # By the node that writes each group's output (its last): the root, or an epilogue's
+    # last node, after every value the epilogue reads.
+    return sorted(groups, key=lambda g: order[g.nodes[-1]])
+
+
+class _Epilogues:
+    """The GEMM epilogues fusion was given (compiler/epilogue.py), as the walk reads them.
+
+    `opaque`: each dot and its chain, fixed in the dot's group; producers that feed
+    them are written, since a library call reads its operands from memory. `copies`:
+    bias-path node → the dots whose group recomputes it in its equations (the GEMM reads
+    the vector before it); the edges along such a path do not count as uses, and the
+    `vectors` at their start are written whoever else reads them."""
+
+    def __init__(self, matches: dict[Node, EpilogueMatch]) -> None:
+        self.matches = matches
+        self.opaque = {n for dot, m in matches.items() for n in (dot, *m.chain)}
+        self.copies: dict[Node, list[Node]] = {}
+        self.copy_edges: set[tuple[Var, Node]] = set()
+        self.vectors = {m.bias for m in matches.values() if m.bias is not None}
+        for dot, m in matches.items():
+            for p in m.bias_path:
+                self.copies.setdefault(p, []).append(dot)
+            self.copy_edges.update(m.path_edges)
+
+    def live_users(self, node: Node, consumers, owner) -> list[Node]:
+        """node's consumers, less the bias paths' copies of it (a copy with no group of
+        its own, or the epilogue's add)."""
+        out = node.outputs[0]
+        return [u for u in consumers.get(out, [])
+                if not ((out, u) in self.copy_edges and (u in self.opaque or u not in owner))]
 
 
 def _in_place(groups: list[Group], consumers, outputs) -> list[Group]:
@@ -137,14 +188,19 @@ def _worth_writing(graph: Graph, consumers) -> set[Node]:
     return chosen
 
 
-def _inline_target(node: Node, consumers, outputs, owner) -> frozenset[int] | None:
+def _inline_target(node: Node, users: list[Node], outputs, owner,
+                   opaque=frozenset()) -> frozenset[int] | None:
+    """The groups that recompute `node` (read by `users`), or None if it is written.
+    `opaque`: GEMMs with epilogues, which read their operands from memory, as does a
+    bias-path copy with no group of its own."""
     out = node.outputs[0]
-    users = consumers.get(out, [])
     if not users or out in outputs:
         return None
     groups: set[int] = set()
     for user in users:
         rule = rule_for(user)
+        if user in opaque or user not in owner:
+            return None
         if rule.kind is RuleKind.ELEMENTWISE:
             groups |= owner[user]
         elif rule.kind is RuleKind.REDUCTION and user.inputs[0] is out:
@@ -168,7 +224,7 @@ def _strided_into_kernel(node: Node, groups, roots) -> bool:
     return any(rule_for(roots[g]).fuses for g in groups)
 
 
-def _make_group(root: Node, nodes: list[Node]) -> Group:
+def _make_group(root: Node, nodes: list[Node], epilogue: EpilogueMatch | None = None) -> Group:
     produced = {v for n in nodes for v in n.outputs}
     inputs: list[Var] = []
     for n in nodes:
@@ -182,4 +238,4 @@ def _make_group(root: Node, nodes: list[Node]) -> Group:
     if kind is GroupKind.FUSED and all(n.name in VIEW_PRIMS and n.params.get("dimensions") is None
                                for n in nodes):
         kind = GroupKind.VIEW
-    return Group(kind, root, tuple(nodes), tuple(inputs))
+    return Group(kind, root, tuple(nodes), tuple(inputs), epilogue=epilogue)

@@ -53,7 +53,8 @@ def build_plan(graph: Graph, options: Options = Options()) -> Plan:
     control = graph.control  # canonicalize rebuilds the graph without it
     graph = canonicalize(graph, options)
     _print(options, "canonicalize", printing.graph_text, graph)
-    groups = fuse(graph)
+    # Plain cuBLAS has no epilogues: there a bias or activation stays a kernel.
+    groups = fuse(graph, gemm_epilogues=options.gemm != "cublas")
     _print(options, "fuse", printing.groups_text, groups)
     all_tasks = lower(groups)
     _print(options, "lower", printing.tasks_text, all_tasks)

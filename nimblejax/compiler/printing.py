@@ -4,10 +4,12 @@
     trace         the graph IR, each node with its user line; loop and cond decisions
     canonicalize  the graph IR after the rewrites
     fuse          one line per group: kind, value written, values read, the primitives
-                  ("in place": a scatter updating its operand's buffer)
-    lower         one line per task: kind, name, launches (grid × block) or the library
-                  call, values written and read (and an output computed in an input's
-                  bytes); views
+                  ("in place": a scatter updating its operand's buffer; "epilogue
+                  bias+relu": what a GEMM computes after its product)
+    lower         one line per task: kind, name (a GEMM's ends in its epilogue:
+                  gemm_float32_1x4x8x16[bias+relu]), launches (grid × block) or the
+                  library call, values written and read (and an output computed in an
+                  input's bytes); views
     streams       the launch order: stream, events waited on and recorded, task
     memory        the same with each buffer's arena offset and size, then the arena
 
@@ -75,7 +77,8 @@ def groups_text(groups: Sequence[Group]) -> str:
         ins = ", ".join(map(repr, g.inputs))
         ops = " ".join(n.name for n in g.nodes)
         place = "  in place" if g.in_place else ""  # the root updates its operand's buffer
-        lines.append(f"  g{i} {g.kind:<9} {outs} <- {ins}  [{ops}]{place}")
+        epilogue = f"  epilogue {g.epilogue.label}" if g.epilogue is not None else ""
+        lines.append(f"  g{i} {g.kind:<9} {outs} <- {ins}  [{ops}]{place}{epilogue}")
     return f"{len(groups)} groups\n" + "\n".join(lines)
 
 

@@ -37,6 +37,8 @@ class Launchers:
         self.plan, self.streams, self.base = plan, streams, base
         self.stream_of = plan.schedule.stream
         self.use_lt = gemm != "cublas"
+        if not self.use_lt:
+            _no_epilogues([t for t in plan.tasks if t.kind == "gemm"])
         self.functions = compile_kernels(k for t in plan.tasks if t.kind == "kernel"
                                          for k in t.kernel.launches)
         self.args = {t: self._addresses(t) for t in plan.tasks}
@@ -47,11 +49,12 @@ class Launchers:
         self.lt_handle, self.lt = self._lt_gemms()
 
     def _addresses(self, task: Task) -> tuple:
-        """The device addresses a task runs on (kernel params, or a library call's operands)."""
+        """The device addresses a task runs on (kernel params, or a library call's operands:
+        None for a GEMM epilogue operand it does not have)."""
         if task.kind == "kernel":
             return tuple(np.uint64(self.address(v)) for v in task.kernel.params)
         call = task.gemm if task.kind == "gemm" else task.conv
-        return tuple(self.address(v) for v in call.operands)
+        return tuple(None if v is None else self.address(v) for v in call.operands)
 
     def address(self, var) -> int:
         return self.base + self.plan.offset(var)
@@ -87,9 +90,10 @@ class Launchers:
         gemms = {}
         for t in tasks:
             s = self.stream_of[t]
-            a, b, c = self.args[t]
+            a, b, c, bias, residual = self.args[t]
             ws = self.workspaces[s]
-            buffers = cublaslt.GemmBuffers(a, b, c, ws.data.ptr, self.streams[s].ptr)
+            buffers = cublaslt.GemmBuffers(a, b, c, ws.data.ptr, self.streams[s].ptr,
+                                           bias=bias, residual=residual)
             gemms[t] = cublaslt.LtGemm(handle, t.gemm, ws.nbytes, buffers=buffers)
         return handle, gemms
 
@@ -125,11 +129,13 @@ class Launchers:
             self.convs[task].forward(self.cudnn_handles[s], *self.args[task], ws.data.ptr, ws.nbytes)
         elif task in self.lt:
             ws = self.workspaces[s]
-            self.lt[task].run(self.lt_handle, *self.args[task], ws.data.ptr, ws.nbytes, stream.ptr)
+            a, b, c, bias, residual = self.args[task]
+            self.lt[task].run(self.lt_handle, a, b, c, ws.data.ptr, ws.nbytes, stream.ptr,
+                              bias=bias, residual=residual)
         else:
             from nimblejax.runtime.libs.cublas import gemm_strided_batched
 
-            gemm_strided_batched(self.handles[s], task.gemm, *self.args[task])
+            gemm_strided_batched(self.handles[s], task.gemm, *self.args[task][:3])
 
     def close(self) -> None:
         """Give back the library handles (their device memory is not CuPy's)."""
@@ -142,6 +148,14 @@ class Launchers:
             self.lt_handle = None
         _close_all(self.cudnn_handles.values(), lambda h: h.destroy())
         self.cudnn_handles = {}
+
+
+def _no_epilogues(gemm_tasks: list[Task]) -> None:
+    """Plain cuBLAS computes no epilogue; plans for it are built without (pipeline.py)."""
+    for t in gemm_tasks:
+        if t.gemm.epilogue or t.gemm.alpha != 1.0:
+            raise ValueError(f"GEMM task {t.name} has an epilogue, which only cuBLASLt computes: "
+                             "plan with options gemm='cublas' (NIMBLE_GEMM=cublas) to run on cuBLAS")
 
 
 def _close_all(items, close: Callable) -> None:

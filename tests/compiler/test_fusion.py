@@ -10,8 +10,8 @@ from tests.helpers.models import (assert_tree_close, gelu_dense, layer_norm, mlp
                                   softmax)
 
 
-def kernels(fn, *args):
-    plan = nimble.jit(fn, backend="interpret").plan(*args)
+def kernels(fn, *args, **options):
+    plan = nimble.jit(fn, backend="interpret", **options).plan(*args)
     return [t for t in plan.tasks if t.kind == "kernel"], [t for t in plan.tasks if t.kind == "gemm"]
 
 
@@ -36,8 +36,11 @@ def test_jax_nn_layer_norm_style_at_most_3_kernels():
     assert len(ks) <= 3
 
 
-def test_gelu_dense_is_one_gemm_and_one_kernel():
-    ks, gs = kernels(gelu_dense, rand(r, 8, 16), rand(r, 16, 24), rand(r, 24))
+def test_gelu_dense_is_one_gemm_with_its_epilogue():
+    args = rand(r, 8, 16), rand(r, 16, 24), rand(r, 24)
+    ks, gs = kernels(gelu_dense, *args)
+    assert (len(gs), len(ks)) == (1, 0) and gs[0].gemm.label == "bias+gelu_tanh"
+    ks, gs = kernels(gelu_dense, *args, gemm="cublas")  # no epilogues: one fused kernel
     assert (len(gs), len(ks)) == (1, 1)
 
 
@@ -100,14 +103,17 @@ def test_large_residual_is_written_once_not_recomputed_downstream():
         h = jax.nn.relu(x * 0.5 + y)
         return jax.nn.relu((h.reshape(-1, 1024) @ w).reshape(h.shape) + h)
 
-    def last_kernel_inputs(*args):
-        plan = nimble.jit(block, backend="interpret").plan(*args)
+    def last_kernel_inputs(*args):  # plain cuBLAS: the residual add is a kernel
+        plan = nimble.jit(block, backend="interpret", gemm="cublas").plan(*args)
         return len([t for t in plan.tasks if t.kind == "kernel"][-1].inputs)
 
     assert last_kernel_inputs(x, y, w) == 2  # the GEMM's output and h
     small = (x[:4], y[:4], w)  # below RECOMPUTE_ANY_BELOW: recomputed from x and y
     assert last_kernel_inputs(*small) == 3
     assert_tree_close(nimble.jit(block, backend="interpret")(x, y, w), jax.jit(block)(x, y, w))
+    # cuBLASLt reads h, written for the GEMM anyway, as its residual: no kernel after it.
+    ks, gs = kernels(block, *small)
+    assert len(ks) == 1 and gs[0].gemm.label == "residual+relu"
 
 
 def test_long_elementwise_chain_is_cut_into_kernels_of_bounded_depth():

@@ -37,8 +37,12 @@ def lower_group(group: Group) -> Task:
     elif group.kind is GroupKind.GEMM:
         made = rule_for(root).fn(root)
         if isinstance(made, GemmCall):
+            if group.epilogue is not None:  # fusion made it only for library GEMMs
+                made = group.epilogue.apply(made)
             name = f"gemm_{made.dtype}_{made.batch}x{made.m}x{made.n}x{made.k}"
+            name += f"[{made.label}]" if made.label else ""
             return Task(name, TaskKind.GEMM, group.inputs, group.outputs, group.nodes, gemm=made)
+        assert group.epilogue is None, "an epilogue on a GEMM lowered to a kernel"
         kernel = made
     else:
         rule = rule_for(root)

@@ -17,19 +17,33 @@ from nimblejax.compiler.lowering.task import GemmCall, Kernel
 GEMM_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 
 
+def gemm_sizes(node: Node) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) of a canonicalized dot_general."""
+    lc, rc, lb, rb, lf, rf = dot_dims(node)
+    lhs, rhs = node.inputs
+    size = lambda x, ds: _prod(x.shape[d] for d in ds)  # noqa: E731
+    return size(lhs, lb), size(lhs, lf), size(rhs, rf), size(lhs, lc)
+
+
+def is_library_gemm(node: Node) -> bool:
+    """Whether a canonicalized dot_general becomes a GemmCall (else a generated kernel)."""
+    lhs, rhs = node.inputs
+    out = node.outputs[0]
+    names = (dtypes.name(lhs.dtype), dtypes.name(rhs.dtype), dtypes.name(out.dtype))
+    return (names[0] in GEMM_DTYPES and names[0] == names[1] and names[2] in GEMM_DTYPES
+            and min(gemm_sizes(node)) > 0)
+
+
 @register("dot_general", kind=RuleKind.GEMM)
 def dot_general(node: Node) -> Union[GemmCall, Kernel]:
     layout = gemm_layout(node)
     if layout is None:
         raise AssertionError("dot_general must be canonicalized before lowering")
-    lc, rc, lb, rb, lf, rf = dot_dims(node)
     lhs, rhs = node.inputs
     out = node.outputs[0]
-    size = lambda x, ds: _prod(x.shape[d] for d in ds)  # noqa: E731
-    batch, m, k, n = size(lhs, lb), size(lhs, lf), size(lhs, lc), size(rhs, rf)
+    batch, m, n, k = gemm_sizes(node)
     ta, tb = layout
-    if dtypes.name(lhs.dtype) in GEMM_DTYPES and dtypes.name(lhs.dtype) == dtypes.name(rhs.dtype) \
-            and dtypes.name(out.dtype) in GEMM_DTYPES and min(batch, m, n, k) > 0:
+    if is_library_gemm(node):
         dtype, out_dtype = dtypes.name(lhs.dtype), dtypes.name(out.dtype)
         compute = compute_mode(node) if dtype == "float32" else "f32_from_half"
         return GemmCall(batch, m, n, k, ta, tb, dtype, compute,

@@ -39,6 +39,39 @@ GEMM_DTYPES = ("float32", "float16", "bfloat16")
 GEMM_COMPUTE = {"float32": ("f32", "tf32"), "float16": ("f32_from_half",),
                 "bfloat16": ("f32_from_half",)}
 _INT32_MAX = 2**31 - 1
+# Activations cuBLASLt applies in a GEMM's epilogue. Its GELU is the tanh approximation
+# (jax.nn.gelu(approximate=True)); the erf form is not among them.
+GEMM_ACTIVATIONS = ("none", "relu", "gelu_tanh")
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What a GEMM computes on its product before writing C (compiler/epilogue.py):
+    C = activation(alpha * op(A) @ op(B) + beta * R + bias), where `residual` says an
+    operand R of C's shape is added (beta = 1) and `bias` a vector of length n added to
+    every row of C."""
+
+    bias: bool = False
+    activation: str = "none"
+    residual: bool = False
+
+    def __post_init__(self) -> None:
+        if self.activation not in GEMM_ACTIVATIONS:
+            raise ValueError(f"Epilogue.activation={self.activation!r}; "
+                             f"expected one of {list(GEMM_ACTIVATIONS)}")
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The steps in the order cuBLASLt applies them, activation last."""
+        steps = ("residual",) * self.residual + ("bias",) * self.bias
+        return steps + ((self.activation,) if self.activation != "none" else ())
+
+    def __bool__(self) -> bool:
+        return bool(self.parts)
+
+    def label(self, alpha: float = 1.0) -> str:
+        """For reports: 'scale+bias+gelu_tanh' ('' for none), alpha a scale of the product."""
+        return "+".join(("scale",) * (alpha != 1.0) + self.parts)
 
 
 @dataclass(frozen=True)
@@ -49,7 +82,10 @@ class GemmCall:
     (n, k) when trans_b; C[b] is contiguous (m, n); batch entries are contiguous.
     compute: 'f32' (full float32) or 'tf32' (XLA's default for float32 dots) for
     float32, 'f32_from_half' for float16/bfloat16. out_dtype: C's dtype when it
-    differs from the inputs' (bf16 x bf16 -> f32).
+    differs from the inputs' (bf16 x bf16 -> f32). epilogue: what is added and applied
+    before C is written (cuBLASLt only); `bias` (n values of C's dtype) and `residual`
+    (C's shape and dtype, read with beta = 1) are its operands. Without a residual, a
+    beta != 0 reads C itself.
     """
 
     batch: int
@@ -63,9 +99,12 @@ class GemmCall:
     alpha: float = 1.0
     beta: float = 0.0
     out_dtype: Optional[str] = None
+    epilogue: Epilogue = Epilogue()
     a: Optional[Var] = field(default=None, compare=False, repr=False)
     b: Optional[Var] = field(default=None, compare=False, repr=False)
     c: Optional[Var] = field(default=None, compare=False, repr=False)
+    bias: Optional[Var] = field(default=None, compare=False, repr=False)
+    residual: Optional[Var] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("batch", "m", "n", "k"):
@@ -78,6 +117,18 @@ class GemmCall:
         if self.compute not in GEMM_COMPUTE[self.dtype]:
             raise ValueError(f"GemmCall.compute={self.compute!r} invalid for dtype {self.dtype!r}; "
                              f"expected one of {list(GEMM_COMPUTE[self.dtype])}")
+        if self.epilogue.residual and self.beta != 1.0:
+            raise ValueError(f"GemmCall with a residual epilogue needs beta=1.0, got {self.beta}")
+        if self.c is not None:  # operands given: the epilogue's are there exactly when used
+            for name in ("bias", "residual"):
+                if getattr(self.epilogue, name) != (getattr(self, name) is not None):
+                    raise ValueError(f"GemmCall.{name} operand must be given exactly when "
+                                     f"the epilogue has one ({self.epilogue})")
+
+    @property
+    def label(self) -> str:
+        """The epilogue for reports: 'scale+bias+gelu_tanh', '' for a plain GEMM."""
+        return self.epilogue.label(self.alpha)
 
     @property
     def a_shape(self) -> tuple[int, int, int]:
@@ -92,8 +143,9 @@ class GemmCall:
         return (self.batch, self.m, self.n)
 
     @property
-    def operands(self) -> tuple[Var, Var, Var]:
-        return self.a, self.b, self.c
+    def operands(self) -> tuple[Optional[Var], ...]:
+        """a, b, c, bias, residual (None where the epilogue has none)."""
+        return self.a, self.b, self.c, self.bias, self.residual
 
 
 @dataclass(frozen=True)

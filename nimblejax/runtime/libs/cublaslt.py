@@ -1,17 +1,20 @@
 """Capture-safe cuBLASLt GEMM through ctypes, with a measured algorithm choice.
 
-`LtGemm` computes what `cublas.gemm_strided_batched` does, via cublasLtMatmul.
-Once per (GemmCall, workspace size, epilogue) it takes up to 8 candidates from
-cublasLtMatmulAlgoGetHeuristic and, given device buffers, times each outside
-any capture and keeps the fastest. `run` only enqueues cublasLtMatmul with the
-frozen algorithm, descriptors and host scalars: it can be graph-captured.
+`LtGemm` computes what `cublas.gemm_strided_batched` does, via cublasLtMatmul,
+plus the GemmCall's epilogue. Once per (GemmCall, workspace size) it takes up to
+8 candidates from cublasLtMatmulAlgoGetHeuristic (asked with the epilogue) and,
+given device buffers, times each outside any capture and keeps the fastest.
+`run` only enqueues cublasLtMatmul with the frozen algorithm, descriptors and
+host scalars: it can be graph-captured.
 
-Optional epilogues: `bias` adds a length-n vector (output dtype) to every row
-of the row-major C. Under the row-major -> column-major swap cuBLASLt computes
-D' = C^T (n x m), and CUBLASLT_EPILOGUE_BIAS adds a vector as long as D's *rows*
-(n) to each column of D', i.e. bias[j] to C[i, j] for every i: exactly a dense
-layer's bias. One bias serves every batch entry (BIAS_BATCH_STRIDE stays 0).
-'relu' and 'gelu' are applied after the bias. cuBLASLt's GELU is taken to be
+Epilogues (GemmCall.epilogue): `bias` adds a length-n vector (output dtype, the
+bias type cuBLASLt assumes by default) to every row of the row-major C. Under
+the row-major -> column-major swap cuBLASLt computes D' = C^T (n x m), and
+CUBLASLT_EPILOGUE_BIAS adds a vector as long as D's *rows* (n) to each column
+of D', i.e. bias[j] to C[i, j] for every i: exactly a dense layer's bias. One
+bias serves every batch entry (BIAS_BATCH_STRIDE 0). `residual` reads a
+separate matrix R of C's layout as cuBLASLt's C (beta = 1) and writes our C as
+its D. 'relu' and 'gelu_tanh' are applied last. cuBLASLt's GELU is taken to be
 the tanh approximation (jax.nn.gelu(approximate=True)), the form XLA fuses into
 it; tests/runtime/libs/test_cublaslt.py::test_gelu_is_the_tanh_approximation checks this.
 
@@ -32,7 +35,7 @@ from . import cublas, loader
 from .cublas import CublasError, _check, column_major_gemm, compute_type, cuda_dtype
 
 if TYPE_CHECKING:
-    from nimblejax.compiler.lowering.task import GemmCall
+    from nimblejax.compiler.lowering.task import Epilogue, GemmCall
 
 __all__ = ["GemmBuffers", "LtGemm", "LtHandle", "LtLayout", "LtProblem",
            "epilogue_code", "lt_layouts"]
@@ -42,6 +45,7 @@ CUBLASLT_MATMUL_DESC_TRANSA = 3         # int32 cublasOperation_t
 CUBLASLT_MATMUL_DESC_TRANSB = 4         # int32 cublasOperation_t
 CUBLASLT_MATMUL_DESC_EPILOGUE = 7       # uint32 cublasLtEpilogue_t
 CUBLASLT_MATMUL_DESC_BIAS_POINTER = 8   # const void*
+CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE = 10  # int64, in elements
 # cublasLtMatrixLayoutAttribute_t, cublasLt.h
 CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = 5           # int32
 CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET = 6  # int64, in elements
@@ -61,7 +65,7 @@ TIMED_LAUNCHES = 10
 # cuBLASLt's CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES default: chosen
 # algorithms may assume every matrix pointer is this aligned.
 POINTER_ALIGNMENT = 256
-EPILOGUES = ("none", "relu", "gelu")
+ACTIVATION_CODES = {"none": 0, "relu": CUBLASLT_EPILOGUE_RELU, "gelu_tanh": CUBLASLT_EPILOGUE_GELU}
 
 
 class MatmulAlgo(ctypes.Structure):
@@ -122,12 +126,10 @@ def lt_layouts(call: GemmCall) -> LtProblem:
     )
 
 
-def epilogue_code(epilogue: str, bias: bool) -> int:
-    """cublasLtEpilogue_t for an activation name plus an optional bias."""
-    if epilogue not in EPILOGUES:
-        raise ValueError(f"epilogue={epilogue!r}; expected one of {EPILOGUES}")
-    act = {"none": 0, "relu": CUBLASLT_EPILOGUE_RELU, "gelu": CUBLASLT_EPILOGUE_GELU}[epilogue]
-    code = act | (CUBLASLT_EPILOGUE_BIAS if bias else 0)
+def epilogue_code(epilogue: Epilogue) -> int:
+    """cublasLtEpilogue_t of an epilogue's bias and activation (the residual is beta*C,
+    not an epilogue code)."""
+    code = ACTIVATION_CODES[epilogue.activation] | (CUBLASLT_EPILOGUE_BIAS if epilogue.bias else 0)
     return code or CUBLASLT_EPILOGUE_DEFAULT
 
 
@@ -204,6 +206,7 @@ class GemmBuffers:
     workspace: int
     stream: int = 0
     bias: int | None = None
+    residual: int | None = None
 
 
 @dataclass(frozen=True)
@@ -214,9 +217,9 @@ class _Choice:
     timings_us: tuple[float | None, ...] | None  # None: heuristic #0, unmeasured
 
 
-# (call without operands, workspace_bytes, epilogue code) -> choice; valid for this
-# process's library and device (a process mixing GPU models should not share it).
-_ALGO_CACHE: dict[tuple[GemmCall, int, int], _Choice] = {}
+# (call without operands, epilogue included, workspace_bytes) -> choice; valid for
+# this process's library and device (a process mixing GPU models should not share it).
+_ALGO_CACHE: dict[tuple[GemmCall, int], _Choice] = {}
 
 
 def _set(fn, obj, attr: int, value: ctypes._SimpleCData) -> None:
@@ -225,7 +228,8 @@ def _set(fn, obj, attr: int, value: ctypes._SimpleCData) -> None:
 
 
 class LtGemm:
-    """C[b] = epilogue(alpha op(A[b]) @ op(B[b]) + beta C[b] (+ bias)), row-major.
+    """C[b] = act(alpha op(A[b]) @ op(B[b]) + beta R[b] (+ bias)), row-major, where R is
+    the residual operand if the epilogue has one, else C itself.
 
     Built once per GemmCall; `run` is capture-safe. `algo_index` is the position of
     the chosen algorithm in cuBLASLt's heuristic list, `workspace_needed` the
@@ -234,17 +238,16 @@ class LtGemm:
     """
 
     def __init__(self, handle: LtHandle, call: GemmCall, workspace_bytes: int, *,
-                 epilogue: str = "none", bias: bool = False,
                  buffers: GemmBuffers | None = None) -> None:
         self.call, self.workspace_bytes = call, int(workspace_bytes)
-        self.epilogue, self.has_bias = epilogue, bias
+        self.has_bias, self.has_residual = call.epilogue.bias, call.epilogue.residual
         self.problem = lt_layouts(call)
         self._lib = handle.lib
         self._alpha, self._beta = ctypes.c_float(call.alpha), ctypes.c_float(call.beta)
         self._desc = self._pref = None
         self._layouts: list[ctypes.c_void_p] = []
         try:
-            self._build(epilogue_code(epilogue, bias))
+            self._build(epilogue_code(call.epilogue))
             self._adopt(self._choose(handle, buffers))
         except BaseException:
             self.close()
@@ -260,6 +263,9 @@ class LtGemm:
                             (CUBLASLT_MATMUL_DESC_TRANSB, ctypes.c_int32(p.trans_b)),
                             (CUBLASLT_MATMUL_DESC_EPILOGUE, ctypes.c_uint32(epilogue))):
             _set(lib.cublasLtMatmulDescSetAttribute, desc, attr, value)
+        if self.has_bias and self.call.batch > 1:  # one bias for every batch entry
+            _set(lib.cublasLtMatmulDescSetAttribute, desc, CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE,
+                 ctypes.c_int64(0))
         for layout in (p.a, p.b, p.c):
             self._add_layout(layout)
         _check("cublasLtMatmulPreferenceCreate", lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)))
@@ -293,8 +299,8 @@ class LtGemm:
     def _choose(self, handle: LtHandle, buffers: GemmBuffers | None) -> _Choice:
         # Without operands: equal anyway (they are not compared), and the cache keeps
         # no plan's Vars alive.
-        problem = dataclasses.replace(self.call, a=None, b=None, c=None)
-        key = (problem, self.workspace_bytes, epilogue_code(self.epilogue, self.has_bias))
+        problem = dataclasses.replace(self.call, a=None, b=None, c=None, bias=None, residual=None)
+        key = (problem, self.workspace_bytes)
         cached = _ALGO_CACHE.get(key)
         if cached is not None and (cached.timings_us is not None or buffers is None):
             return cached
@@ -340,7 +346,7 @@ class LtGemm:
 
         def launch() -> int:
             return self._matmul(handle, algo, buf.a, buf.b, buf.c, buf.workspace,
-                                self.workspace_bytes, stream.ptr, buf.bias)
+                                self.workspace_bytes, stream.ptr, buf.bias, buf.residual)
 
         if launch() != 0:  # warm-up, outside capture
             return None
@@ -367,21 +373,26 @@ class LtGemm:
         _set(self._lib.cublasLtMatmulDescSetAttribute, self._desc,
              CUBLASLT_MATMUL_DESC_BIAS_POINTER, ctypes.c_void_p(bias))
 
-    def _matmul(self, handle, algo, a, b, c, workspace, workspace_bytes, stream, bias) -> int:
-        if self.has_bias != bool(bias):
-            raise ValueError("pass bias=<device pointer> exactly when the LtGemm was "
-                             f"built with bias=True (it was built with bias={self.has_bias})")
+    def _matmul(self, handle, algo, a, b, c, workspace, workspace_bytes, stream, bias,
+                residual) -> int:
+        for name, ptr, built in (("bias", bias, self.has_bias), ("residual", residual, self.has_residual)):
+            if built != bool(ptr):
+                raise ValueError(f"pass {name}=<device pointer> exactly when the GemmCall's "
+                                 f"epilogue has one ({self.call.epilogue})")
         if bias:
             self._set_bias(bias)
         la, lb, lc = self._layouts
-        # cuBLASLt's A is our B and its B our A (see column_major_gemm); C = D.
+        # cuBLASLt's A is our B and its B our A (see column_major_gemm). Its C is the
+        # residual (same layout as D) or our C itself; its D is our C.
+        c_in = residual if residual else c
         return self._lib.cublasLtMatmul(
             handle.raw, self._desc, ctypes.byref(self._alpha), b, la, a, lb,
-            ctypes.byref(self._beta), c, lc, c, lc, ctypes.byref(algo),
+            ctypes.byref(self._beta), c_in, lc, c, lc, ctypes.byref(algo),
             workspace, workspace_bytes, stream)
 
     def run(self, handle: LtHandle, a: int, b: int, c: int, workspace_ptr: int,
-            workspace_bytes: int, stream_ptr: int, bias: int | None = None) -> None:
+            workspace_bytes: int, stream_ptr: int, bias: int | None = None,
+            residual: int | None = None) -> None:
         """Enqueue the GEMM on `stream_ptr`; capture-safe (host scalars,
         caller's workspace, nothing allocated). Pointers must be 256-byte
         aligned, the workspace at least `workspace_needed` bytes."""
@@ -390,11 +401,11 @@ class LtGemm:
         if workspace_bytes < self.workspace_needed:
             raise ValueError(f"workspace {workspace_bytes} B < {self.workspace_needed} B "
                              f"needed by the chosen cuBLASLt algorithm")
-        for name, ptr in (("a", a), ("b", b), ("c", c), ("bias", bias or 0)):
+        for name, ptr in (("a", a), ("b", b), ("c", c), ("bias", bias or 0), ("residual", residual or 0)):
             if ptr % POINTER_ALIGNMENT:
                 raise ValueError(f"{name} pointer {ptr:#x} is not {POINTER_ALIGNMENT}-byte aligned")
         status = self._matmul(handle, self._algo, a, b, c, workspace_ptr, workspace_bytes,
-                              stream_ptr, bias)
+                              stream_ptr, bias, residual)
         _check("cublasLtMatmul", status)
 
     def close(self) -> None:

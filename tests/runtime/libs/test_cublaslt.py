@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from nimblejax.compiler.ir import Var
-from nimblejax.compiler.lowering.task import GemmCall
+from nimblejax.compiler.lowering.task import Epilogue, GemmCall
 from nimblejax.runtime.libs import cublas, cublaslt
 from nimblejax.runtime.libs.cublas import CublasError
 from nimblejax.runtime.libs.cublaslt import LtLayout, epilogue_code, fastest, lt_layouts
@@ -36,6 +36,7 @@ HEADER_VALUES = {
     "CUBLASLT_MATMUL_DESC_TRANSB": 4,
     "CUBLASLT_MATMUL_DESC_EPILOGUE": 7,
     "CUBLASLT_MATMUL_DESC_BIAS_POINTER": 8,
+    "CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE": 10,
     "CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT": 5,
     "CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET": 6,
     "CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES": 1,
@@ -70,17 +71,31 @@ def test_struct_layouts() -> None:
 
 
 @pytest.mark.parametrize(
-    "epilogue,bias,code",
-    [("none", False, 1), ("relu", False, 2), ("gelu", False, 32),
-     ("none", True, 4), ("relu", True, 6), ("gelu", True, 36)],  # RELU_BIAS, GELU_BIAS
+    "activation,bias,code",
+    [("none", False, 1), ("relu", False, 2), ("gelu_tanh", False, 32),
+     ("none", True, 4), ("relu", True, 6), ("gelu_tanh", True, 36)],  # RELU_BIAS, GELU_BIAS
 )
-def test_epilogue_code(epilogue: str, bias: bool, code: int) -> None:
-    assert epilogue_code(epilogue, bias) == code
+@pytest.mark.parametrize("residual", [False, True])  # beta * C: no epilogue code of its own
+def test_epilogue_code(activation: str, bias: bool, code: int, residual: bool) -> None:
+    assert epilogue_code(Epilogue(bias=bias, activation=activation, residual=residual)) == code
 
 
-def test_epilogue_code_rejects_unknown() -> None:
+def test_epilogue_rejects_unknown_activation() -> None:
     with pytest.raises(ValueError, match="silu"):
-        epilogue_code("silu", False)
+        Epilogue(activation="silu")
+
+
+def test_gemmcall_epilogue_is_compared_and_checked() -> None:
+    plain = GemmCall(2, 4, 8, 16, False, False, "float32", "tf32")
+    relu = GemmCall(2, 4, 8, 16, False, False, "float32", "tf32", epilogue=Epilogue(activation="relu"))
+    assert plain != relu and hash(plain) != hash(relu)  # distinct algorithm cache keys
+    assert (plain.label, relu.label) == ("", "relu")
+    with pytest.raises(ValueError, match="beta=1.0"):
+        GemmCall(1, 2, 2, 2, False, False, "float32", "f32", epilogue=Epilogue(residual=True))
+    v = [Var((1, 2, 2), np.dtype("float32")) for _ in range(3)]
+    with pytest.raises(ValueError, match="bias operand"):
+        GemmCall(1, 2, 2, 2, False, False, "float32", "f32", epilogue=Epilogue(bias=True),
+                 a=v[0], b=v[1], c=v[2])
 
 
 def test_fastest_skips_failed_candidates() -> None:
@@ -222,8 +237,9 @@ def _attr_values(lib: _FakeLt, name: str) -> dict:
 def test_ltgemm_descriptors_and_run_arguments(monkeypatch) -> None:
     monkeypatch.setattr(cublaslt, "_ALGO_CACHE", {})
     h = _FakeHandle()
-    spec = GemmCall(3, 5, 7, 4, True, False, "bfloat16", "f32_from_half", out_dtype="float32")
-    gemm = cublaslt.LtGemm(h, spec, 4096, epilogue="gelu", bias=True)
+    spec = GemmCall(3, 5, 7, 4, True, False, "bfloat16", "f32_from_half", out_dtype="float32",
+                    epilogue=Epilogue(bias=True, activation="gelu_tanh"))
+    gemm = cublaslt.LtGemm(h, spec, 4096)
     lib = h.lib
     (desc_args,) = lib.named("cublasLtMatmulDescCreate")
     assert desc_args[1:] == (cublas.CUBLAS_COMPUTE_32F, 0)
@@ -231,6 +247,7 @@ def test_ltgemm_descriptors_and_run_arguments(monkeypatch) -> None:
     attrs = _attr_values(lib, "cublasLtMatmulDescSetAttribute")
     assert attrs[(desc, 3)] == (0, 4) and attrs[(desc, 4)] == (1, 4)  # TRANSA N, TRANSB T
     assert attrs[(desc, 7)] == (36, 4)  # GELU_BIAS, uint32
+    assert attrs[(desc, 10)] == (0, 8)  # one bias for all 3 batch entries, int64
     layouts = [(a[0]._obj.value, a[1:]) for a in lib.named("cublasLtMatrixLayoutCreate")]
     p = lt_layouts(spec)
     assert [args for _, args in layouts] == [(x.dtype, x.rows, x.cols, x.ld) for x in (p.a, p.b, p.c)]
@@ -285,13 +302,28 @@ def test_ltgemm_measured_choice_is_cached(monkeypatch) -> None:
     vars_ = [Var((1, 8, 8), np.dtype("float32")) for _ in range(3)]
     again = cublaslt.LtGemm(h, GemmCall(1, 8, 8, 8, False, False, "float32", "tf32",
                                         a=vars_[0], b=vars_[1], c=vars_[2]), 4096, buffers=bufs)
-    assert all(key[0].operands == (None, None, None) for key in cublaslt._ALGO_CACHE)
+    assert all(key[0].operands == (None,) * 5 for key in cublaslt._ALGO_CACHE)
     plain = cublaslt.LtGemm(h, spec, 4096)
     assert len(timed) == 1 and again.algo_index == plain.algo_index == 1
     other_ws = cublaslt.LtGemm(h, spec, 0, buffers=bufs)  # workspace size is in the key
     assert len(timed) == 2
     for g in (heuristic_only, first, again, plain, other_ws):
         g.close()
+
+
+def test_ltgemm_residual_is_read_as_c_and_written_as_d(monkeypatch) -> None:
+    monkeypatch.setattr(cublaslt, "_ALGO_CACHE", {})
+    h = _FakeHandle()
+    spec = GemmCall(1, 8, 8, 8, False, False, "float32", "tf32", beta=1.0,
+                    epilogue=Epilogue(residual=True, activation="relu"))
+    gemm = cublaslt.LtGemm(h, spec, 4096)
+    gemm.run(h, 0x100, 0x200, 0x300, 0x400, 4096, 0, residual=0x500)
+    (mm,) = h.lib.named("cublasLtMatmul")
+    assert (mm[7]._obj.value, mm[8], mm[10]) == (1.0, 0x500, 0x300)  # beta, C = R, D = our C
+    assert _attr_values(h.lib, "cublasLtMatmulDescSetAttribute")[(mm[1].value, 7)] == (2, 4)
+    with pytest.raises(ValueError, match="residual"):
+        gemm.run(h, 0x100, 0x200, 0x300, 0x400, 4096, 0)
+    gemm.close()
 
 
 def test_ltgemm_run_validates(monkeypatch) -> None:
@@ -389,17 +421,18 @@ def _gelu_erf(x: np.ndarray) -> np.ndarray:
     return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
 
 
-ACTIVATIONS = {"none": lambda x: x, "relu": lambda x: np.maximum(x, 0.0), "gelu": _gelu_tanh}
+ACTIVATIONS = {"none": lambda x: x, "relu": lambda x: np.maximum(x, 0.0), "gelu_tanh": _gelu_tanh}
 
 
-def _reference(spec, a, b, bias=None, epilogue="none"):
+def _reference(spec, a, b, bias=None, residual=None):
     """(pre-activation value, expected output, per-element error scale)."""
     op_a, op_b = _op(a.astype(np.float64), spec.trans_a), _op(b.astype(np.float64), spec.trans_b)
     pre = spec.alpha * (op_a @ op_b)
     scale = abs(spec.alpha) * (np.abs(op_a) @ np.abs(op_b))
-    if bias is not None:
-        pre, scale = pre + bias.astype(np.float64), scale + np.abs(bias.astype(np.float64))
-    return pre, ACTIVATIONS[epilogue](pre), scale
+    for extra in (bias, residual):
+        if extra is not None:
+            pre, scale = pre + extra.astype(np.float64), scale + np.abs(extra.astype(np.float64))
+    return pre, ACTIVATIONS[spec.epilogue.activation](pre), scale
 
 
 def _assert_close(spec, out: np.ndarray, ref: np.ndarray, scale: np.ndarray, tol: float) -> None:
@@ -408,17 +441,21 @@ def _assert_close(spec, out: np.ndarray, ref: np.ndarray, scale: np.ndarray, tol
     assert worst <= tol, f"{spec}: max scaled error {worst:.3g} > {tol}"
 
 
-def _tuned(cupy, handle, spec, workspace, a, b, c, **kw) -> cublaslt.LtGemm:
+def _ptr(buf) -> int | None:
+    return None if buf is None else buf.data.ptr
+
+
+def _tuned(cupy, handle, spec, workspace, a, b, c, bias=None, residual=None) -> cublaslt.LtGemm:
     buffers = cublaslt.GemmBuffers(a.data.ptr, b.data.ptr, c.data.ptr, workspace.data.ptr,
-                                   bias=kw.pop("bias_ptr", None))
-    return cublaslt.LtGemm(handle, spec, WORKSPACE_BYTES, buffers=buffers, **kw)
+                                   bias=_ptr(bias), residual=_ptr(residual))
+    return cublaslt.LtGemm(handle, spec, WORKSPACE_BYTES, buffers=buffers)
 
 
-def _run(gemm, gpu, a, b, c, bias=None) -> None:
+def _run(gemm, gpu, a, b, c, bias=None, residual=None) -> None:
     cupy, stream, handle, workspace = gpu
     cupy.cuda.Device().synchronize()  # uploads ran on the legacy stream
     gemm.run(handle, a.data.ptr, b.data.ptr, c.data.ptr, workspace.data.ptr,
-             WORKSPACE_BYTES, stream.ptr, bias=None if bias is None else bias.data.ptr)
+             WORKSPACE_BYTES, stream.ptr, bias=_ptr(bias), residual=_ptr(residual))
     stream.synchronize()
 
 
@@ -486,32 +523,41 @@ def test_without_buffers_uses_heuristic_zero_and_alpha_beta(gpu) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("epilogue,bias", [("none", True), ("relu", False), ("relu", True),
-                                           ("gelu", False), ("gelu", True)])
+@pytest.mark.parametrize("activation,bias,residual", [
+    ("none", True, False), ("relu", False, False), ("relu", True, False),
+    ("gelu_tanh", False, False), ("gelu_tanh", True, False),
+    ("none", False, True), ("relu", True, True), ("gelu_tanh", True, True)])
 @pytest.mark.parametrize("dtype,compute,out_dtype,tol", [
     ("float32", "f32", None, 1e-3),  # 1e-3: cuBLASLt's GELU may use a fast tanh
+    ("float32", "tf32", None, 1e-2),
     ("bfloat16", "f32_from_half", None, 1e-2),
     ("bfloat16", "f32_from_half", "float32", 1e-2),
 ])
 @pytest.mark.parametrize("batch", [1, 3])
-def test_epilogues(gpu, epilogue, bias, dtype, compute, out_dtype, tol, batch) -> None:
+def test_epilogues(gpu, activation, bias, residual, dtype, compute, out_dtype, tol, batch) -> None:
     cupy, _, handle, workspace = gpu
-    spec = GemmCall(batch, 96, 40, 64, False, True, dtype, compute, out_dtype=out_dtype)
+    spec = GemmCall(batch, 96, 40, 64, False, True, dtype, compute, out_dtype=out_dtype,
+                    beta=1.0 if residual else 0.0,
+                    epilogue=Epilogue(bias=bias, activation=activation, residual=residual))
     rng = np.random.default_rng(11)
     # |a|, |b| <= 1 and 0.75: pre-activations spread over about [-4, 4].
     a = _random(rng, spec.a_shape, dtype, 0.0, 1.0)
     b = _random(rng, spec.b_shape, dtype, 0.0, 0.75)
     bias_h = _random(rng, (spec.n,), _out(spec), 0.0, 1.0) if bias else None
+    res_h = _random(rng, spec.c_shape, _out(spec), 0.0, 1.0) if residual else None
     a_dev, b_dev, c_dev = _upload(cupy, a), _upload(cupy, b), _empty_out(cupy, spec)
     bias_dev = None if bias_h is None else _upload(cupy, bias_h)
-    gemm = _tuned(cupy, handle, spec, workspace, a_dev, b_dev, c_dev, epilogue=epilogue,
-                  bias=bias, bias_ptr=None if bias_dev is None else bias_dev.data.ptr)
+    res_dev = None if res_h is None else _upload(cupy, res_h)
+    gemm = _tuned(cupy, handle, spec, workspace, a_dev, b_dev, c_dev, bias=bias_dev, residual=res_dev)
     try:
         c_dev.fill(0xFF)
-        _run(gemm, gpu, a_dev, b_dev, c_dev, bias=bias_dev)
+        _run(gemm, gpu, a_dev, b_dev, c_dev, bias=bias_dev, residual=res_dev)
     finally:
         gemm.close()
-    _, ref, scale = _reference(spec, a, b, bias_h, epilogue)
+    if res_h is not None:  # the residual is read, never written
+        assert np.array_equal(_download(cupy, res_dev, _out(spec), spec.c_shape).view(np.uint8),
+                              res_h.view(np.uint8))
+    _, ref, scale = _reference(spec, a, b, bias_h, res_h)
     _assert_close(spec, _download(cupy, c_dev, _out(spec), spec.c_shape), ref, scale, tol)
 
 
@@ -520,12 +566,13 @@ def test_gelu_is_the_tanh_approximation(gpu) -> None:
     # The two GELU forms differ by up to 4.7e-4 near |x| = 2.7; on average the
     # output must sit closer to tanh-GELU than to erf-GELU where they differ.
     cupy, _, handle, workspace = gpu
-    spec = GemmCall(1, 512, 64, 64, False, False, "float32", "f32")
+    spec = GemmCall(1, 512, 64, 64, False, False, "float32", "f32",
+                    epilogue=Epilogue(activation="gelu_tanh"))
     rng = np.random.default_rng(5)
     a = _random(rng, spec.a_shape, "float32", 0.0, 1.0)
     b = _random(rng, spec.b_shape, "float32", 0.0, 0.75)
     a_dev, b_dev, c_dev = _upload(cupy, a), _upload(cupy, b), _empty_out(cupy, spec)
-    gemm = _tuned(cupy, handle, spec, workspace, a_dev, b_dev, c_dev, epilogue="gelu")
+    gemm = _tuned(cupy, handle, spec, workspace, a_dev, b_dev, c_dev)
     try:
         _run(gemm, gpu, a_dev, b_dev, c_dev)
     finally:
@@ -542,9 +589,10 @@ def test_gelu_is_the_tanh_approximation(gpu) -> None:
 @pytest.mark.gpu
 def test_run_validates_pointers(gpu) -> None:
     cupy, stream, handle, workspace = gpu
-    spec = GemmCall(1, 8, 8, 8, False, False, "float32", "f32")
+    spec = GemmCall(1, 8, 8, 8, False, False, "float32", "f32",
+                    epilogue=Epilogue(bias=True, activation="relu"))
     buf = cupy.zeros(1024, dtype=cupy.float32)
-    gemm = cublaslt.LtGemm(handle, spec, WORKSPACE_BYTES, epilogue="relu", bias=True)
+    gemm = cublaslt.LtGemm(handle, spec, WORKSPACE_BYTES)
     ptr, ws = buf.data.ptr, workspace.data.ptr
     try:
         with pytest.raises(ValueError, match="aligned"):

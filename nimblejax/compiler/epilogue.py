@@ -1,0 +1,392 @@
+"""GEMM epilogues: the elementwise work after a dot_general that cuBLASLt does inside
+the GEMM, as XLA folds a dense layer's bias and activation into its GEMM call.
+
+Fusion (fusion.py) asks `find_epilogues` which nodes after each library GEMM
+(lowering/gemm.py: is_library_gemm) its call computes; the GEMM's group takes them, so
+`relu(x @ w + b)` is one task and no kernel. The chain, every step optional, in the order
+cuBLASLt applies them (C = act(alpha * A @ B + R + bias)):
+
+    dot_general → × or ÷ a scalar literal (alpha) → + bias and / or + residual → activation
+
+- bias: a vector of n values added to every row of the GEMM's row-major (batch, m, n)
+  output. It is found back through the reshapes and broadcast_in_dims that give it the
+  output's rank (`x @ w + b` in jax.numpy and flax.linen.Dense): the GEMM reads the
+  vector itself, and those nodes (its `bias_path`) are only copied into the group's
+  equations for the CPU interpreter (an LSTM's one broadcast bias serves every step).
+- residual: a value of the output's shape that is written anyway (a graph input, or a
+  value some library call or kernel reads) and not computed later than the dot's
+  operands, read as cuBLASLt's C with beta = 1.
+- activation: relu (max(x, 0)) or gelu_tanh (jax.nn.gelu(approximate=True)'s
+  equations). The erf GELU (approximate=False; BERT's) is not cuBLASLt's GELU: it stays
+  a kernel, after a GEMM that adds the bias.
+Reshapes of the output (views) may sit between the steps. A value inside the chain must
+have its next step as its only use and not be a graph output: it is never written.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional
+
+import numpy as np
+
+from nimblejax.compiler.ir import Atom, Graph, Literal, Node, Var
+from nimblejax.compiler.kinds import RuleKind
+from nimblejax.compiler.lowering.gemm import gemm_sizes, is_library_gemm
+from nimblejax.compiler.lowering.registry import rule_for
+from nimblejax.compiler.lowering.task import Epilogue, GemmCall
+
+VIEWS = frozenset({"reshape", "squeeze"})
+# Consumers that read a value from its buffer: a residual they read is written anyway.
+_READ_FROM_MEMORY = frozenset({RuleKind.GEMM, RuleKind.CUDNN, RuleKind.KERNEL})
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+GELU_CUBIC = 0.044715
+
+
+@dataclass(frozen=True, eq=False)
+class EpilogueMatch:
+    """A GEMM's epilogue: the nodes after `dot` its call computes (graph order), the
+    nodes that only lay its bias vector out as the add reads it, and the value it writes."""
+
+    dot: Node
+    chain: tuple[Node, ...]
+    bias_path: tuple[Node, ...]  # nearest the bias add first
+    output: Var
+    alpha: float = 1.0
+    bias: Optional[Var] = None
+    residual: Optional[Var] = None
+    activation: str = "none"
+    bias_add: Optional[Node] = None
+
+    @property
+    def path_edges(self) -> list[tuple[Var, Node]]:
+        """(value, user) from the bias path's first node to the bias add: uses that only
+        the group's equations make (the GEMM reads `bias`, the path's input)."""
+        users = (self.bias_add, *self.bias_path[:-1])
+        return [(p.outputs[0], u) for p, u in zip(self.bias_path, users)]
+
+    @property
+    def epilogue(self) -> Epilogue:
+        return Epilogue(bias=self.bias is not None, activation=self.activation,
+                        residual=self.residual is not None)
+
+    @property
+    def label(self) -> str:
+        return self.epilogue.label(self.alpha)
+
+    def apply(self, call: GemmCall) -> GemmCall:
+        """The dot's GemmCall with this epilogue, writing the chain's last value."""
+        return replace(call, alpha=self.alpha, beta=1.0 if self.residual is not None else 0.0,
+                       epilogue=self.epilogue, c=self.output, bias=self.bias,
+                       residual=self.residual)
+
+
+@dataclass
+class _Context:
+    consumers: Mapping[Var, list[Node]]
+    producer: Mapping[Var, Node]
+    outputs: frozenset
+    depth: Mapping[Node, int]  # longest chain of nodes from the graph's inputs
+    claimed: set  # nodes already in an epilogue
+
+    def only_use(self, v: Atom, user: Node) -> bool:
+        """v is read by `user` alone, once, and is no graph output."""
+        return (isinstance(v, Var) and v not in self.outputs
+                and self.consumers.get(v) == [user] and sum(a is v for a in user.inputs) == 1)
+
+    def free(self, node: Optional[Node]) -> bool:
+        return node is not None and node not in self.claimed
+
+
+def find_epilogues(graph: Graph, consumers: Mapping[Var, list[Node]],
+                   outputs) -> dict[Node, EpilogueMatch]:
+    """dot_general node → its epilogue, for the library GEMMs that have one."""
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    depth: dict[Node, int] = {}
+    for node in graph.nodes:
+        depth[node] = 1 + max((depth[producer[a]] for a in node.inputs if a in producer), default=0)
+    ctx = _Context(consumers, producer, frozenset(outputs), depth, set())
+    found: dict[Node, EpilogueMatch] = {}
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        if node.name == "dot_general" and node not in ctx.claimed and is_library_gemm(node):
+            match = _Chain(node, ctx).match()
+            if match is not None:
+                match = replace(match, chain=tuple(sorted(match.chain, key=order.__getitem__)))
+                ctx.claimed.update(match.chain)
+                found[node] = match
+    return found
+
+
+class _Chain:
+    """The steps after one dot, taken while they match (module docstring's order)."""
+
+    def __init__(self, dot: Node, ctx: _Context) -> None:
+        self.dot, self.ctx, self.n = dot, ctx, gemm_sizes(dot)[2]
+        self.taken: list[Node] = []
+        self.alpha, self.activation = 1.0, "none"
+        self.bias: Optional[Var] = None
+        self.residual: Optional[Var] = None
+        self.bias_path: tuple[Node, ...] = ()
+        self.bias_add: Optional[Node] = None
+
+    def match(self) -> Optional[EpilogueMatch]:
+        cur = written = self.dot.outputs[0]  # cur may be a view of `written`, not taken yet
+        views: list[Node] = []  # reshapes since the last step: taken only if a step follows
+        while self.activation == "none":
+            users = self.ctx.consumers.get(cur, [])
+            if cur in self.ctx.outputs or not users:
+                break
+            if len(users) == 1 and users[0].name in VIEWS and users[0].params.get("dimensions") is None \
+                    and self.ctx.free(users[0]) and self.ctx.only_use(cur, users[0]):
+                views.append(users[0])
+                cur = users[0].outputs[0]
+                continue
+            step = self._step(cur, users)
+            if step is None:
+                break
+            self.taken += views + list(step)
+            views = []
+            cur = written = step[-1].outputs[0]  # a step's last node (dependence order) makes it
+        if not self.taken:
+            return None
+        return EpilogueMatch(self.dot, tuple(self.taken), self.bias_path, written, self.alpha,
+                             self.bias, self.residual, self.activation, self.bias_add)
+
+    def _step(self, cur: Var, users: list[Node]) -> Optional[tuple[Node, ...]]:
+        """The nodes of the next step after cur, recorded, or None."""
+        if len(users) > 1:  # only an activation reads its input several times
+            gelu = _gelu_tanh(cur, self.ctx)
+            if gelu is not None:
+                self.activation = "gelu_tanh"
+            return gelu
+        user, ctx = users[0], self.ctx
+        if not (ctx.free(user) and ctx.only_use(cur, user)):
+            return None
+        other = _other_operand(user, cur)
+        scale = _scale(user, cur) if self.bias is None and self.residual is None else None
+        if scale is not None:
+            self.alpha *= scale
+        elif user.name == "add" and self.bias is None and (found := _bias(other, cur, self.n, ctx)):
+            self.bias, self.bias_path = found
+            self.bias_add = user
+        elif user.name == "add" and self.residual is None and _residual(other, cur, self.dot, ctx):
+            self.residual = other
+        elif _is_relu(user, cur):
+            self.activation = "relu"
+        else:
+            return None
+        return (user,)
+
+
+def _other_operand(node: Node, cur: Var) -> Optional[Atom]:
+    if len(node.inputs) != 2:
+        return None
+    a, b = node.inputs
+    return b if a is cur else a
+
+
+# ---- alpha ------------------------------------------------------------------------------
+def _scale(node: Node, cur: Var) -> Optional[float]:
+    """c for cur * c, c * cur or cur / c with c a finite scalar literal."""
+    other = _other_operand(node, cur)
+    if not isinstance(other, Literal):
+        return None
+    c = float(other.value)
+    if not math.isfinite(c):
+        return None
+    if node.name == "mul":
+        return c
+    if node.name == "div" and node.inputs[0] is cur and c != 0.0:
+        return 1.0 / c
+    return None
+
+
+# ---- bias and residual --------------------------------------------------------------------
+def _bias(e: Optional[Atom], cur: Var, n: int, ctx: _Context) -> Optional[tuple[Var, tuple[Node, ...]]]:
+    """(the n-vector, the nodes between it and the add, nearest the add first) when `e`
+    adds the same n values to every row of cur (row-major: element t gets vector[t % n]).
+    Those nodes may have other uses: they stay where they are and are copied."""
+    if not isinstance(e, Var):
+        return None
+    path: list[Node] = []
+    if _row_vector_shape(e.shape, cur.shape, n):
+        src = e
+    else:
+        p = ctx.producer.get(e)
+        if (e.shape != cur.shape or not ctx.free(p) or p.name != "broadcast_in_dim"
+                or not _broadcast_along_rows(p, cur.shape, n)):
+            return None
+        src, path = p.inputs[0], [p]
+    # Back through rank changes (jnp's (n,) → (1, n)): the same n values in the same order.
+    while True:
+        p = ctx.producer.get(src)
+        if not (ctx.free(p) and _same_values(p)):
+            return src, tuple(path)
+        path.append(p)
+        src = p.inputs[0]
+
+
+def _splits(shape: tuple[int, ...], n: int) -> list[int]:
+    """Every k with prod(shape[k:]) == n: the trailing axes that hold a row of n."""
+    return [k for k in range(len(shape) + 1) if math.prod(shape[k:]) == n]
+
+
+def _row_vector_shape(s: tuple[int, ...], shape: tuple[int, ...], n: int) -> bool:
+    """An operand of shape s, broadcast to `shape` (rank-preserving, as jaxprs add
+    (m, n) + (1, n)), holds one row of n values."""
+    return len(s) == len(shape) and any(all(d == 1 for d in s[:k]) and s[k:] == shape[k:]
+                                        for k in _splits(shape, n))
+
+
+def _broadcast_along_rows(node: Node, shape: tuple[int, ...], n: int) -> bool:
+    """broadcast_in_dim of n values onto the trailing axes that hold a row."""
+    o, dims = node.inputs[0], tuple(node.params["broadcast_dimensions"])
+    if len(node.inputs) != 1 or not isinstance(o, Var) or o.size != n:
+        return False
+    if any(b <= a for a, b in zip(dims, dims[1:])):
+        return False
+    return any(all(d >= k for d, size in zip(dims, o.shape) if size != 1)
+               for k in _splits(shape, n))
+
+
+def _same_values(node: Node) -> bool:
+    """A node whose output holds its input's values in the same row-major order."""
+    if len(node.inputs) != 1 or not isinstance(node.inputs[0], Var):
+        return False
+    if node.name in VIEWS:
+        return node.params.get("dimensions") is None
+    return node.name == "broadcast_in_dim" and node.inputs[0].size == node.outputs[0].size
+
+
+def _residual(r: Optional[Atom], cur: Var, dot: Node, ctx: _Context) -> bool:
+    """r of cur's shape, in a buffer anyway (reading it in the GEMM costs no extra write)
+    and ready about when the dot's operands are: the GEMM waits for it. So of the two
+    products in an LSTM step's `x @ w_ih + h @ w_hh`, the recurrent one, on the critical
+    path, adds the other (computed off it) rather than waiting for it."""
+    if not isinstance(r, Var) or r.shape != cur.shape or r.dtype != cur.dtype:
+        return False
+    p = ctx.producer.get(r)
+    if p is not None and ctx.depth[p] > ctx.depth[dot]:
+        return False
+    if p is None or r in ctx.outputs or rule_for(p).kind is not RuleKind.ELEMENTWISE:
+        return True
+    return _read_from_memory(r, ctx)
+
+
+def _read_from_memory(v: Var, ctx: _Context) -> bool:
+    """Some library call or kernel reads v's buffer (through views: a reshape feeding a
+    GEMM), so v is written whatever else reads it."""
+    for u in ctx.consumers.get(v, []):
+        if rule_for(u).kind in _READ_FROM_MEMORY:
+            return True
+        if u.name in VIEWS and u.params.get("dimensions") is None and _read_from_memory(u.outputs[0], ctx):
+            return True
+    return False
+
+
+# ---- activations ----------------------------------------------------------------------------
+def _is_relu(node: Node, cur: Var) -> bool:
+    other = _other_operand(node, cur)
+    return node.name == "max" and isinstance(other, Literal) and float(other.value) == 0.0
+
+
+def _gelu_tanh(x: Var, ctx: _Context) -> Optional[tuple[Node, ...]]:
+    """The nodes of x * 0.5 * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3))) when they are
+    x's only uses (jax.nn.gelu(approximate=True); factors in any order), in graph order."""
+    if x in ctx.outputs:
+        return None
+    uses = ctx.consumers.get(x, [])
+    for final in _reachable(x, ctx, limit=12):
+        nodes = _tree(final, x, ctx)
+        if nodes is not None and all(u in nodes for u in uses) \
+                and _gelu_form(_expr(final.outputs[0], x, ctx.producer)):
+            return nodes
+    return None
+
+
+def _reachable(x: Var, ctx: _Context, limit: int) -> list[Node]:
+    """Nodes downstream of x (breadth first, at most `limit`), farthest first."""
+    seen: list[Node] = []
+    frontier = [x]
+    while frontier and len(seen) < limit:
+        nxt = []
+        for v in frontier:
+            for u in ctx.consumers.get(v, []):
+                if u not in seen and len(seen) < limit:
+                    seen.append(u)
+                    nxt.extend(u.outputs)
+        frontier = nxt
+    return seen[::-1]
+
+
+_GELU_PRIMS = frozenset({"mul", "add", "tanh", "integer_pow"})
+
+
+def _tree(final: Node, x: Var, ctx: _Context) -> Optional[tuple[Node, ...]]:
+    """The nodes computing `final` from x and literals, every value inside used once by
+    the node above it (a tree), or None."""
+    nodes: list[Node] = []
+
+    def visit(node: Node) -> bool:
+        if node.name not in _GELU_PRIMS or not ctx.free(node) or node in nodes:
+            return False
+        for a in node.inputs:
+            if isinstance(a, Literal) or a is x:
+                continue
+            p = ctx.producer.get(a)
+            if p is None or not ctx.only_use(a, node) or not visit(p):
+                return False
+        nodes.append(node)
+        return True
+
+    return tuple(nodes) if visit(final) else None
+
+
+def _expr(a: Atom, x: Var, producer: Mapping[Var, Node]):
+    """An expression tree: 'x', a Literal, or (primitive, params, children...)."""
+    if a is x or isinstance(a, Literal):
+        return "x" if a is x else a
+    node = producer[a]
+    return (node.name, node.params.get("y"), *(_expr(b, x, producer) for b in node.inputs))
+
+
+def _flat(e, op: str) -> list:
+    """The operands of nested `op`s (mul or add); x**3 is three factors."""
+    if isinstance(e, tuple) and e[0] == op:
+        return [f for child in e[2:] for f in _flat(child, op)]
+    if op == "mul" and isinstance(e, tuple) and e[0] == "integer_pow" and e[1] == 3:
+        return _flat(e[2], op) * 3
+    return [e]
+
+
+def _is_const(e, value: float) -> bool:
+    """A literal equal to `value` rounded to the literal's dtype."""
+    return isinstance(e, Literal) and bool(np.asarray(value, e.dtype) == e.value)
+
+
+def _take(items: list, value: float) -> Optional[list]:
+    """items without one literal equal to value, or None if there is none."""
+    for i, e in enumerate(items):
+        if _is_const(e, value):
+            return items[:i] + items[i + 1:]
+    return None
+
+
+def _gelu_form(e) -> bool:
+    """x * 0.5 * (1 + tanh(c1 * (x + c2 * x^3)))."""
+    rest = _take(_flat(e, "mul"), 0.5)
+    if rest is None or len(rest) != 2 or "x" not in rest:
+        return False
+    one_plus = rest[1 - rest.index("x")]
+    terms = _take(_flat(one_plus, "add"), 1.0)
+    if terms is None or len(terms) != 1 or not (isinstance(terms[0], tuple) and terms[0][0] == "tanh"):
+        return False
+    inner = _take(_flat(terms[0][2], "mul"), SQRT_2_OVER_PI)
+    if inner is None or len(inner) != 1:
+        return False
+    poly = _flat(inner[0], "add")
+    if len(poly) != 2 or "x" not in poly:
+        return False
+    cubic = _take(_flat(poly[1 - poly.index("x")], "mul"), GELU_CUBIC)
+    return cubic == ["x", "x", "x"]
