@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from models import assert_tree_close, rand
+from tests.helpers.models import assert_tree_close, rand
 from nimblejax.compiler.ir import Var
 from nimblejax.compiler.lowering.task import Epilogue
 
