@@ -246,7 +246,7 @@ def test_equality_includes_the_epilogue_so_algorithm_caches_differ():
 
 
 def _programs():
-    from models import MODELS as TEST_MODELS, model_args
+    from tests.helpers.models import MODELS as TEST_MODELS, model_args
     from nimblejax.bench.models import MODELS
 
     for name in ("bert", "lstm", "mlp"):
