@@ -9,14 +9,17 @@ value is materialized in a buffer. A reduction roots a kernel into whose loop it
 producers are inlined. A scatter roots a kernel that computes its operand straight into
 its output (`zeros(...).at[ids].add(g)` writes the table once) and its indices and
 updates where it reads them; a scatter that is the only reader of an operand buffer the
-plan writes updates that buffer in place (`_in_place`). This is XLA's loop/input fusion
-with producer duplication, kept deliberately simple.
+plan writes updates that buffer in place (`_in_place`). A reduction over the trailing axes
+whose readers are all in one group joins that group instead, which then becomes one row
+kernel (fusion_rows.py: softmax, LayerNorm). This is XLA's loop/input fusion with
+producer duplication, kept deliberately simple.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
+from nimblejax.compiler.fusion_rows import row_target
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind
 from nimblejax.compiler.lowering.registry import rule_for
@@ -61,6 +64,7 @@ def fuse(graph: Graph) -> list[Group]:
     roots: dict[int, Node] = {}
     written = _worth_writing(graph, consumers)
     depth: dict[Node, int] = {}  # inlined nodes between a node and its kernel's root
+    rows: dict[int, int] = {}  # row groups (fusion_rows.py) → their row count
 
     def new_group(node: Node) -> None:
         gid = len(roots)
@@ -79,13 +83,18 @@ def fuse(graph: Graph) -> list[Group]:
                     owner[node] = groups
                     depth[node] = d
                     continue
+        elif rule_for(node).kind is RuleKind.REDUCTION:
+            gid = row_target(node, consumers, outputs, owner, roots, rows)
+            if gid is not None:  # one stage of its consumers' row kernel
+                owner[node], depth[node], rows[gid] = frozenset([gid]), 0, node.outputs[0].size
+                continue
         new_group(node)
 
     members: dict[int, list[Node]] = {gid: [] for gid in roots}
     for node in graph.nodes:
         for gid in owner.get(node, ()):
             members[gid].append(node)
-    groups = [_make_group(roots[gid], members[gid]) for gid in sorted(roots, reverse=True)]
+    groups = [_make_group(roots[gid], members[gid], gid in rows) for gid in sorted(roots, reverse=True)]
     groups = _in_place(groups, consumers, outputs)
     order = {n: i for i, n in enumerate(graph.nodes)}
     return sorted(groups, key=lambda g: order[g.root])
@@ -168,7 +177,7 @@ def _strided_into_kernel(node: Node, groups, roots) -> bool:
     return any(rule_for(roots[g]).fuses for g in groups)
 
 
-def _make_group(root: Node, nodes: list[Node]) -> Group:
+def _make_group(root: Node, nodes: list[Node], row: bool = False) -> Group:
     produced = {v for n in nodes for v in n.outputs}
     inputs: list[Var] = []
     for n in nodes:
@@ -177,6 +186,8 @@ def _make_group(root: Node, nodes: list[Node]) -> Group:
                 inputs.append(a)
     rule_kind = rule_for(root).kind
     kind = GroupKind.FUSED if rule_kind is RuleKind.ELEMENTWISE else GroupKind(rule_kind.value)
+    if row:  # reductions joined their consumers' group (fusion_rows.py)
+        kind = GroupKind.ROW
     # A reshape of a row-major buffer is a view of the same bytes (outputs are copied
     # out of the arena on every call, so a view may even be an output).
     if kind is GroupKind.FUSED and all(n.name in VIEW_PRIMS and n.params.get("dimensions") is None
