@@ -73,7 +73,7 @@ def row_kernel(root: Node, nodes: tuple[Node, ...]) -> Kernel:
     _write_row(b, root, per_out, per_row)
     while b.depth > 1:
         b.close()
-    b.ops = _name_ops(stages, b.ops, per_out)
+    b.ops = _name_ops(stages, b.ops, per_out < longest)
     return b.finish("row", out, -(-n_rows // rows_per_block), block)
 
 
@@ -136,15 +136,15 @@ def _lead_axes(shape: tuple[int, ...], n_rows: int) -> int | None:
     return None
 
 
-def _name_ops(stages: list[Node], ops: list[str], per_out: int) -> list[str]:
+def _name_ops(stages: list[Node], ops: list[str], reduces_rows: bool) -> list[str]:
     """What the kernel's name shows: the pattern where it is a known one (softmax,
     log_softmax, logsumexp, layer_norm, rms_norm), else its reductions and operations."""
     reduced = [s.name.removeprefix("reduce_") for s in stages]
     seen = set(ops)
     if reduced == ["max", "sum"] and "exp" in seen:
-        if per_out == 1:
+        if reduces_rows:  # one output per row
             return ["logsumexp"]
         return ["softmax"] if "div" in seen else ["logsoftmax"] if "log" in seen else reduced + ops
-    if set(reduced) == {"sum"} and ("rsqrt" in seen or "sqrt" in seen) and per_out > 1:
+    if set(reduced) == {"sum"} and ("rsqrt" in seen or "sqrt" in seen) and not reduces_rows:
         return ["layernorm"] if len(reduced) == 2 else ["rmsnorm"] if len(reduced) == 1 else reduced + ops
     return reduced + ops
