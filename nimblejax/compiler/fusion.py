@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from nimblejax.compiler.fusion_rows import row_target
+from nimblejax.compiler.fusion_rows import row_exits, row_target
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind
 from nimblejax.compiler.lowering.registry import rule_for
@@ -65,6 +65,7 @@ def fuse(graph: Graph) -> list[Group]:
     written = _worth_writing(graph, consumers)
     depth: dict[Node, int] = {}  # inlined nodes between a node and its kernel's root
     rows: dict[int, int] = {}  # row groups (fusion_rows.py) → their row count
+    exits = row_exits(graph.nodes, consumers, outputs)  # they root their row group
 
     def new_group(node: Node) -> None:
         gid = len(roots)
@@ -73,7 +74,7 @@ def fuse(graph: Graph) -> list[Group]:
         depth[node] = 0
 
     for node in reversed(graph.nodes):
-        if rule_for(node).kind is RuleKind.ELEMENTWISE:
+        if rule_for(node).kind is RuleKind.ELEMENTWISE and node not in exits:
             groups = _inline_target(node, consumers, outputs, owner)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None

@@ -74,10 +74,59 @@ def row_target(node: Node, consumers: Mapping[Var, list[Node]], outputs, owner,
     below = _below(out, consumers, root, n_rows)
     if below is None or root not in below or all(n.name in RESHAPES for n in below):
         return None  # (a reduction read only through reshapes: its reader is a view)
-    longest = max(node.inputs[0].size, root.outputs[0].size) // n_rows
-    if n_rows < MIN_ROWS and n_rows * longest > SMALL_WORK:
+    if _too_few_rows(n_rows, max(node.inputs[0].size, root.outputs[0].size) // n_rows):
         return None
     return gid
+
+
+def _too_few_rows(n_rows: int, longest: int) -> bool:
+    """Whether one warp or block per row would leave most of the GPU idle."""
+    return n_rows < MIN_ROWS and n_rows * longest > SMALL_WORK
+
+
+def row_exits(nodes, consumers: Mapping[Var, list[Node]], outputs) -> frozenset[Node]:
+    """Elementwise nodes that must root a kernel of their own for a row group to form:
+    the one node through which a row normalization's result leaves it, where a reader
+    across rows (the transpose that puts attention probabilities in a GEMM's layout)
+    would otherwise inline it, and with it every reduction's readers. Writing that value
+    and transposing it is two kernels where the reductions and the transpose were three."""
+    exits: set[Node] = set()
+    for node in nodes:
+        if not is_row_reduction(node) or node.outputs[0] in outputs:
+            continue
+        n_rows = node.outputs[0].size
+        leaving = _leaving(node, consumers, outputs, n_rows)
+        if len(leaving) != 1:
+            continue
+        (last,) = leaving
+        per_row = last.outputs[0].size // n_rows  # (1: a value per row, cheap to inline)
+        if (rule_for(last).kind is RuleKind.ELEMENTWISE and per_row > 1
+                and not _too_few_rows(n_rows, max(per_row, node.inputs[0].size // n_rows))
+                and any(rule_for(u).kind is RuleKind.ELEMENTWISE
+                        for u in consumers.get(last.outputs[0], []))):
+            exits.add(last)
+    return frozenset(exits)
+
+
+def _leaving(node: Node, consumers, outputs, n_rows: int) -> set[Node]:
+    """The nodes of the region that reads `node`'s rows in place (elementwise steps and
+    reductions that keep rows) whose values are read outside it or are graph outputs."""
+    found: set[Node] = set()
+    seen, todo = {node}, [node]
+    while todo:
+        p = todo.pop()
+        v = p.outputs[0]
+        leaves = v in outputs
+        for u in consumers.get(v, []):
+            if rule_for(u).kind in (RuleKind.ELEMENTWISE, RuleKind.REDUCTION) and _keeps_rows(u, v, n_rows):
+                if u not in seen:
+                    seen.add(u)
+                    todo.append(u)
+            else:
+                leaves = True
+        if leaves:
+            found.add(p)
+    return found
 
 
 def _root_takes_rows(root: Node, n_rows: int) -> bool:
