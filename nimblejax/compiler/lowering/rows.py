@@ -22,6 +22,9 @@ from nimblejax.compiler.lowering.task import Kernel
 
 MAX_THREADS_PER_ROW = 1024
 ELEMENTS_PER_THREAD = 8  # per pass: rows get threads until each has about this many
+# ... and, where that leaves the GPU short of threads (BERT's 128 LayerNorm rows), more
+# of them, up to one per element, until about 8 warps per SM of an H100 (132 SMs) run.
+TARGET_THREADS = 1 << 15
 
 
 class RowBuilder(KernelBuilder):
@@ -39,10 +42,14 @@ class RowBuilder(KernelBuilder):
         return super().value(atom, idx)
 
 
-def threads_per_row(longest: int) -> int:
-    """A power of two, up to a block of 1024, so that each thread has a few elements."""
+def threads_per_row(n_rows: int, longest: int) -> int:
+    """A power of two, up to a block of 1024, so that each thread has a few elements, or
+    fewer where there are few rows."""
     want = -(-longest // ELEMENTS_PER_THREAD)
-    return min(MAX_THREADS_PER_ROW, 1 << max(0, (want - 1).bit_length()))
+    per_row = min(MAX_THREADS_PER_ROW, 1 << max(0, (want - 1).bit_length()))
+    while (n_rows * per_row < TARGET_THREADS and 2 * per_row <= min(longest, MAX_THREADS_PER_ROW)):
+        per_row *= 2
+    return per_row
 
 
 def row_kernel(root: Node, nodes: tuple[Node, ...]) -> Kernel:
@@ -52,7 +59,7 @@ def row_kernel(root: Node, nodes: tuple[Node, ...]) -> Kernel:
     n_rows = stages[0].outputs[0].size
     per_out = out.size // n_rows  # the outputs of one row: its length, or 1
     longest = max([per_out] + [s.inputs[0].size // n_rows for s in stages])
-    per_row = threads_per_row(longest)
+    per_row = threads_per_row(n_rows, longest)
     block = max(per_row, BLOCK) if per_row <= 32 else per_row
     rows_per_block = block // per_row
     b = RowBuilder({n.outputs[0]: n for n in nodes if n not in stages})
