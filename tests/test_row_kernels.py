@@ -218,6 +218,16 @@ def test_emulated_row_kernels_match_jax(name, dtype):
     check_emulated(fn, *pattern_args(name, 9, 200, dtype))
 
 
+def test_emulated_row_inputs_kept_in_registers_up_to_a_budget():
+    """Six rows summed, then softmax: with 8 elements per thread, four inputs fit the
+    register budget (rows.CACHED_REGISTERS) and the other two are read again each pass."""
+    f = lambda *xs: softmax(sum(xs))  # noqa: E731
+    args = tuple(rand(r, 256, 1024) for _ in range(6))
+    source = plan_of(f, *args).tasks[0].kernel.source
+    assert "row3[8]" in source and "row4[" not in source
+    check_emulated(f, *args)
+
+
 @pytest.mark.parametrize("n", [1, 7, 1000, 4096])
 def test_emulated_rows_of_any_length(n):
     check_emulated(log_softmax, rand(r, 5, n, scale=3.0))

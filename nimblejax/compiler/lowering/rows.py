@@ -27,19 +27,71 @@ ELEMENTS_PER_THREAD = 8  # per pass: rows get threads until each has about this 
 TARGET_THREADS = 1 << 15
 
 
+# A thread keeps the elements it reads of a row in registers, for the next passes, where
+# it has at most this many per pass, and at most CACHED_REGISTERS of them in all.
+MAX_SLOTS = 8
+CACHED_REGISTERS = 32
+
+
 class RowBuilder(KernelBuilder):
     """A KernelBuilder that reads the row's reductions from registers: `known` maps each
     reduced value to its C name. (fusion_rows.py made sure that every reader of a
-    reduction reads it in its own row, so the index is not needed.)"""
+    reduction reads it in its own row, so the index is not needed.)
 
-    def __init__(self, inlined: Mapping[Var, Node]) -> None:
+    With `slots` > 0 each pass visits a thread's elements of the row as `c = lane + j *
+    per_row`, j < slots (an unrolled loop), and an input read at the pass's own element
+    (`element`: its index and shape, so the offset is o * length + c in every pass) is
+    kept in a register array `rowN[j]` the first time a pass reads it; later passes read
+    the array. Only reads at the pass's own loop depth are kept: those always happen."""
+
+    def __init__(self, inlined: Mapping[Var, Node], slots: int = 0) -> None:
         super().__init__(inlined)
         self.known: dict[Var, str] = {}
+        self.slots = slots
+        self.element: tuple[Index, tuple[int, ...], int] | None = None  # idx, shape, depth
+        self.cached: dict[Var, str] = {}
+        self.uncached: set[Var] = set()
+        self.declarations = 0  # where the register arrays are declared: lines[top:]
 
     def value(self, atom: Atom, idx: Index) -> str:
         if isinstance(atom, Var) and atom in self.known:
             return self.known[atom]
         return super().value(atom, idx)
+
+    def load(self, var: Var, idx: Index) -> str:
+        if (not self.slots or self.element is None or var in self.uncached
+                or self.element != (tuple(idx), tuple(var.shape), self.depth)):
+            return super().load(var, idx)
+        if var in self.cached:
+            return f"{self.cached[var]}[j]"
+        if (len(self.cached) + 1) * self.slots > CACHED_REGISTERS:
+            self.uncached.add(var)
+            return super().load(var, idx)
+        name = self.cached[var] = f"row{len(self.cached)}"
+        self.lines.insert(self.declarations, f"  {dtypes.compute_type(var.dtype)} {name}[{self.slots}];"
+                          f"  // {var!r}: this thread's elements of row o")
+        self.declarations += 1
+        return f"({name}[j] = {super().load(var, idx)})"
+
+    def open_pass(self, length: int, per_row: int) -> int:
+        """Open the loop over this thread's elements `c` of a row of `length`; returns how
+        many scopes to close."""
+        if not self.slots:
+            self.open(f"for (int c = lane; c < {length}; c += {per_row})")
+            return 1
+        self.emit("#pragma unroll")
+        self.open(f"for (int j = 0; j < {self.slots}; ++j)")
+        self.emit(f"const int c = lane + j * {per_row};")
+        if length % per_row == 0:
+            return 1
+        self.open(f"if (c < {length})")
+        return 2
+
+    def close_pass(self, scopes: int) -> None:
+        self.element = None
+        for _ in range(scopes):
+            self.close()
+        self.forget()
 
 
 def threads_per_row(n_rows: int, longest: int) -> int:
@@ -62,7 +114,8 @@ def row_kernel(root: Node, nodes: tuple[Node, ...]) -> Kernel:
     per_row = threads_per_row(n_rows, longest)
     block = max(per_row, BLOCK) if per_row <= 32 else per_row
     rows_per_block = block // per_row
-    b = RowBuilder({n.outputs[0]: n for n in nodes if n not in stages})
+    b = RowBuilder({n.outputs[0]: n for n in nodes if n not in stages},
+                   _slots(stages, n_rows, per_out, per_row))
     b.emit(f"// {n_rows} rows, {per_row} thread(s) per row: "
            + ", ".join(f"{s.name} over {s.inputs[0].size // n_rows}" for s in stages)
            + f", then {per_out} output(s) per row")
@@ -73,6 +126,7 @@ def row_kernel(root: Node, nodes: tuple[Node, ...]) -> Kernel:
         b.emit(f"const long long o = row < {n_rows} ? row : {n_rows - 1};  // past the end: redo the last row")
     else:
         b.emit("const long long o = row;")
+    b.declarations = len(b.lines)
     for k, stage in enumerate(stages):
         b.known[stage.outputs[0]] = _reduce_row(b, stage, k, per_row)
     if ragged:
@@ -94,11 +148,12 @@ def _reduce_row(b: RowBuilder, stage: Node, k: int, per_row: int) -> str:
     lead = b.index_vars("o", out.shape)
     b.emit(f"// pass {k}: {stage.name}")
     b.emit(f"{acc_type} {acc} = {reducer.init};")
-    b.open(f"for (int c = lane; c < {length}; c += {per_row})")
-    v = b.value(x, lead + b.index_vars("c", x.shape[out.ndim:]))
+    scopes = b.open_pass(length, per_row)
+    idx = lead + b.index_vars("c", x.shape[out.ndim:])
+    b.element = (idx, tuple(x.shape), b.depth)
+    v = b.value(x, idx)
     b.emit(f"{acc} = {combine.format(a=acc, b=v)};")
-    b.close()
-    b.forget()
+    b.close_pass(scopes)
     if per_row > 1:  # butterfly: lanes exchange within their aligned group of per_row
         b.emit(f"for (int off = {min(per_row, 32) // 2}; off > 0; off >>= 1) {{ {acc_type} other = "
                f"__shfl_xor_sync(0xffffffffu, {acc}, off); {acc} = {combine.format(a=acc, b='other')}; }}")
@@ -124,16 +179,25 @@ def _write_row(b: RowBuilder, root: Node, per_out: int, per_row: int) -> None:
         b.close()
         return
     itype = "long long" if out.size >= 2 ** 31 else "int"
-    b.open(f"for (int c = lane; c < {per_out}; c += {per_row})")
+    scopes = b.open_pass(per_out, per_row)
     flat = b.tmp(f"const {itype}", f"({itype})o * {per_out} + c")
     q = _lead_axes(out.shape, out.size // per_out)
     if q is not None:  # the leading axes index rows: no division of the whole offset
         idx = b.index_vars("o", out.shape[:q]) + b.index_vars("c", out.shape[q:])
         b.flat[(idx, tuple(out.shape))] = flat
+        b.element = (idx, tuple(out.shape), b.depth)
     else:
         idx = b.index_vars(flat, out.shape)
     b.store(out, flat, b.value(out, idx))
-    b.close()
+    b.close_pass(scopes)
+
+
+def _slots(stages: list[Node], n_rows: int, per_out: int, per_row: int) -> int:
+    """Elements per thread per pass where every pass has the same length and they are
+    few enough to keep in registers, else 0 (every pass reads global memory)."""
+    lengths = {s.inputs[0].size // n_rows for s in stages} | ({per_out} if per_out > 1 else set())
+    slots = -(-max(lengths) // per_row)
+    return slots if len(lengths) == 1 and slots <= MAX_SLOTS else 0
 
 
 def _lead_axes(shape: tuple[int, ...], n_rows: int) -> int | None:
