@@ -3,8 +3,10 @@
 A row normalization (softmax, LayerNorm, ...) is a few reductions over each row of x and
 an output computed from the row and its reductions. One warp, part of a warp or block
 runs one row: each reduction is a pass over the row (a block-stride loop, so rows of any
-length work) that recomputes the reduction's operand from global memory (the row was
-just read: it is in L1 or L2), then a butterfly of warp shuffles and, for a block, its
+length work) that recomputes the reduction's operand from the inputs: from registers
+where a thread's share of the row fits (RowBuilder: at most MAX_SLOTS elements), else
+from global memory (the row was just read: L1 or L2), then a butterfly of warp
+shuffles and, for a block, its
 warps' partials through shared memory, so every thread of the row ends with the value in
 a register; a last pass writes the outputs. Halves accumulate in float (as XLA does).
 """
