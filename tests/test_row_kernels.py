@@ -218,6 +218,27 @@ def test_emulated_row_kernels_match_jax(name, dtype):
     check_emulated(fn, *pattern_args(name, 9, 200, dtype))
 
 
+def test_emulated_row_kernel_rooted_at_a_reduction():
+    f = lambda x: jnp.sum(jnp.exp(x - jnp.max(x, -1, keepdims=True)), -1)  # noqa: E731
+    x = rand(r, 10, 70)
+    plan = plan_of(f, x)
+    assert len(plan.tasks) == 1 and plan.groups[0].kind == "row"
+    check_emulated(f, x)
+
+
+def test_emulated_integer_and_bool_rows_are_exact():
+    def f(x):
+        centred = x - jnp.min(x, -1, keepdims=True) + jnp.sum(x, -1, keepdims=True)
+        return centred, jnp.any(x > 5, -1, keepdims=True) & (x < 0)
+    x = jnp.asarray(r.integers(-9, 9, (12, 33)), jnp.int32)
+    plan = plan_of(f, x)
+    assert sum(g.kind == "row" for g in plan.groups) == 2
+    outs, emulated = emu.run(plan, [np.asarray(x)])
+    assert emulated == 2
+    for got, want in zip(outs, jax.jit(f)(x)):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_emulated_row_inputs_kept_in_registers_up_to_a_budget():
     """Six rows summed, then softmax: with 8 elements per thread, four inputs fit the
     register budget (rows.CACHED_REGISTERS) and the other two are read again each pass."""
