@@ -12,7 +12,9 @@ updates where it reads them; a scatter that is the only reader of an operand buf
 plan writes updates that buffer in place (`_in_place`). A library GEMM's group also
 takes the bias add, residual add, scale and activation after it that cuBLASLt computes in
 its epilogue (compiler/epilogue.py); other groups treat those nodes as opaque readers.
-This is XLA's loop/input fusion with producer duplication, kept deliberately simple.
+A reduction over the trailing axes whose readers are all in one group joins that group
+instead, which then becomes one row kernel (fusion_rows.py: softmax, LayerNorm). This is
+XLA's loop/input fusion with producer duplication, kept deliberately simple.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from nimblejax.compiler.epilogue import EpilogueMatch, find_epilogues
+from nimblejax.compiler.fusion_rows import row_exits, row_target
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind
 from nimblejax.compiler.lowering.registry import rule_for
@@ -68,6 +71,8 @@ def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
     roots: dict[int, Node] = {}
     written = _worth_writing(graph, consumers)
     depth: dict[Node, int] = {}  # inlined nodes between a node and its kernel's root
+    rows: dict[int, int] = {}  # row groups (fusion_rows.py) → their row count
+    exits = row_exits(graph.nodes, consumers, outputs)  # they root their row group
 
     def new_group(node: Node) -> None:
         gid = len(roots)
@@ -88,7 +93,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
         read = node.outputs[0] in ep.vectors  # a GEMM reads it from memory
         if node in ep.copies and not users and not read and node.outputs[0] not in outputs:
             continue  # only GEMM epilogues' equations compute it
-        if rule_for(node).kind is RuleKind.ELEMENTWISE:
+        if rule_for(node).kind is RuleKind.ELEMENTWISE and node not in exits:
             groups = None if read else _inline_target(node, users, outputs, owner, ep.opaque)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
@@ -98,6 +103,11 @@ def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
                     owner[node] = groups
                     depth[node] = d
                     continue
+        elif rule_for(node).kind is RuleKind.REDUCTION:
+            gid = row_target(node, consumers, outputs, owner, roots, rows)
+            if gid is not None:  # one stage of its consumers' row kernel
+                owner[node], depth[node], rows[gid] = frozenset([gid]), 0, node.outputs[0].size
+                continue
         new_group(node)
 
     members: dict[int, list[Node]] = {gid: [] for gid in roots}
@@ -105,7 +115,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
         copied = frozenset(g for dot in ep.copies.get(node, ()) for g in owner[dot])
         for gid in owner.get(node, frozenset()) | copied:
             members[gid].append(node)
-    groups = [_make_group(roots[gid], members[gid], ep.matches.get(roots[gid]))
+    groups = [_make_group(roots[gid], members[gid], ep.matches.get(roots[gid]), gid in rows)
               for gid in sorted(roots, reverse=True)]
     groups = _in_place(groups, consumers, outputs)
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -224,7 +234,8 @@ def _strided_into_kernel(node: Node, groups, roots) -> bool:
     return any(rule_for(roots[g]).fuses for g in groups)
 
 
-def _make_group(root: Node, nodes: list[Node], epilogue: EpilogueMatch | None = None) -> Group:
+def _make_group(root: Node, nodes: list[Node], epilogue: EpilogueMatch | None = None,
+                row: bool = False) -> Group:
     produced = {v for n in nodes for v in n.outputs}
     inputs: list[Var] = []
     for n in nodes:
@@ -233,6 +244,8 @@ def _make_group(root: Node, nodes: list[Node], epilogue: EpilogueMatch | None = 
                 inputs.append(a)
     rule_kind = rule_for(root).kind
     kind = GroupKind.FUSED if rule_kind is RuleKind.ELEMENTWISE else GroupKind(rule_kind.value)
+    if row:  # reductions joined their consumers' group (fusion_rows.py)
+        kind = GroupKind.ROW
     # A reshape of a row-major buffer is a view of the same bytes (outputs are copied
     # out of the arena on every call, so a view may even be an output).
     if kind is GroupKind.FUSED and all(n.name in VIEW_PRIMS and n.params.get("dimensions") is None

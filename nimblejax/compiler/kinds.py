@@ -21,6 +21,7 @@ class GroupKind(StrEnum):
 
     FUSED = "fused"          # elementwise nodes rooted at an elementwise node
     REDUCTION = "reduction"  # a reduction with its producers inlined
+    ROW = "row"              # row normalizations: reductions over rows and their consumers
     KERNEL = "kernel"
     GEMM = "gemm"
     CUDNN = "cudnn"

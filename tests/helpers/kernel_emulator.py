@@ -72,6 +72,11 @@ template <class T> static inline T __shfl_down_sync(unsigned int, T v, int off) 
   memcpy(&w.slot[lane], &v, sizeof(T)); w.bar.arrive_and_wait();
   T r = v; if (lane + off < 32) memcpy(&r, &w.slot[lane + off], sizeof(T));
   w.bar.arrive_and_wait(); return r; }
+template <class T> static inline T __shfl_xor_sync(unsigned int, T v, int mask) {
+  int t = flat_tid(), lane = t % 32; Warp& w = warps[t / 32];
+  memcpy(&w.slot[lane], &v, sizeof(T)); w.bar.arrive_and_wait();
+  T r; memcpy(&r, &w.slot[lane ^ mask], sizeof(T));
+  w.bar.arrive_and_wait(); return r; }
 #define __global__
 #define __launch_bounds__(...)
 #define __device__

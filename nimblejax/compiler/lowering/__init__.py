@@ -9,6 +9,7 @@ from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_in
 from nimblejax.compiler.lowering.codegen import elementwise_kernel, reduction_kernel
 from nimblejax.compiler.kinds import GroupKind, TaskKind
 from nimblejax.compiler.lowering.registry import RULES, rule_for
+from nimblejax.compiler.lowering.rows import row_kernel
 from nimblejax.compiler.lowering.task import ConvCall, GemmCall, Kernel, Task
 from nimblejax.compiler.lowering.transpose import transpose_kernel
 
@@ -30,6 +31,8 @@ def lower_group(group: Group) -> Task:
     elif group.kind is GroupKind.REDUCTION:
         reducer = rule_for(root).fn(root.inputs[0].dtype)
         kernel = reduction_kernel(root, inlined, reducer.combine, reducer.init, reducer.acc_type)
+    elif group.kind is GroupKind.ROW:
+        kernel = row_kernel(root, group.nodes)
     elif group.kind is GroupKind.CUDNN:
         call = rule_for(root).fn(root)
         name = f"cudnn_conv_{call.x.shape[1]}x{call.x.shape[2]}x{call.x.shape[3]}_k{call.w.shape[1]}"
