@@ -1,0 +1,415 @@
+"""Merged dots (XLA's DotMerger): independent dot_generals that share an operand become
+one GEMM.
+
+Two kinds of sharing are merged:
+- tiled: the dots share one operand S and their other operands are slices of one array
+  X along one free axis that together tile it, each possibly reshaped to drop a one-wide
+  axis (the input projections `x[:, t] @ W_ih` of an unrolled LSTM; a scan's
+  per-iteration slices). The merged dot reads X itself: nothing is copied.
+- concatenated: the dots share S and their other operands O_1..O_k have one shape except
+  along the merge axis (Q/K/V projections `x @ Wq, x @ Wk, x @ Wv`; four gates `h @ U_g`).
+  The merged dot reads concatenate(O_1..O_k). It is made once per tuple of operands and
+  reused by every later merge of that tuple (the steps of an unrolled loop share it), and
+  folded at plan time when the operands are all constants.
+
+Each dot's result becomes a slice of the merged result (plus a reshape dropping the axis
+of a one-wide slice). Both are elementwise, so fusion inlines them as index arithmetic
+into their consumers' kernels. A dot is merged only where that happens: every consumer
+of its result is elementwise, a reduction reading it as its operand, or a dot that
+canonicalize_dot (which runs after this pass, on the merged graph) gives a transpose of it
+keeping its innermost axis (the slice is inlined into that transpose; one that moves the
+innermost axis would lose its tiled kernel). A result feeding a GEMM directly or leaving
+the graph would cost a copy kernel of its own: that dot is left alone.
+
+Safety: members are dot_generals without batch dims whose params (precision, preferred
+element type) and dtypes agree, read S on the same side with the same contracting dims,
+and none depends on another (merging would make a cycle). One merge is made at a time
+and the dependences are recomputed, so two merges can never close a cycle together.
+
+Cost, measure-free: a tiled merge is always taken (it saves k-1 launches and k-1 reads
+of S, and adds nothing). A concatenated one is taken when what it saves over every merge
+of the same operand tuple, (k-1) launches plus (k-1) reads of S each, is at least what
+the concatenate costs per call: one launch plus reading and writing the O_i. So the Q/K/V
+projections of weights merge when the rows of x are many (BERT-base: from about 1,500
+rows, i.e. batch*sequence large enough), and an LSTM's four gate weights merge because
+all of its steps share the one concatenate.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+from jax import lax
+
+from nimblejax.compiler.canonicalize.dot import dot_dims, gemm_layout
+from nimblejax.compiler.ir import Graph, Node, Var
+from nimblejax.compiler.jaxprs import open_jaxpr
+
+# A kernel launch, counted as memory traffic: on the H100 a launch inside a CUDA graph and
+# the ramp of a small kernel cost about 1.3 µs, the time to move 4 MiB at ~3.3 TB/s.
+LAUNCH_BYTES = 4 << 20
+# As fusion.MAX_DUPLICATION: a value with more consumers may be written, not inlined.
+MAX_CONSUMERS = 4
+
+
+@dataclass(frozen=True, eq=False)
+class Member:
+    """One dot of a merge. `source` is the array the merged dot reads on the non-shared
+    side (the sliced X, or the dot's own operand, to be concatenated); the dot's operand
+    is source[start:stop] along `axis`, without that axis when `squeezed`."""
+
+    dot: Node
+    source: Var
+    axis: int
+    start: int
+    stop: int
+    squeezed: bool
+    contracting: tuple[int, ...]  # the non-shared side's, in source's axes
+
+
+@dataclass(frozen=True, eq=False)
+class Merge:
+    side: int  # the shared operand's position: 0 lhs, 1 rhs
+    members: tuple[Member, ...]  # graph order
+    concatenated: bool
+
+
+def merge_dots(graph: Graph) -> Graph:
+    """The graph with every profitable merge made, one at a time until none is left."""
+    concats: dict[tuple, Var] = {}  # (operands, axis) → their concatenate, made once
+    while (merge := find_merge(graph, concats)) is not None:
+        graph = apply_merge(graph, merge, concats)
+    return graph
+
+
+# ---- finding a merge ------------------------------------------------------------------
+
+
+def find_merge(graph: Graph, concats: dict) -> Optional[Merge]:
+    """The first tiled merge, else the first concatenated merge worth its concatenate."""
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    consumers = graph.consumers()
+    outputs = {a for a in graph.outputs if isinstance(a, Var)}
+    dots = [n for n in graph.nodes if n.name == "dot_general"
+            and _mergeable(n) and _free_result(n, consumers, outputs)]
+    if len(dots) < 2:
+        return None
+    deps = _dot_ancestors(graph)
+    bit = {d: 1 << i for i, d in enumerate(n for n in graph.nodes if n.name == "dot_general")}
+    tiled: dict[tuple, list[Member]] = {}
+    stacked: dict[tuple, list[Member]] = {}
+    for d in dots:
+        for side in (0, 1):
+            base = _base_key(d, side)
+            m = _tiled_member(d, side, producer)
+            if m is not None:
+                tiled.setdefault(base + (m.source, m.axis, m.contracting), []).append(m)
+            m = _concat_member(d, side)
+            shape = tuple(s for a, s in enumerate(m.source.shape) if a != m.axis)
+            stacked.setdefault(base + (shape, m.axis, m.contracting), []).append(m)
+    for key, ms in tiled.items():
+        if len(ms) > 1 and _tiles(ms) and len(_independent_sets(ms, deps, bit)) == 1:
+            return Merge(key[1], tuple(ms), concatenated=False)
+    candidates = [(key[1], tuple(s)) for key, ms in stacked.items()
+                  for s in _independent_sets(ms, deps, bit) if len(s) > 1]
+    sites = Counter(_operands(ms) for _, ms in candidates)
+    for side, ms in candidates:
+        if _worth_concatenating(side, ms, sites[_operands(ms)], concats, graph.consts):
+            return Merge(side, ms, concatenated=True)
+    return None
+
+
+def _mergeable(dot: Node) -> bool:
+    (_, _), (lb, rb) = dot.params["dimension_numbers"]
+    lhs, rhs = dot.inputs
+    return (not lb and not rb and isinstance(lhs, Var) and isinstance(rhs, Var)
+            and lhs is not rhs)
+
+
+def _free_result(dot: Node, consumers, outputs) -> bool:
+    """Whether a slice of a merged result would be inlined into every consumer of this
+    dot's result (see the module docstring), so that merging copies nothing."""
+    from nimblejax.compiler.kinds import RuleKind
+    from nimblejax.compiler.lowering.registry import rule_for
+
+    y = dot.outputs[0]
+    users = consumers.get(y, [])
+    if y in outputs or not users or len(users) > MAX_CONSUMERS:
+        return False
+    for u in users:
+        kind = rule_for(u).kind
+        if kind is RuleKind.ELEMENTWISE:
+            continue
+        if kind is RuleKind.REDUCTION and all(a is not y for a in u.inputs[1:]):
+            continue
+        if u.name == "dot_general" and _transposed_in_place(u, y):
+            continue
+        return False
+    return True
+
+
+def _transposed_in_place(dot: Node, y: Var) -> bool:
+    """canonicalize_dot will transpose every operand of `dot` that is y, keeping its
+    innermost axis (so the transpose is an elementwise kernel that can read a slice)."""
+    if gemm_layout(dot) is not None:
+        return False
+    lc, rc, lb, rb, lf, rf = dot_dims(dot)
+    perms = (lb + lf + lc, rb + rc + rf)
+    for k, a in enumerate(dot.inputs):
+        perm = perms[k]
+        if a is y and (perm == tuple(range(len(perm))) or perm[-1] != len(perm) - 1):
+            return False
+    return True
+
+
+def _base_key(dot: Node, side: int) -> tuple:
+    """What members sharing operand `side` must agree on, apart from the other operand."""
+    (lc, rc), _ = dot.params["dimension_numbers"]
+    shared_contracting = tuple(int(d) for d in (lc, rc)[side])
+    params = tuple(sorted((k, repr(v)) for k, v in dot.params.items()
+                          if k != "dimension_numbers"))
+    other = dot.inputs[1 - side]
+    return (dot.inputs[side], side, shared_contracting, params, np.dtype(other.dtype),
+            np.dtype(dot.outputs[0].dtype))
+
+
+def _other_contracting(dot: Node, side: int) -> tuple[int, ...]:
+    (lc, rc), _ = dot.params["dimension_numbers"]
+    return tuple(int(d) for d in (lc, rc)[1 - side])
+
+
+def _free_axes(ndim: int, contracting: tuple[int, ...]) -> list[int]:
+    return [a for a in range(ndim) if a not in contracting]
+
+
+def _tiled_member(dot: Node, side: int, producer) -> Optional[Member]:
+    """The dot as a member reading a slice of a larger array, if its other operand is
+    one: slice(X) along one free axis, or that slice one wide with the axis dropped."""
+    view = _slice_of(dot.inputs[1 - side], producer)
+    if view is None:
+        return None
+    x, axis, start, stop, squeezed = view
+    cont = tuple(c + 1 if squeezed and c >= axis else c for c in _other_contracting(dot, side))
+    if axis in cont:
+        return None
+    return Member(dot, x, axis, start, stop, squeezed, cont)
+
+
+def _slice_of(v: Var, producer) -> Optional[tuple[Var, int, int, int, bool]]:
+    """(X, axis, start, stop, squeezed) when v is X sliced along one axis alone."""
+    node = producer.get(v)
+    squeezed = node is not None and node.name in ("squeeze", "reshape")
+    if squeezed:
+        if node.name == "reshape" and node.params.get("dimensions") is not None:
+            return None
+        node = producer.get(node.inputs[0])
+    if node is None or node.name != "slice" or not isinstance(node.inputs[0], Var):
+        return None
+    x = node.inputs[0]
+    starts, limits = node.params["start_indices"], node.params["limit_indices"]
+    strides = node.params.get("strides")
+    if strides is not None and any(int(s) != 1 for s in strides):
+        return None
+    cut = [a for a in range(x.ndim) if int(starts[a]) != 0 or int(limits[a]) != x.shape[a]]
+    if len(cut) != 1:
+        return None
+    axis = cut[0]
+    start, stop = int(starts[axis]), int(limits[axis])
+    if squeezed and (stop - start != 1 or tuple(v.shape) != x.shape[:axis] + x.shape[axis + 1:]):
+        return None
+    return x, axis, start, stop, squeezed
+
+
+def _concat_member(dot: Node, side: int) -> Member:
+    """The dot as a member whose own operand is concatenated with the others': along
+    the rows of an lhs (its first free axis), the columns of an rhs (its last)."""
+    other = dot.inputs[1 - side]
+    cont = _other_contracting(dot, side)
+    free = _free_axes(other.ndim, cont)
+    axis = free[-1] if side == 0 else free[0]
+    return Member(dot, other, axis, 0, other.shape[axis], False, cont)
+
+
+def _tiles(ms: list[Member]) -> bool:
+    """The members' slices cover their source along the axis exactly once."""
+    at = 0
+    for m in sorted(ms, key=lambda m: m.start):
+        if m.start != at:
+            return False
+        at = m.stop
+    return at == ms[0].source.shape[ms[0].axis]
+
+
+def _dot_ancestors(graph: Graph) -> dict[Node, int]:
+    """dot → the set (a bit per dot, graph order) of dots it depends on."""
+    index = {d: i for i, d in enumerate(n for n in graph.nodes if n.name == "dot_general")}
+    above: dict[Var, int] = {}
+    deps: dict[Node, int] = {}
+    for n in graph.nodes:
+        mask = 0
+        for a in n.inputs:
+            if isinstance(a, Var):
+                mask |= above.get(a, 0)
+        if n in index:
+            deps[n] = mask
+            mask |= 1 << index[n]
+        for o in n.outputs:
+            above[o] = mask
+    return deps
+
+
+def _independent_sets(ms: list[Member], deps, bit) -> list[list[Member]]:
+    """Members split first-fit (in graph order) into sets in which none depends on
+    another: a later member may join a set when no member of it is among its ancestors."""
+    sets: list[tuple[int, list[Member]]] = []
+    for m in ms:
+        for i, (mask, s) in enumerate(sets):
+            if deps[m.dot] & mask == 0:
+                sets[i] = (mask | bit[m.dot], s + [m])
+                break
+        else:
+            sets.append((bit[m.dot], [m]))
+    return [s for _, s in sets]
+
+
+def _operands(ms) -> tuple:
+    return tuple(m.source for m in ms) + (ms[0].axis,)
+
+
+def _worth_concatenating(side: int, ms, sites: int, concats: dict, consts) -> bool:
+    """The measure-free rule of the module docstring; free when the concatenate exists
+    already or folds at plan time."""
+    if _operands(ms) in concats or all(m.source in consts for m in ms):
+        return True
+    shared = ms[0].dot.inputs[side]
+    saved = sites * (len(ms) - 1) * (LAUNCH_BYTES + shared.nbytes)
+    cost = LAUNCH_BYTES + 2 * sum(m.source.nbytes for m in ms)
+    return saved >= cost
+
+
+# ---- making it ------------------------------------------------------------------------
+
+
+def apply_merge(graph: Graph, merge: Merge, concats: dict) -> Graph:
+    """The graph with the members replaced by one dot and a slice of it each."""
+    first = merge.members[0].dot
+    consts = dict(graph.consts)
+    made: list[Node] = []
+    if merge.concatenated:
+        source, ranges = _concatenated(merge, concats, consts, made)
+    else:
+        source = merge.members[0].source
+        ranges = [(m.start, m.stop) for m in merge.members]
+    merged, position = _merged_dot(merge, source, made)
+    for m, (start, stop) in zip(merge.members, ranges):
+        made += _slice_back(merged, position, start, stop, m, first.source)
+    dropped = {m.dot for m in merge.members}
+    nodes: list[Node] = []
+    for n in graph.nodes:
+        if n is first:
+            nodes += made
+        elif n not in dropped:
+            nodes.append(n)
+    return Graph(graph.inputs, graph.outputs, _topological(nodes), consts, graph.control)
+
+
+def _concatenated(merge: Merge, concats: dict, consts: dict, made: list) -> tuple[Var, list]:
+    ms = merge.members
+    axis = ms[0].axis
+    bounds = np.cumsum([0] + [m.source.shape[axis] for m in ms])
+    ranges = [(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    key = _operands(ms)
+    if key not in concats:
+        parts = [m.source for m in ms]
+        if all(p in consts for p in parts):
+            value = np.concatenate([np.asarray(consts[p]) for p in parts], axis)
+            concats[key] = Var(value.shape, value.dtype)
+            consts[concats[key]] = value
+        else:
+            made += _traced(lambda *xs: lax.concatenate(xs, axis), parts, ms[0].dot.source)
+            concats[key] = made[-1].outputs[0]
+    return concats[key], ranges
+
+
+def _merged_dot(merge: Merge, source: Var, made: list) -> tuple[Var, int]:
+    """The one dot (appended to `made`) and the position of the merge axis in its result."""
+    first = merge.members[0].dot
+    side, m = merge.side, merge.members[0]
+    (lc, rc), _ = first.params["dimension_numbers"]
+    shared = first.inputs[side]
+    contracting = [tuple(int(d) for d in (lc, rc)[side]), m.contracting]
+    if side == 1:
+        contracting.reverse()
+    lhs, rhs = (shared, source) if side == 0 else (source, shared)
+    lfree = _free_axes(lhs.ndim, contracting[0])
+    rfree = _free_axes(rhs.ndim, contracting[1])
+    out_shape = tuple(lhs.shape[a] for a in lfree) + tuple(rhs.shape[a] for a in rfree)
+    y = first.outputs[0]
+    out = Var(out_shape, y.dtype, y.weak_type)
+    dn = ((tuple(contracting[0]), tuple(contracting[1])), ((), ()))
+    made.append(Node(first.primitive, (lhs, rhs), (out,), dict(first.params, dimension_numbers=dn),
+                     first.source))
+    position = lfree.index(m.axis) if side == 1 else len(lfree) + rfree.index(m.axis)
+    return out, position
+
+
+def _slice_back(merged: Var, position: int, start: int, stop: int, m: Member,
+                source: str) -> list[Node]:
+    """Nodes computing the member's own result from the merged one."""
+    y = m.dot.outputs[0]
+
+    def piece(z):
+        s = lax.slice_in_dim(z, start, stop, axis=position)
+        return lax.reshape(s, y.shape) if m.squeezed else s
+
+    nodes = _traced(piece, [merged], source)
+    old = nodes[-1].outputs[0]
+    assert old.shape == y.shape, (old, y)
+    last = nodes[-1]
+    nodes[-1] = Node(last.primitive, last.inputs, (y,), last.params, last.source, last.effectful)
+    return nodes
+
+
+def _traced(fn: Callable, args: list[Var], source: str) -> list[Node]:
+    """fn's equations, traced with this JAX's lax, on the graph's values `args`."""
+    from nimblejax.compiler.trace import GraphBuilder
+
+    specs = tuple((tuple(a.shape), np.dtype(a.dtype), bool(a.weak_type)) for a in args)
+    jaxpr, consts = open_jaxpr(_make_jaxpr(fn, specs))
+    assert not consts
+    part = GraphBuilder()
+    outs = part.inline(jaxpr, list(args), source)
+    assert len(outs) == 1 and part.nodes and part.nodes[-1].outputs[0] is outs[0], outs
+    return part.nodes
+
+
+def _make_jaxpr(fn: Callable, specs: tuple):
+    return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in specs))
+
+
+def _topological(nodes: list[Node]) -> tuple[Node, ...]:
+    """The nodes in an order where each follows its producers, staying close to the
+    given order (a merged dot sits where its first member was; its later members'
+    operands are pulled up before it)."""
+    producer = {v: n for n in nodes for v in n.outputs}
+    done: set[Node] = set()
+    order: list[Node] = []
+    for root in nodes:
+        stack = [(root, iter(root.inputs))]
+        while stack:
+            node, ins = stack[-1]
+            if node in done:
+                stack.pop()
+                continue
+            nxt = next((producer[a] for a in ins if isinstance(a, Var) and a in producer
+                        and producer[a] not in done), None)
+            if nxt is None:
+                done.add(node)
+                order.append(node)
+                stack.pop()
+            else:
+                stack.append((nxt, iter(nxt.inputs)))
+    return tuple(order)
