@@ -18,8 +18,10 @@ into their consumers' kernels. A dot is merged only where that happens: every co
 of its result is elementwise, a reduction reading it as its operand, or a dot that
 canonicalize_dot (which runs after this pass, on the merged graph) gives a transpose of it
 keeping its innermost axis (the slice is inlined into that transpose; one that moves the
-innermost axis would lose its tiled kernel). A result feeding a GEMM directly or leaving
-the graph would cost a copy kernel of its own: that dot is left alone.
+innermost axis would lose its tiled kernel, so such transposes do not count). A reshape
+counts when its own consumers do (alone it is a view, with a slice it would be a copy).
+A result feeding a GEMM directly or leaving the graph would cost a copy kernel of its
+own: that dot is left alone.
 
 Safety: members are dot_generals without batch dims whose params (precision, preferred
 element type) and dtypes agree, read S on the same side with the same contracting dims,
@@ -53,6 +55,8 @@ from nimblejax.compiler.jaxprs import open_jaxpr
 LAUNCH_BYTES = 4 << 20
 # As fusion.MAX_DUPLICATION: a value with more consumers may be written, not inlined.
 MAX_CONSUMERS = 4
+# As fusion.VIEW_PRIMS: alone (and without `dimensions`), views of a buffer, not kernels.
+VIEW_PRIMS = frozenset({"reshape", "squeeze"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -130,17 +134,37 @@ def _mergeable(dot: Node) -> bool:
 
 
 def _free_result(dot: Node, consumers, outputs) -> bool:
-    """Whether a slice of a merged result would be inlined into every consumer of this
-    dot's result (see the module docstring), so that merging copies nothing."""
+    """Whether merging copies nothing for this dot's result: every reader is a slice
+    (each then slices the merged result itself: `_compose`), or a slice of the merged
+    result would be inlined into every reader (see the module docstring)."""
+    y = dot.outputs[0]
+    users = consumers.get(y, [])
+    if y not in outputs and users and all(_plain_slice(u) for u in users):
+        return True
+    return _inlined_everywhere(y, consumers, outputs)
+
+
+def _plain_slice(node: Node) -> bool:
+    strides = node.params.get("strides") if node.name == "slice" else None
+    return node.name == "slice" and (strides is None or all(int(s) == 1 for s in strides))
+
+
+def _inlined_everywhere(y: Var, consumers, outputs) -> bool:
     from nimblejax.compiler.kinds import RuleKind
     from nimblejax.compiler.lowering.registry import rule_for
 
-    y = dot.outputs[0]
     users = consumers.get(y, [])
     if y in outputs or not users or len(users) > MAX_CONSUMERS:
         return False
     for u in users:
         kind = rule_for(u).kind
+        if u.name in VIEW_PRIMS and u.params.get("dimensions") is None:
+            # A view of y now, a copy of the slice then, unless it is inlined further.
+            if not _inlined_everywhere(u.outputs[0], consumers, outputs):
+                return False
+            continue
+        if u.name == "transpose" and _moves_innermost(tuple(u.params["permutation"])):
+            return False  # it would lose its tiled kernel (lowering/transpose.py)
         if kind is RuleKind.ELEMENTWISE:
             continue
         if kind is RuleKind.REDUCTION and all(a is not y for a in u.inputs[1:]):
@@ -160,9 +184,13 @@ def _transposed_in_place(dot: Node, y: Var) -> bool:
     perms = (lb + lf + lc, rb + rc + rf)
     for k, a in enumerate(dot.inputs):
         perm = perms[k]
-        if a is y and (perm == tuple(range(len(perm))) or perm[-1] != len(perm) - 1):
+        if a is y and (perm == tuple(range(len(perm))) or _moves_innermost(perm)):
             return False
     return True
+
+
+def _moves_innermost(perm: tuple[int, ...]) -> bool:
+    return bool(perm) and perm[-1] != len(perm) - 1
 
 
 def _base_key(dot: Node, side: int) -> tuple:
@@ -304,9 +332,15 @@ def apply_merge(graph: Graph, merge: Merge, concats: dict) -> Graph:
         source = merge.members[0].source
         ranges = [(m.start, m.stop) for m in merge.members]
     merged, position = _merged_dot(merge, source, made)
-    for m, (start, stop) in zip(merge.members, ranges):
-        made += _slice_back(merged, position, start, stop, m, first.source)
+    consumers = graph.consumers()
     dropped = {m.dot for m in merge.members}
+    for m, (start, stop) in zip(merge.members, ranges):
+        users = consumers[m.dot.outputs[0]]
+        if all(_plain_slice(u) for u in users):
+            made += [n for u in users for n in _compose(u, merged, position, start, m.squeezed)]
+            dropped.update(users)
+        else:
+            made += _slice_back(merged, position, start, stop, m, first.source)
     nodes: list[Node] = []
     for n in graph.nodes:
         if n is first:
@@ -365,12 +399,35 @@ def _slice_back(merged: Var, position: int, start: int, stop: int, m: Member,
         s = lax.slice_in_dim(z, start, stop, axis=position)
         return lax.reshape(s, y.shape) if m.squeezed else s
 
-    nodes = _traced(piece, [merged], source)
-    old = nodes[-1].outputs[0]
-    assert old.shape == y.shape, (old, y)
+    return _renamed(_traced(piece, [merged], source), y)
+
+
+def _compose(u: Node, merged: Var, position: int, start: int, squeezed: bool) -> list[Node]:
+    """A slice `u` of a member's result as a slice of the merged result (and a reshape
+    dropping the member's axis when its operand was squeezed)."""
+    starts = [int(a) for a in u.params["start_indices"]]
+    limits = [int(a) for a in u.params["limit_indices"]]
+    if squeezed:
+        starts.insert(position, start)
+        limits.insert(position, start + 1)
+    else:
+        starts[position] += start
+        limits[position] += start
+    shape = u.outputs[0].shape
+
+    def piece(z):
+        s = lax.slice(z, starts, limits)
+        return lax.reshape(s, shape) if squeezed else s
+
+    return _renamed(_traced(piece, [merged], u.source), u.outputs[0])
+
+
+def _renamed(nodes: list[Node], out: Var) -> list[Node]:
+    """`nodes` with the last one's result renamed to `out` (so its readers need no change)."""
     last = nodes[-1]
-    nodes[-1] = Node(last.primitive, last.inputs, (y,), last.params, last.source, last.effectful)
-    return nodes
+    assert last.outputs[0].shape == out.shape, (last, out)
+    return nodes[:-1] + [Node(last.primitive, last.inputs, (out,), last.params, last.source,
+                              last.effectful)]
 
 
 def _traced(fn: Callable, args: list[Var], source: str) -> list[Node]:
