@@ -455,18 +455,21 @@ def _topological(nodes: list[Node]) -> tuple[Node, ...]:
     done: set[Node] = set()
     order: list[Node] = []
     for root in nodes:
-        stack = [(root, iter(root.inputs))]
+        if root in done:
+            continue
+        stack, open_ = [(root, iter(root.inputs))], {root}
         while stack:
             node, ins = stack[-1]
-            if node in done:
-                stack.pop()
-                continue
             nxt = next((producer[a] for a in ins if isinstance(a, Var) and a in producer
                         and producer[a] not in done), None)
             if nxt is None:
                 done.add(node)
+                open_.discard(node)
                 order.append(node)
                 stack.pop()
+            elif nxt in open_:
+                raise AssertionError(f"merge_dots made a cycle through {nxt!r}")
             else:
+                open_.add(nxt)
                 stack.append((nxt, iter(nxt.inputs)))
     return tuple(order)
