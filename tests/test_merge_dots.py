@@ -229,3 +229,12 @@ def test_merge_dots_leaves_a_graph_without_shared_dots_unchanged():
                                                          jax.ShapeDtypeStruct((4, 4), np.float32)])
     merged = md.merge_dots(graph)
     assert isinstance(merged, Graph) and merged.nodes == graph.nodes
+
+
+def test_matrix_vector_products_sharing_the_matrix_match_jax():
+    # The vectors have no free axis to concatenate along: left as they are.
+    rng = np.random.default_rng(13)
+    fn = lambda a, u, v: jnp.tanh(a @ u) + jnp.tanh(a @ v)  # noqa: E731
+    args = (rand(rng, 64, 64), rand(rng, 64), rand(rng, 64))
+    assert len(gemms(fn, *args)) == 2
+    check(fn, args)

@@ -112,8 +112,9 @@ def find_merge(graph: Graph, concats: dict) -> Optional[Merge]:
             if m is not None:
                 tiled.setdefault(base + (m.source, m.axis, m.contracting), []).append(m)
             m = _concat_member(d, side)
-            shape = tuple(s for a, s in enumerate(m.source.shape) if a != m.axis)
-            stacked.setdefault(base + (shape, m.axis, m.contracting), []).append(m)
+            if m is not None:
+                shape = tuple(s for a, s in enumerate(m.source.shape) if a != m.axis)
+                stacked.setdefault(base + (shape, m.axis, m.contracting), []).append(m)
     for key, ms in tiled.items():
         if len(ms) > 1 and _tiles(ms) and len(_independent_sets(ms, deps, bit)) == 1:
             return Merge(key[1], tuple(ms), concatenated=False)
@@ -251,12 +252,15 @@ def _slice_of(v: Var, producer) -> Optional[tuple[Var, int, int, int, bool]]:
     return x, axis, start, stop, squeezed
 
 
-def _concat_member(dot: Node, side: int) -> Member:
+def _concat_member(dot: Node, side: int) -> Optional[Member]:
     """The dot as a member whose own operand is concatenated with the others': along
-    the rows of an lhs (its first free axis), the columns of an rhs (its last)."""
+    the rows of an lhs (its first free axis), the columns of an rhs (its last). None
+    when that operand has no free axis (a matrix-vector product's vector)."""
     other = dot.inputs[1 - side]
     cont = _other_contracting(dot, side)
     free = _free_axes(other.ndim, cont)
+    if not free:
+        return None
     axis = free[-1] if side == 0 else free[0]
     return Member(dot, other, axis, 0, other.shape[axis], False, cont)
 
