@@ -238,3 +238,24 @@ def test_matrix_vector_products_sharing_the_matrix_match_jax():
     args = (rand(rng, 64, 64), rand(rng, 64), rand(rng, 64))
     assert len(gemms(fn, *args)) == 2
     check(fn, args)
+
+
+# ---- the cost rule on the benchmark models ------------------------------------------
+def bench_gemms(name: str, batch: int) -> int:
+    from nimblejax.bench.cli import abstract_model
+
+    fn, args = abstract_model(MODELS[name], batch, jnp.float32, tiny=False)
+    return len(gemms(fn, *args))
+
+
+def test_bert_qkv_merge_at_batch_32_not_at_batch_1():
+    # 12 layers of (Q, K, V, two attention einsums, attn_out, ffn_in, ffn_out): at
+    # 32x128 rows the three projections share one GEMM over concatenated weights.
+    assert bench_gemms("bert", 32) == 12 * 6
+    assert bench_gemms("bert", 1) == 12 * 8
+
+
+def test_branchy_mlp_first_layers_stay_parallel_gemms():
+    # One x, eight 256x256 weights: a concatenate would cost more than the reads of x
+    # it saves, and the eight GEMMs run side by side on the streams anyway.
+    assert bench_gemms("mlp", 32) == 8 * 6

@@ -28,13 +28,22 @@ element type) and dtypes agree, read S on the same side with the same contractin
 and none depends on another (merging would make a cycle). One merge is made at a time
 and the dependences are recomputed, so two merges can never close a cycle together.
 
-Cost, measure-free: a tiled merge is always taken (it saves k-1 launches and k-1 reads
-of S, and adds nothing). A concatenated one is taken when what it saves over every merge
-of the same operand tuple, (k-1) launches plus (k-1) reads of S each, is at least what
-the concatenate costs per call: one launch plus reading and writing the O_i. So the Q/K/V
-projections of weights merge when the rows of x are many (BERT-base: from about 1,500
-rows, i.e. batch*sequence large enough), and an LSTM's four gate weights merge because
-all of its steps share the one concatenate.
+Cost, measure-free. A tiled merge is always taken: it saves k-1 launches and k-1 reads
+of S and adds nothing. A concatenated one is taken when what it saves over every merge of
+the same operand tuple (the steps of a loop) is at least what the concatenate costs per
+call, one launch plus reading and writing the O_i. A merge saves k-1 reads of S, and one
+launch rather than k-1: the k dots are independent, so the multi-stream schedule runs
+them side by side, and what the merge removes is about one launch's latency (the fork and
+join) on the path. Launches count as LAUNCH_BYTES of traffic. So the Q/K/V projections
+of BERT-base merge from about 2,400 rows of x (batch*sequence) on, a branchy MLP's first
+layers (one x, eight weights) stay parallel GEMMs at any batch, and an LSTM's four gate
+weights merge because all of its steps share the one concatenate.
+
+Order: concatenated merges (by the rule) first, then tiled ones, and a dot whose operand
+is one tile of a tiling is never concatenated on that side. In flax's LSTMCell (four
+dots on x_t, four on h, each step) the four input gates of each step merge over
+concatenate(W_i, W_f, W_g, W_o), made once, then the steps' merged dots over x's tiles:
+one GEMM for every input projection.
 """
 from __future__ import annotations
 
@@ -104,27 +113,32 @@ def find_merge(graph: Graph, concats: dict) -> Optional[Merge]:
     deps = _dot_ancestors(graph)
     bit = {d: 1 << i for i, d in enumerate(n for n in graph.nodes if n.name == "dot_general")}
     tiled: dict[tuple, list[Member]] = {}
+    for d in dots:
+        for side in (0, 1):
+            m = _tiled_member(d, side, producer)
+            if m is not None:
+                key = _base_key(d, side) + (m.source, m.axis, m.contracting)
+                tiled.setdefault(key, []).append(m)
+    tilings = [Merge(key[1], tuple(ms), concatenated=False) for key, ms in tiled.items()
+               if len(ms) > 1 and _tiles(ms) and len(_independent_sets(ms, deps, bit)) == 1]
+    # A dot whose operand is a tile is never concatenated on that side: reading the
+    # whole array beats copying its tiles.
+    tiling = {(m.dot, t.side) for t in tilings for m in t.members}
     stacked: dict[tuple, list[Member]] = {}
     for d in dots:
         for side in (0, 1):
-            base = _base_key(d, side)
-            m = _tiled_member(d, side, producer)
-            if m is not None:
-                tiled.setdefault(base + (m.source, m.axis, m.contracting), []).append(m)
             m = _concat_member(d, side)
-            if m is not None:
+            if m is not None and (d, side) not in tiling:
                 shape = tuple(s for a, s in enumerate(m.source.shape) if a != m.axis)
-                stacked.setdefault(base + (shape, m.axis, m.contracting), []).append(m)
-    for key, ms in tiled.items():
-        if len(ms) > 1 and _tiles(ms) and len(_independent_sets(ms, deps, bit)) == 1:
-            return Merge(key[1], tuple(ms), concatenated=False)
+                key = _base_key(d, side) + (shape, m.axis, m.contracting)
+                stacked.setdefault(key, []).append(m)
     candidates = [(key[1], tuple(s)) for key, ms in stacked.items()
                   for s in _independent_sets(ms, deps, bit) if len(s) > 1]
     sites = Counter(_operands(ms) for _, ms in candidates)
     for side, ms in candidates:
         if _worth_concatenating(side, ms, sites[_operands(ms)], concats, graph.consts):
             return Merge(side, ms, concatenated=True)
-    return None
+    return tilings[0] if tilings else None
 
 
 def _mergeable(dot: Node) -> bool:
@@ -317,7 +331,7 @@ def _worth_concatenating(side: int, ms, sites: int, concats: dict, consts) -> bo
     if _operands(ms) in concats or all(m.source in consts for m in ms):
         return True
     shared = ms[0].dot.inputs[side]
-    saved = sites * (len(ms) - 1) * (LAUNCH_BYTES + shared.nbytes)
+    saved = sites * (LAUNCH_BYTES + (len(ms) - 1) * shared.nbytes)
     cost = LAUNCH_BYTES + 2 * sum(m.source.nbytes for m in ms)
     return saved >= cost
 
