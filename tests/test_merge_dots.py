@@ -144,18 +144,40 @@ def test_qkv_with_constant_weights_concatenates_them_at_plan_time():
     check(fn, (x,))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_attention_block_matches_jax(backend):
-    rng = np.random.default_rng(7)
+def attention(x, wq, wk, wv, wo, bq, bk, bv):
+    b, s, d = x.shape
+    q, k, v = ((x @ w + bias).reshape(b, s, 4, d // 4)
+               for w, bias in ((wq, bq), (wk, bk), (wv, bv)))
+    p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, s, d) @ wo
 
-    def attn(x, wq, wk, wv, wo):
+
+def attention_args(rng):
+    return ((rand(rng, 8, 256, 64),) + tuple(rand(rng, 64, 64) * 0.1 for _ in range(4))
+            + tuple(rand(rng, 64) for _ in range(3)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_block_qkv_is_one_gemm(backend):
+    # As BERT's: the bias add reads each projection, the head transposes read that.
+    args = attention_args(np.random.default_rng(7))
+    made = gemms(attention, *args)
+    assert (8 * 256, 3 * 64, 64) in [(g.m, g.n, g.k) for g in made] and len(made) == 4
+    check(attention, args, backend)
+
+
+def test_head_transpose_of_a_projection_keeps_it_apart():
+    # Without a bias, K's head transpose would read a slice of the merged result, and a
+    # transpose moving the innermost axis loses its tiled kernel then: K stays alone.
+    def fn(x, wq, wk, wv, wo):
         b, s, d = x.shape
         q, k, v = ((x @ w).reshape(b, s, 4, d // 4) for w in (wq, wk, wv))
         p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) / 4.0, axis=-1)
         return jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, s, d) @ wo
 
-    args = (rand(rng, 8, 256, 64),) + tuple(rand(rng, 64, 64) * 0.1 for _ in range(4))
-    check(attn, args, backend)
+    args = attention_args(np.random.default_rng(14))[:5]
+    assert len(gemms(fn, *args)) == 6
+    check(fn, args)
 
 
 # ---- what is not merged ---------------------------------------------------------------
@@ -220,6 +242,21 @@ def test_two_merges_never_make_a_cycle():
     made = gemms(fn, *args)
     assert 2 < len(made) < 4  # one pair merged (A or B), never both
     check(fn, args)
+
+
+def test_merged_plans_kernels_compile():
+    from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
+
+    if available_compiler() is None:
+        pytest.skip("no NVRTC or nvcc")
+    rng = np.random.default_rng(15)
+    fn, (p, x) = bench_lstm(steps=8, batch=4)
+    plans = [nimble.jit(fn, backend="interpret").plan(p, x),
+             nimble.jit(attention, backend="interpret").plan(*attention_args(rng))]
+    kernels = {k.name: k.source for plan in plans for t in plan.tasks if t.kernel
+               for k in t.kernel.launches}
+    ptx = compile_to_ptx("\n".join(kernels.values()), "merged.cu", arch="sm_90")
+    assert all(f".entry {name}(" in ptx for name in kernels)
 
 
 def test_merge_dots_leaves_a_graph_without_shared_dots_unchanged():
