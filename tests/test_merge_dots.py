@@ -182,10 +182,11 @@ def test_head_transpose_of_a_projection_keeps_it_apart():
 
 # ---- what is not merged ---------------------------------------------------------------
 def test_dependent_dots_are_not_merged():
+    # Sizes at which two independent ones would merge (4 MB of w read once, not twice).
     rng = np.random.default_rng(8)
-    w = rand(rng, 64, 64) * 0.1
+    w = rand(rng, 1024, 1024) * 0.03
     fn = lambda x, w: jnp.tanh(jnp.tanh(x @ w) @ w)  # noqa: E731
-    args = (rand(rng, 2048, 64), w)
+    args = (rand(rng, 64, 1024), w)
     assert len(gemms(fn, *args)) == 2
     check(fn, args)
 
