@@ -93,6 +93,18 @@ def test_scan_lstm_input_projections_are_one_gemm(backend):
     check(scan_lstm, args, backend)
 
 
+def test_constant_dynamic_slices_tile_their_array_too():
+    rng = np.random.default_rng(16)
+
+    def fn(x, w):
+        steps = [lax.dynamic_index_in_dim(x, t, axis=1, keepdims=False) for t in range(5)]
+        return [jnp.tanh(s @ w) for s in steps]
+
+    args = (rand(rng, 4, 5, 16), rand(rng, 16, 32))
+    assert [(g.m, g.n, g.k) for g in gemms(fn, *args)] == [(4 * 5, 32, 16)]
+    check(fn, args)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flax_lstm_cell_gates_merge_across_steps_and_gates(backend):
     nn = pytest.importorskip("flax.linen")

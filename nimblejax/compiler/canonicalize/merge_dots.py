@@ -56,7 +56,7 @@ import numpy as np
 from jax import lax
 
 from nimblejax.compiler.canonicalize.dot import dot_dims, gemm_layout
-from nimblejax.compiler.ir import Graph, Node, Var
+from nimblejax.compiler.ir import Graph, Literal, Node, Var
 from nimblejax.compiler.jaxprs import open_jaxpr
 
 # A kernel launch, counted as memory traffic: on the H100 a launch inside a CUDA graph and
@@ -249,13 +249,10 @@ def _slice_of(v: Var, producer) -> Optional[tuple[Var, int, int, int, bool]]:
         if node.name == "reshape" and node.params.get("dimensions") is not None:
             return None
         node = producer.get(node.inputs[0])
-    if node is None or node.name != "slice" or not isinstance(node.inputs[0], Var):
+    box = _static_box(node)
+    if box is None:
         return None
-    x = node.inputs[0]
-    starts, limits = node.params["start_indices"], node.params["limit_indices"]
-    strides = node.params.get("strides")
-    if strides is not None and any(int(s) != 1 for s in strides):
-        return None
+    x, starts, limits = box
     cut = [a for a in range(x.ndim) if int(starts[a]) != 0 or int(limits[a]) != x.shape[a]]
     if len(cut) != 1:
         return None
@@ -264,6 +261,26 @@ def _slice_of(v: Var, producer) -> Optional[tuple[Var, int, int, int, bool]]:
     if squeezed and (stop - start != 1 or tuple(v.shape) != x.shape[:axis] + x.shape[axis + 1:]):
         return None
     return x, axis, start, stop, squeezed
+
+
+def _static_box(node: Optional[Node]) -> Optional[tuple[Var, list[int], list[int]]]:
+    """(X, starts, limits) of a unit-stride slice of X, or of a dynamic_slice whose start
+    indices are all literals (clamped into X as XLA does)."""
+    if node is None or not node.inputs or not isinstance(node.inputs[0], Var):
+        return None
+    x = node.inputs[0]
+    if node.name == "slice":
+        strides = node.params.get("strides")
+        if strides is not None and any(int(s) != 1 for s in strides):
+            return None
+        return x, [int(a) for a in node.params["start_indices"]], \
+            [int(a) for a in node.params["limit_indices"]]
+    if node.name == "dynamic_slice" and all(isinstance(a, Literal) for a in node.inputs[1:]):
+        sizes = [int(a) for a in node.params["slice_sizes"]]
+        starts = [min(max(int(a.value), 0), d - n)
+                  for a, d, n in zip(node.inputs[1:], x.shape, sizes)]
+        return x, starts, [a + n for a, n in zip(starts, sizes)]
+    return None
 
 
 def _concat_member(dot: Node, side: int) -> Optional[Member]:
