@@ -249,7 +249,7 @@ def _slice_of(v: Var, producer) -> Optional[tuple[Var, int, int, int, bool]]:
         if node.name == "reshape" and node.params.get("dimensions") is not None:
             return None
         node = producer.get(node.inputs[0])
-    box = _static_box(node)
+    box = _static_box(node, producer)
     if box is None:
         return None
     x, starts, limits = box
@@ -263,9 +263,9 @@ def _slice_of(v: Var, producer) -> Optional[tuple[Var, int, int, int, bool]]:
     return x, axis, start, stop, squeezed
 
 
-def _static_box(node: Optional[Node]) -> Optional[tuple[Var, list[int], list[int]]]:
+def _static_box(node: Optional[Node], producer) -> Optional[tuple[Var, list[int], list[int]]]:
     """(X, starts, limits) of a unit-stride slice of X, or of a dynamic_slice whose start
-    indices are all literals (clamped into X as XLA does)."""
+    indices are constants (clamped into X as XLA does)."""
     if node is None or not node.inputs or not isinstance(node.inputs[0], Var):
         return None
     x = node.inputs[0]
@@ -275,12 +275,39 @@ def _static_box(node: Optional[Node]) -> Optional[tuple[Var, list[int], list[int
             return None
         return x, [int(a) for a in node.params["start_indices"]], \
             [int(a) for a in node.params["limit_indices"]]
-    if node.name == "dynamic_slice" and all(isinstance(a, Literal) for a in node.inputs[1:]):
-        sizes = [int(a) for a in node.params["slice_sizes"]]
-        starts = [min(max(int(a.value), 0), d - n)
-                  for a, d, n in zip(node.inputs[1:], x.shape, sizes)]
-        return x, starts, [a + n for a, n in zip(starts, sizes)]
-    return None
+    if node.name != "dynamic_slice":
+        return None
+    given = [_constant(a, producer) for a in node.inputs[1:]]
+    if any(a is None for a in given):
+        return None
+    sizes = [int(a) for a in node.params["slice_sizes"]]
+    starts = [min(max(a, 0), d - n) for a, d, n in zip(given, x.shape, sizes)]
+    return x, starts, [a + n for a, n in zip(starts, sizes)]
+
+
+# Scalar integer arithmetic that jnp's indexing wraps around a static index (negative
+# index normalization: `select_n(i < 0, i, i + n)`), evaluated at plan time.
+_SCALAR_OPS: dict[str, Callable] = {
+    "add": lambda a, b: a + b, "sub": lambda a, b: a - b, "mul": lambda a, b: a * b,
+    "lt": lambda a, b: a < b, "le": lambda a, b: a <= b, "gt": lambda a, b: a > b,
+    "ge": lambda a, b: a >= b, "eq": lambda a, b: a == b, "ne": lambda a, b: a != b,
+    "max": max, "min": min, "convert_element_type": lambda a: a,
+    "select_n": lambda p, *cases: cases[int(p)],
+    "clamp": lambda lo, a, hi: min(max(a, lo), hi),
+}
+
+
+def _constant(a, producer, depth: int = 8) -> Optional[int]:
+    """The value of an integer scalar computed from literals alone, else None."""
+    if isinstance(a, Literal):
+        return int(a.value) if np.issubdtype(a.dtype, np.integer) or a.dtype == bool else None
+    node = producer.get(a)
+    if node is None or depth == 0 or node.name not in _SCALAR_OPS or a.shape:
+        return None
+    if node.name == "convert_element_type" and not np.issubdtype(a.dtype, np.integer):
+        return None
+    args = [_constant(b, producer, depth - 1) for b in node.inputs]
+    return None if any(v is None for v in args) else int(_SCALAR_OPS[node.name](*args))
 
 
 def _concat_member(dot: Node, side: int) -> Optional[Member]:
