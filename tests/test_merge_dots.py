@@ -274,6 +274,28 @@ def test_merged_plans_kernels_compile():
     assert all(f".entry {name}(" in ptx for name in kernels)
 
 
+def test_merged_plans_kernels_run_right_on_the_cpu():
+    # The generated kernels themselves (the strided slices of merged results inlined into
+    # the gate and bias kernels, the concatenate) compiled as C++ and run on the CPU.
+    kernel_emulator = pytest.importorskip("kernel_emulator")
+    if kernel_emulator.compiler() is None:
+        pytest.skip("no C++ compiler")
+    rng = np.random.default_rng(17)
+    fn, (p, x) = bench_lstm(steps=8, batch=4)
+    args = [scan_lstm, (rand(rng, 16, 64) * 0.3, rand(rng, 16, 64) * 0.3, rand(rng, 64),
+                        rand(rng, 5, 3, 16))]
+    cases = [(fn, (p, x)), (attention, attention_args(rng)), tuple(args),
+             (qkv, (rand(rng, 8, 256, 64),) + tuple(rand(rng, 64, 64) * 0.1 for _ in range(3)))]
+    for f, a in cases:
+        plan = nimble.jit(f, backend="interpret").plan(*a)
+        outs, emulated = kernel_emulator.run(plan, jax.tree_util.tree_leaves(a))
+        assert emulated > 0
+        want = jax.tree_util.tree_leaves(jax.jit(f)(*a))
+        for o, w in zip(outs, want):
+            np.testing.assert_allclose(np.asarray(o).reshape(np.shape(w)), np.asarray(w),
+                                       rtol=1e-4, atol=1e-4)
+
+
 def test_merge_dots_leaves_a_graph_without_shared_dots_unchanged():
     from nimblejax.compiler.trace import make_graph
 
