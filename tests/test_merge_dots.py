@@ -116,11 +116,15 @@ def test_flax_lstm_cell_gates_merge_across_steps_and_gates(backend):
     params = rnn.init(jax.random.PRNGKey(0), xs)
     params = jax.tree_util.tree_map(lambda a: rand(rng, *a.shape) * 0.3, params)
     fn = lambda p, x: rnn.apply(p, x)  # noqa: E731
-    made = gemms(fn, params, xs)
+    plan = nimble.jit(fn, backend="interpret").plan(params, xs)
+    made = [t.gemm for t in plan.tasks if t.gemm]
     # Four gates of eight dots each step (4 on x_t, 4 on h): one input GEMM of every
     # step and gate, then one GEMM of the four recurrent gates per step after the first.
     assert sorted((g.m, g.n) for g in made)[-1] == (6 * 4, 4 * 32)
     assert len(made) == 1 + 6
+    # Concatenates: the four input weights, the four recurrent ones (each made once for
+    # all steps), and the scan's stacked outputs; x is read whole, its steps not copied.
+    assert sum("concat" in t.name for t in plan.tasks) == 3
     check(fn, (params, xs), backend)
 
 

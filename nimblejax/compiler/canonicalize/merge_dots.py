@@ -39,8 +39,9 @@ of BERT-base merge from about 2,400 rows of x (batch*sequence) on, a branchy MLP
 layers (one x, eight weights) stay parallel GEMMs at any batch, and an LSTM's four gate
 weights merge because all of its steps share the one concatenate.
 
-Order: concatenated merges (by the rule) first, then tiled ones, and a dot whose operand
-is one tile of a tiling is never concatenated on that side. In flax's LSTMCell (four
+Order: concatenated merges (by the rule) first, those over a concatenate made already
+before others, then tiled ones; an operand that is a tile (a slice of one array along
+one axis) is never concatenated. In flax's LSTMCell (four
 dots on x_t, four on h, each step) the four input gates of each step merge over
 concatenate(W_i, W_f, W_g, W_o), made once, then the steps' merged dots over x's tiles:
 one GEMM for every input projection.
@@ -97,19 +98,22 @@ def find_merge(graph: Graph, concats: dict) -> Optional[Merge]:
                 tiled.setdefault(key, []).append(m)
     tilings = [Merge(key[1], tuple(ms), concatenated=False) for key, ms in tiled.items()
                if len(ms) > 1 and _tiles(ms) and len(_independent_sets(ms, deps, bit)) == 1]
-    # A dot whose operand is a tile is never concatenated on that side: reading the
-    # whole array beats copying its tiles.
-    tiling = {(m.dot, t.side) for t in tilings for m in t.members}
+    # A tile is never concatenated: reading the whole array beats copying its tiles, and
+    # a tiling left incomplete now may be completed by later merges.
+    tile_sides = {(m.dot, side) for key, ms in tiled.items() for m in ms for side in [key[1]]}
     stacked: dict[tuple, list[Member]] = {}
     for d in dots:
         for side in (0, 1):
             m = _concat_member(d, side)
-            if m is not None and (d, side) not in tiling:
+            if m is not None and (d, side) not in tile_sides:
                 shape = tuple(s for a, s in enumerate(m.source.shape) if a != m.axis)
                 key = _base_key(d, side) + (shape, m.axis, m.contracting)
                 stacked.setdefault(key, []).append(m)
     candidates = [(key[1], tuple(s)) for key, ms in stacked.items()
                   for s in _independent_sets(ms, deps, bit) if len(s) > 1]
+    # Merges over a concatenate made already go first: the steps of a loop all merge
+    # before their merged dots are looked at together.
+    candidates.sort(key=lambda c: operands(c[1]) not in concats)
     sites = Counter(operands(ms) for _, ms in candidates)
     for side, ms in candidates:
         if _worth_concatenating(side, ms, sites[operands(ms)], concats, graph.consts):
