@@ -25,8 +25,10 @@ own: that dot is left alone.
 
 Safety: members are dot_generals without batch dims whose params (precision, preferred
 element type) and dtypes agree, read S on the same side with the same contracting dims,
-and none depends on another (merging would make a cycle). One merge is made at a time
-and the dependences are recomputed, so two merges can never close a cycle together.
+and none depends on another (merging would make a cycle). Merges are made in rounds: a
+round keeps merges with disjoint members that close no cycle together (a1 feeding b1 and
+b2 feeding a2 forbid merging both {a1, a2} and {b1, b2}), then the dependences are
+recomputed for the next round.
 
 Cost, measure-free. A tiled merge is always taken: it saves k-1 launches and k-1 reads
 of S and adds nothing. A concatenated one is taken when what it saves over every merge of
@@ -68,27 +70,71 @@ VIEW_PRIMS = frozenset({"reshape", "squeeze"})
 
 
 def merge_dots(graph: Graph) -> Graph:
-    """The graph with every profitable merge made, one at a time until none is left."""
+    """The graph with every profitable merge made, a round at a time until none is left."""
     concats: dict[tuple, Var] = {}  # (operands, axis) → their concatenate, made once
-    while (merge := find_merge(graph, concats)) is not None:
-        graph = apply_merge(graph, merge, concats)
+    while merges := find_merges(graph, concats):
+        for merge in merges:
+            graph = apply_merge(graph, merge, concats)
     return graph
 
 
-# ---- finding a merge ------------------------------------------------------------------
+# ---- finding merges -------------------------------------------------------------------
 
 
-def find_merge(graph: Graph, concats: dict) -> Optional[Merge]:
-    """The first tiled merge, else the first concatenated merge worth its concatenate."""
+def find_merges(graph: Graph, concats: dict) -> list[Merge]:
+    """One round: the concatenated merges worth their concatenate, or else the tiled
+    ones, in order, each kept if it shares no dot with those kept before and they make
+    no cycle together (so they can be made one after another in any order)."""
+    deps = _dot_ancestors(graph)
+    bit = {d: 1 << i for i, d in enumerate(n for n in graph.nodes if n.name == "dot_general")}
+    kept: list[Merge] = []
+    groups: list[tuple[int, int]] = []  # per kept merge: its dots, the dots they depend on
+    for merge in _candidates(graph, concats, deps, bit):
+        mask, above = 0, 0
+        for m in merge.members:
+            mask |= bit[m.dot]
+            above |= deps[m.dot]
+        if all(mask & g == 0 for g, _ in groups) and _acyclic(groups + [(mask, above)]):
+            kept.append(merge)
+            groups.append((mask, above))
+    return kept
+
+
+def _acyclic(groups: list[tuple[int, int]]) -> bool:
+    """Whether merging each group into one node leaves the dots' dependences acyclic:
+    group j follows group i when a dot of j depends on one of i (the dependences are
+    transitive, so paths through other nodes are edges here too)."""
+    after = [[j for j, (_, above) in enumerate(groups) if above & mask and j != i]
+             for i, (mask, _) in enumerate(groups)]
+    state = [0] * len(groups)  # 0 unseen, 1 on the path, 2 done
+    for root in range(len(groups)):
+        stack = [(root, iter(after[root]))] if state[root] == 0 else []
+        if stack:
+            state[root] = 1
+        while stack:
+            i, nxt = stack[-1]
+            j = next(nxt, None)
+            if j is None:
+                state[i] = 2
+                stack.pop()
+            elif state[j] == 1:
+                return False
+            elif state[j] == 0:
+                state[j] = 1
+                stack.append((j, iter(after[j])))
+    return True
+
+
+def _candidates(graph: Graph, concats: dict, deps, bit) -> list[Merge]:
+    """Concatenated merges worth their concatenate (those over one made already first),
+    or, when there is none, the tiled merges."""
     producer = {v: n for n in graph.nodes for v in n.outputs}
     consumers = graph.consumers()
     outputs = {a for a in graph.outputs if isinstance(a, Var)}
     dots = [n for n in graph.nodes if n.name == "dot_general"
             and _mergeable(n) and _free_result(n, consumers, outputs)]
     if len(dots) < 2:
-        return None
-    deps = _dot_ancestors(graph)
-    bit = {d: 1 << i for i, d in enumerate(n for n in graph.nodes if n.name == "dot_general")}
+        return []
     tiled: dict[tuple, list[Member]] = {}
     for d in dots:
         for side in (0, 1):
@@ -115,10 +161,9 @@ def find_merge(graph: Graph, concats: dict) -> Optional[Merge]:
     # before their merged dots are looked at together.
     candidates.sort(key=lambda c: operands(c[1]) not in concats)
     sites = Counter(operands(ms) for _, ms in candidates)
-    for side, ms in candidates:
-        if _worth_concatenating(side, ms, sites[operands(ms)], concats, graph.consts):
-            return Merge(side, ms, concatenated=True)
-    return tilings[0] if tilings else None
+    worth = [Merge(side, ms, concatenated=True) for side, ms in candidates
+             if _worth_concatenating(side, ms, sites[operands(ms)], concats, graph.consts)]
+    return worth or tilings
 
 
 def _mergeable(dot: Node) -> bool:

@@ -7,8 +7,8 @@ JAX's lax, so each carries the params its JAX expects (the interpreter binds the
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import numpy as np
@@ -97,7 +97,7 @@ def _concatenated(merge: Merge, concats: dict, consts: dict, made: list) -> tupl
             concats[key] = Var(value.shape, value.dtype)
             consts[concats[key]] = value
         else:
-            made += _traced(lambda *xs: lax.concatenate(xs, axis), parts, ms[0].dot.source)
+            made += _traced("concatenate", axis, parts, ms[0].dot.source)
             concats[key] = made[-1].outputs[0]
     return concats[key], ranges
 
@@ -128,12 +128,9 @@ def _slice_back(merged: Var, position: int, start: int, stop: int, m: Member,
                 source: str) -> list[Node]:
     """Nodes computing the member's own result from the merged one."""
     y = m.dot.outputs[0]
-
-    def piece(z):
-        s = lax.slice_in_dim(z, start, stop, axis=position)
-        return lax.reshape(s, y.shape) if m.squeezed else s
-
-    return _renamed(_traced(piece, [merged], source), y)
+    starts, limits = [0] * merged.ndim, list(merged.shape)
+    starts[position], limits[position] = start, stop
+    return _sliced(merged, starts, limits, m.squeezed, y, source)
 
 
 def _compose(u: Node, merged: Var, position: int, start: int, squeezed: bool) -> list[Node]:
@@ -147,29 +144,27 @@ def _compose(u: Node, merged: Var, position: int, start: int, squeezed: bool) ->
     else:
         starts[position] += start
         limits[position] += start
-    shape = u.outputs[0].shape
-
-    def piece(z):
-        s = lax.slice(z, starts, limits)
-        return lax.reshape(s, shape) if squeezed else s
-
-    return _renamed(_traced(piece, [merged], u.source), u.outputs[0])
+    return _sliced(merged, starts, limits, squeezed, u.outputs[0], u.source)
 
 
-def _renamed(nodes: list[Node], out: Var) -> list[Node]:
-    """`nodes` with the last one's result renamed to `out` (so its readers need no change)."""
+def _sliced(x: Var, starts: list, limits: list, reshape: bool, out: Var,
+            source: str) -> list[Node]:
+    """Nodes computing `out` as x[starts:limits], reshaped to out's shape if `reshape`."""
+    params = (tuple(starts), tuple(limits), tuple(out.shape) if reshape else None)
+    nodes = _traced("slice", params, [x], source)
     last = nodes[-1]
     assert last.outputs[0].shape == out.shape, (last, out)
+    # Renamed to `out`, so that its readers need no change.
     return nodes[:-1] + [Node(last.primitive, last.inputs, (out,), last.params, last.source,
                               last.effectful)]
 
 
-def _traced(fn: Callable, args: list[Var], source: str) -> list[Node]:
-    """fn's equations, traced with this JAX's lax, on the graph's values `args`."""
+def _traced(op: str, params: tuple, args: list[Var], source: str) -> list[Node]:
+    """The equations of `op` (see _jaxpr), traced with this JAX's lax, on `args`."""
     from nimblejax.compiler.trace import GraphBuilder
 
     specs = tuple((tuple(a.shape), np.dtype(a.dtype), bool(a.weak_type)) for a in args)
-    jaxpr, consts = open_jaxpr(_make_jaxpr(fn, specs))
+    jaxpr, consts = open_jaxpr(_jaxpr(op, params, specs))
     assert not consts
     part = GraphBuilder()
     outs = part.inline(jaxpr, list(args), source)
@@ -177,7 +172,17 @@ def _traced(fn: Callable, args: list[Var], source: str) -> list[Node]:
     return part.nodes
 
 
-def _make_jaxpr(fn: Callable, specs: tuple):
+@functools.lru_cache(maxsize=4096)
+def _jaxpr(op: str, params: tuple, specs: tuple):
+    """Traced once per op, params and operand types (an unrolled loop repeats them):
+    "slice": params (starts, limits, shape to reshape to or None); "concatenate": axis."""
+    def fn(*xs):
+        if op == "concatenate":
+            return lax.concatenate(xs, params)
+        starts, limits, shape = params
+        s = lax.slice(xs[0], starts, limits)
+        return lax.reshape(s, shape) if shape is not None else s
+
     return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in specs))
 
 
