@@ -20,6 +20,8 @@ canonicalize_dot (which runs after this pass, on the merged graph) gives a trans
 keeping its innermost axis (the slice is inlined into that transpose; one that moves the
 innermost axis would lose its tiled kernel, so such transposes do not count). A reshape
 counts when its own consumers do (alone it is a view, with a slice it would be a copy).
+Readers that are all slices (a previous merge's) count too: they become slices of the
+merged result themselves.
 A result feeding a GEMM directly or leaving the graph would cost a copy kernel of its
 own: that dot is left alone.
 
@@ -41,12 +43,12 @@ of BERT-base merge from about 2,400 rows of x (batch*sequence) on, a branchy MLP
 layers (one x, eight weights) stay parallel GEMMs at any batch, and an LSTM's four gate
 weights merge because all of its steps share the one concatenate.
 
-Order: concatenated merges (by the rule) first, those over a concatenate made already
-before others, then tiled ones; an operand that is a tile (a slice of one array along
-one axis) is never concatenated. In flax's LSTMCell (four
-dots on x_t, four on h, each step) the four input gates of each step merge over
-concatenate(W_i, W_f, W_g, W_o), made once, then the steps' merged dots over x's tiles:
-one GEMM for every input projection.
+Order: a round takes the concatenated merges worth it (those over a concatenate made
+already first), or, when there is none, the tiled ones; an operand that is a tile (a
+slice of one array along one axis) is never concatenated, since a later round may
+complete its tiling. In flax's LSTMCell (four dots on x_t and four on h each step) the
+four input gates of each step merge over concatenate(W_i, W_f, W_g, W_o), made once,
+then the steps' merged dots over x's tiles: one GEMM for every input projection.
 """
 from __future__ import annotations
 
