@@ -1,12 +1,15 @@
 """Canonicalization: the stage between tracing and fusion. It rewrites nodes into the
-forms lowering expects, in one pass over the graph:
+forms lowering expects:
 
 - convolutions → im2col + GEMM, a cuDNN call, or kept for the direct kernel (conv.py:
   the one place a convolution's path is decided);
 - long reductions with few outputs → two reductions (split.py);
-- dot_general → operands transposed into a GEMM-ready layout (dot.py);
 - split → one slice per output (slices.py);
-- stack, unstack, tile → reshapes, slices, broadcasts and a concatenate (stacking.py).
+- stack, unstack, tile → reshapes, slices, broadcasts and a concatenate (stacking.py);
+- independent dots sharing an operand → one dot and free slices of its result
+  (merge_dots.py), once the rewrites above have made their dots and slices;
+- dot_general → operands transposed into a GEMM-ready layout (dot.py), last, so that
+  merged dots get their layout too and merge_dots sees the dots as the user wrote them.
 
 (Random-number primitives and PRNG key arrays are expanded earlier, while tracing:
 compiler/prng.py.)
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from nimblejax.compiler.canonicalize.conv import rewrite_conv
 from nimblejax.compiler.canonicalize.dot import canonicalize_dot
+from nimblejax.compiler.canonicalize.merge_dots import merge_dots
 from nimblejax.compiler.canonicalize.slices import rewrite_split
 from nimblejax.compiler.canonicalize.split import split_reduction
 from nimblejax.compiler.canonicalize.stacking import REWRITES as STACKING, rewrite_stacking
@@ -43,8 +47,10 @@ def canonicalize(graph: Graph, options: Options) -> Graph:
             parts = rewrite_stacking(node)
         else:
             parts = [node]
-        for part in parts:
-            nodes.extend(canonicalize_dot(part) if part.name == "dot_general" else [part])
+        nodes.extend(parts)
+    merged = merge_dots(Graph(graph.inputs, graph.outputs, tuple(nodes), graph.consts))
+    nodes = [part for node in merged.nodes
+             for part in (canonicalize_dot(node) if node.name == "dot_general" else [node])]
     from nimblejax.compiler.trace import drop_dead_code
 
-    return drop_dead_code(Graph(graph.inputs, graph.outputs, tuple(nodes), graph.consts))
+    return drop_dead_code(Graph(graph.inputs, graph.outputs, tuple(nodes), merged.consts))
