@@ -48,8 +48,8 @@ class _Perf(ctypes.Structure):  # cudnnConvolutionFwdAlgoPerf_t
                 ("mathType", ctypes.c_int), ("reserved", ctypes.c_int * 3)]
 
 
-# ConvCall without operands -> (algorithm, workspace bytes)
-_algo_cache: dict[ConvCall, tuple[int, int]] = {}
+# ConvCall without operands -> (algorithm, workspace bytes, math type)
+_algo_cache: dict[ConvCall, tuple[int, int, int]] = {}
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -105,9 +105,13 @@ class Conv:
         _check("group count", L.cudnnSetConvolutionGroupCount(self.conv, call.groups))
         math = {"tf32": DEFAULT_MATH, "f32": FMA_MATH, "half": TENSOR_OP_MATH}[call.math]
         _check("math type", L.cudnnSetConvolutionMathType(self.conv, math))
-        self.algo, self.workspace = self._choose(handle)
+        self.algo, self.workspace, found_math = self._choose(handle)
+        # cuDNN may measure an algorithm under another math type than the descriptor's
+        # (tensor ops allowed to convert, say); forward with it then needs that math type
+        # on the descriptor, or it fails with CUDNN_STATUS_BAD_PARAM (seen: bf16, C=4).
+        _check("math type", L.cudnnSetConvolutionMathType(self.conv, found_math))
 
-    def _choose(self, handle: Handle) -> tuple[int, int]:
+    def _choose(self, handle: Handle) -> tuple[int, int, int]:
         """The fastest algorithm that fits the workspace limit, measured once per shape."""
         # Without operands: equal anyway (they are not compared), and the cache keeps no
         # plan's Vars alive.
@@ -123,8 +127,8 @@ class Conv:
             # failing jax.jit comparisons for bfloat16): implicit GEMMs only there.
             accurate = self.call.dtype == "float32" or p.algo in GEMM_ALGOS
             if p.status == 0 and p.memory <= WORKSPACE_LIMIT and accurate:
-                _algo_cache[key] = (p.algo, p.memory)
-                return p.algo, p.memory
+                _algo_cache[key] = (p.algo, p.memory, p.mathType)
+                return _algo_cache[key]
         raise CudnnError(f"no cuDNN algorithm runs {self.call}")
 
     def forward(self, handle: Handle, x: int, w: int, y: int, workspace: int, workspace_bytes: int) -> None:
