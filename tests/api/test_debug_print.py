@@ -60,7 +60,7 @@ def test_debug_2_prints_every_pass_once_in_order_the_same_twice(tmp_path):
     s = sections(first)
     assert "= dot_general" in s["trace"] and f"{script}:5" in s["trace"]  # the user's line
     assert "= concatenate" in s["canonicalize"]
-    assert " gemm " in s["fuse"] and " reduction " in s["fuse"] and "[concatenate]" in s["fuse"]
+    assert " gemm " in s["fuse"] and " row " in s["fuse"] and "[concatenate]" in s["fuse"]  # softmax: one row kernel
     assert "GemmCall(" in s["lower"] and "grid[" in s["lower"] and "nimble_concat" in s["lower"]
     assert "2 streams" in s["streams"] and " record e0" in s["streams"] and " wait e0" in s["streams"]
     assert s["memory"].lstrip().startswith("arena ") and "@" in s["memory"]

@@ -239,3 +239,15 @@ def test_held_and_fed_back_on_the_gpu(check):
         for a, b in zip(jax.tree_util.tree_leaves((state, loss)), jax.tree_util.tree_leaves((want, want_loss))):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-3, atol=2e-3)
     assert masks(g)[-1] == (0, 1, 2, P)
+
+
+def test_few_leaves_take_jaxs_dispatch_directly():
+    """A function of at most api.DIRECT_MAX_LEAVES leaves is its jitted operation: no
+    residency check runs per call."""
+    from nimblejax import api
+
+    f, r = nimble.jit(lambda x: jnp.tanh(x) * 2.0, backend="interpret"), np.random.default_rng(3)
+    for _ in range(3):
+        x = fresh_x(r)
+        close(f(x), jnp.tanh(x) * 2.0)
+    assert api.DIRECT_MAX_LEAVES >= 1 and f._entry is f._op_jit_fn and f._resident is None
