@@ -17,7 +17,7 @@ is not held must keep its signature, else the plan changes (the decision is None
 Always passed: the plan's pass-through inputs and donated leaves (see `_make_resident`
 in api.py for why).
 
-The per-call check comes twice, deciding alike (tests/test_residency_ext.py):
+The per-call check comes twice, deciding alike (tests/runtime/test_residency.py):
 residency.c, a CPython extension built on first use with the system C compiler and
 cached on disk per Python version and source hash (as runtime/ffi builds its handler),
 and `steady_python`/`decide_python` below, used where no C compiler or Python headers
