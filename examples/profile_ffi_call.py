@@ -55,8 +55,11 @@ def main() -> None:
         j = jax.jit(summed)
         f = nimble.jit(summed, backend="cuda")
         f(*xs[0]), f(*xs[1])  # the second call is the first with the parameters resident
-        inner = f._resident.fn  # what a steady-state call runs after its residency check
-        passed = [[jax.tree_util.tree_leaves(a)[i] for i in f._resident.passed] for a in xs]
+        if f._resident is not None and f._entry != f._op_jit_fn:
+            inner = f._resident.fn  # what a steady-state call runs after its residency check
+            passed = [[jax.tree_util.tree_leaves(a)[i] for i in f._resident.passed] for a in xs]
+        else:  # few leaves or nothing resident: f is its jitted operation (api.py)
+            inner, passed = f._op_jit_fn, [list(a) for a in xs]
         lj, ln = looped_us(j, xs), looped_us(f, xs)
         li = looped_us(inner, [tuple(p) for p in passed])
         print(f"| {n} | {lj:.1f} | {ln:.1f} | {li:.1f} | {ln - li:.1f} | {nimble_gpu_us(f):.1f} |",

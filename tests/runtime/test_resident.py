@@ -251,3 +251,13 @@ def test_few_leaves_take_jaxs_dispatch_directly():
         x = fresh_x(r)
         close(f(x), jnp.tanh(x) * 2.0)
     assert api.DIRECT_MAX_LEAVES >= 1 and f._entry is f._op_jit_fn and f._resident is None
+
+
+def test_calls_with_nothing_resident_switch_to_jaxs_dispatch():
+    """Two calls in a row with every leaf passed (fresh inputs, donated state): the
+    residency check would save nothing, so later calls are the jitted operation."""
+    f, r = nimble.jit(layer, backend="interpret"), np.random.default_rng(4)
+    for k in range(4):
+        p, x = params(20 + k), fresh_x(r)
+        close(f(p, x), layer(p, x))
+    assert f._entry is f._op_jit_fn and masks(f) == [(P,) * 4]
