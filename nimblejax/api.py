@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from nimblejax import options as options_mod
 from nimblejax.arguments import (as_tuple as _as_tuple, check_hashable as _check_hashable,
@@ -429,13 +427,17 @@ class NimbleFunction:
     def _compile(self, key, leaves, in_tree, statics, backend) -> Compiled:
         plan, out_tree, out_shapes = self._trace(leaves, in_tree, statics)
         if backend == "interpret":
-            run = _interpret_runner(plan, self.output)
+            from nimblejax.runtime.interpret import direct_runner
+
+            run = direct_runner(plan, self.output)
         else:
             from nimblejax.runtime.executable import make_executable
 
             run = make_executable(plan, output=self.output, eager=self.options.eager,
                                   gemm=self.options.gemm, donate=self._donated_leaves(in_tree))
-        run = _on_key_data(run, leaves, out_shapes, self.output)
+        from nimblejax.runtime.xla_op import on_key_data_runner
+
+        run = on_key_data_runner(run, leaves, out_shapes, self.output)
         compiled = Compiled(plan, out_tree, run)
         self._cache[key] = compiled
         return compiled
@@ -453,32 +455,6 @@ class NimbleFunction:
                 donated.update(range(start, start + child.num_leaves))
             start += child.num_leaves
         return frozenset(donated)
-
-
-def _interpret_runner(plan: Plan, output: str) -> Callable[[list], list]:
-    from nimblejax.runtime import interpret
-
-    calls = iter(range(1 << 62))
-    wrap = np.asarray if output == "numpy" else jnp.asarray
-
-    def run(leaves: list) -> list:
-        # Each call takes another interleaving of the streams.
-        outs = interpret.run(plan, [np.asarray(x) for x in leaves], seed=next(calls))
-        return [wrap(o) for o in outs]
-
-    return run
-
-
-def _on_key_data(run: Callable, leaves: list, out_shapes, output: str) -> Callable:
-    """`run` for typed PRNG key arrays: a plan takes and makes their uint32 key data.
-    Key results come back as keys for output="jax", as their key data otherwise."""
-    from nimblejax.runtime.xla_op import from_key_data, key_impl, to_key_data
-
-    in_impls = [key_impl(x) for x in leaves]
-    out_impls = [key_impl(s) if output == "jax" else None for s in out_shapes]
-    if all(i is None for i in in_impls + out_impls):
-        return run
-    return lambda xs: from_key_data(run(to_key_data(xs, in_impls)), out_impls)
 
 
 def _ffi_library(required: bool):

@@ -131,3 +131,19 @@ def _output(plan: Plan, arena: Arena, atom, args) -> np.ndarray:
     if kind == "input":
         return np.asarray(args[plan.graph.inputs.index(atom)])
     return arena.read(atom)
+
+
+def direct_runner(plan, output: str):
+    """The direct (Python) call path's runner on the interpret backend: leaves in,
+    results out as jax arrays (numpy for output="numpy"); each call takes another
+    interleaving of the streams."""
+    import jax.numpy as jnp
+
+    calls = iter(range(1 << 62))
+    wrap = np.asarray if output == "numpy" else jnp.asarray
+
+    def call(leaves: list) -> list:
+        outs = run(plan, [np.asarray(x) for x in leaves], seed=next(calls))
+        return [wrap(o) for o in outs]
+
+    return call

@@ -209,6 +209,16 @@ def from_key_data(xs, impls) -> list:
     return [x if i is None else jax.random.wrap_key_data(x, impl=i) for x, i in zip(xs, impls)]
 
 
+def on_key_data_runner(run: Callable, leaves: list, out_shapes, output: str) -> Callable:
+    """A direct-path `run` for typed PRNG key arrays: a plan takes and makes their uint32
+    key data. Key results come back as keys for output="jax", as their key data otherwise."""
+    in_impls = [key_impl(x) for x in leaves]
+    out_impls = [key_impl(s) if output == "jax" else None for s in out_shapes]
+    if all(i is None for i in in_impls + out_impls):
+        return run
+    return lambda xs: from_key_data(run(to_key_data(xs, in_impls)), out_impls)
+
+
 def on_key_data(fun: Callable, in_impls: list, out_impls: list) -> Callable:
     """`fun` on key data: typed key operands and results as their uint32 data."""
 
