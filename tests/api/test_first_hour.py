@@ -259,7 +259,38 @@ def test_readme_quickstart_from_the_folder_holding_an_editable_clone(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"NIMBLEJAX_FILE {clone / 'nimblejax' / '__init__.py'}" in r.stdout, r.stdout
     assert "nimblejax plan:" in r.stdout  # nimble.explain's report
+    # The parallelism the project is about: independent branches on several streams.
+    streams, events = map(int, re.search(r"totals: \d+ tasks, (\d+) streams, (\d+) events",
+                                         r.stdout).groups())
+    assert streams >= 2 and events >= 1, r.stdout
+    assert f"{streams} streams, {events} events" in r.stdout  # the Report's attributes
+    lines = r.stdout.splitlines()
+    diff = float(lines[lines.index(next(x for x in lines if x.startswith("NIMBLEJAX_FILE"))) - 1])
+    assert diff < 1e-4, lines  # the interpreted plan against jax.jit
     # No GPU here: jax.jit ran it, and the warning names the quickstart's own line.
-    call = next(i for i, line in enumerate(code.splitlines(), 1) if "= predict(" in line)
+    call = next(i for i, line in enumerate(code.splitlines(), 1) if "= fast(" in line)
     assert "no CUDA GPU is visible" in r.stderr
     assert f"quickstart.py:{call}: UserWarning" in r.stderr, r.stderr
+
+
+# ---- the README's other blocks: every command and link points at something real ---------
+
+def _bash_blocks(path: Path) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", path.read_text(), re.S)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "BENCHMARKS_HOWTO.md"])
+def test_documented_commands_and_links_exist(doc):
+    """`python -m X` names a module of this checkout, `python path.py` and `bash path` a
+    file, and every relative link a file: the moved examples keep their documentation."""
+    import importlib.util
+
+    path = REPO / doc
+    commands = "\n".join(_bash_blocks(path)) + "\n" + path.read_text()
+    for module in set(re.findall(r"python3? -m ([\w.]+)", commands)):
+        if module not in ("pip", "pytest", "venv"):
+            assert importlib.util.find_spec(module), f"{doc}: python -m {module}"
+    for script in set(re.findall(r"(?:python3?|bash) ((?:examples|\.ci)/[\w/.-]+)", commands)):
+        assert (REPO / script).is_file(), f"{doc}: {script}"
+    for link in set(re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text())):
+        assert (path.parent / link).exists(), f"{doc}: link {link}"
