@@ -16,17 +16,14 @@ INSTEAD = ("Without a GPU: the examples in examples/ run on the CPU with "
            "nimble.jit(f, backend='interpret'), `nimble.explain(f, *args)` prints one plan, "
            "and `python -m nimblejax.bench` prints nimble's plan of every model.")
 
-# CUDA runtime errors that mean "there is no GPU here" rather than a broken one: without
-# a driver, CuPy's runtime reports cudaErrorInsufficientDriver, which reads as if a
-# driver were installed but too old.
+# CUDA runtime errors that mean "there is no GPU here" rather than a broken one. Without
+# any driver CuPy's runtime says cudaErrorInsufficientDriver, which reads as if an old
+# driver were installed: gpu_problem looks for the driver library first.
 _NO_DEVICE = ("cudaErrorNoDevice",)
 
 
 def gpu_problem() -> Optional[str]:
     """None where a CUDA GPU is usable, else one line saying why not."""
-    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if hidden is not None and hidden.strip() in ("", "-1"):
-        return f"no GPU is visible: CUDA_VISIBLE_DEVICES={hidden!r} hides every GPU"
     if not _driver_loadable():
         return "no GPU is visible: the NVIDIA driver (libcuda.so.1) is not installed here"
     try:
@@ -36,16 +33,21 @@ def gpu_problem() -> Optional[str]:
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as e:  # noqa: BLE001 - an old driver, no device
-        text = _first_line(e)
-        if any(name in text for name in _NO_DEVICE):
-            return "no GPU is visible: the NVIDIA driver reports no device"
-        if "cudaErrorInsufficientDriver" in text:
-            return ("the NVIDIA driver is too old for CuPy's CUDA runtime (CUDA 13 needs driver "
-                    "580 or newer)")
-        return f"{type(e).__name__}: {text}"
+        return runtime_reason(f"{type(e).__name__}: {_first_line(e)}")
     if count < 1:
-        return "no GPU is visible: the NVIDIA driver reports no device"
+        return runtime_reason("cudaErrorNoDevice")
     return None
+
+
+def runtime_reason(error: str) -> str:
+    """The CUDA runtime's error, said as what it means for the user."""
+    if any(name in error for name in _NO_DEVICE):
+        return ("no GPU is visible: the NVIDIA driver reports no device (is "
+                "CUDA_VISIBLE_DEVICES hiding them?)")
+    if "cudaErrorInsufficientDriver" in error:
+        return ("the NVIDIA driver is too old for CuPy's CUDA runtime (CUDA 13 needs driver "
+                "580 or newer)")
+    return error
 
 
 def require_gpu(script: str, instead: str = INSTEAD) -> None:

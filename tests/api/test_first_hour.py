@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import warnings
 from pathlib import Path
 
@@ -193,15 +192,18 @@ def test_examples_readme_lists_every_example():
         assert f"({path.relative_to(REPO / 'examples').as_posix()})" in text, path.name
 
 
-def test_no_gpu_reason_without_a_driver(monkeypatch):
+def test_no_gpu_reasons_say_what_they_mean(monkeypatch):
     from nimblejax.bench import needs_gpu
 
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(needs_gpu, "_driver_loadable", lambda: False)
     assert needs_gpu.gpu_problem() == ("no GPU is visible: the NVIDIA driver (libcuda.so.1) "
                                        "is not installed here")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert needs_gpu.gpu_problem().startswith("no GPU is visible: CUDA_VISIBLE_DEVICES=''")
+    reason = needs_gpu.runtime_reason("CUDARuntimeError: cudaErrorNoDevice: no CUDA-capable device")
+    assert reason.startswith("no GPU is visible") and "CUDA_VISIBLE_DEVICES" in reason
+    reason = needs_gpu.runtime_reason("CUDARuntimeError: cudaErrorInsufficientDriver: ...")
+    assert "driver is too old" in reason and "cudaError" not in reason
+    assert needs_gpu.runtime_reason("CUDARuntimeError: cudaErrorUnknown") == \
+        "CUDARuntimeError: cudaErrorUnknown"
 
 
 def test_require_gpu_passes_where_a_gpu_is_usable(monkeypatch):
