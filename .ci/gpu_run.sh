@@ -13,7 +13,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-420} python3 -m pytest -m gpu -q -rf ${PYTEST_FLAGS:--n 4} -p no:cacheprovider ${TESTS:-tests} 2>&1 | tee $OUT/pytest_gpu.log | grep -E "^FAILED|passed|failed" | tail -40
 fi
 if [ -z "${SKIP_RUNTIME:-}" ]; then
-  timeout ${BENCH_TIMEOUT:-200} python3 examples/benchmark_runtime.py --json $OUT/bench.json 2>&1 | tee $OUT/bench.log
+  timeout ${BENCH_TIMEOUT:-200} python3 examples/gpu/benchmark_runtime.py --json $OUT/bench.json 2>&1 | tee $OUT/bench.log
 fi
 if [ -n "${SUITE:-}" ]; then
   timeout ${SUITE_TIMEOUT:-420} python3 -m nimblejax.bench --models ${SUITE} --batch ${SUITE_BATCH:-1,32} --repeat ${SUITE_REPEAT:-50} --no-cold --json $OUT/suite.json 2>&1 | tee $OUT/suite.log | tail -60

@@ -18,7 +18,8 @@ import jax
 from nimblejax import options as options_mod
 from nimblejax.arguments import (as_tuple as _as_tuple, check_hashable as _check_hashable,
                                  check_leaf as _check_leaf, is_array_like as _is_array_like,
-                                 name_like as _name_like, signature as _signature,
+                                 name_like as _name_like, named_leaves as _named_leaves,
+                                 signature as _signature,
                                  static_positions as _static_positions)
 from nimblejax.compiler.pipeline import compile_function
 from nimblejax.compiler.plan import Plan
@@ -374,15 +375,18 @@ class NimbleFunction:
             if sig is None:
                 if not (_is_array_like(leaves[i]) or
                         (abstract_ok and isinstance(leaves[i], jax.ShapeDtypeStruct))):
-                    self._raise_bad_leaf(args, kwargs)
+                    self._raise_bad_leaf(args, kwargs, abstract_ok)
                 sigs[i] = _signature(leaves[i])
         key = (in_tree, tuple(sigs), statics)
         self._last = (in_tree, leaves, sigs, key, statics)
         return leaves, key, in_tree, statics
 
-    def _raise_bad_leaf(self, args, kwargs) -> None:
-        for path, leaf in jax.tree_util.tree_flatten_with_path((args, kwargs))[0]:
-            _check_leaf(path, leaf, self.fun)
+    def _raise_bad_leaf(self, args, kwargs, abstract_ok: bool = False) -> None:
+        """The first non-array leaf of the dynamic arguments, named as jax.jit would
+        (`f.plan` also takes jax.ShapeDtypeStruct leaves)."""
+        for name, leaf in _named_leaves(self.fun, args, kwargs, self.static_argnums):
+            if not (abstract_ok and isinstance(leaf, jax.ShapeDtypeStruct)):
+                _check_leaf(name, leaf, self.fun)
 
     def _split_statics(self, args: tuple, kwargs: dict) -> tuple:
         """(statics, dynamic args, dynamic kwargs); statics are (position or name, value)."""

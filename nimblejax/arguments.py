@@ -25,14 +25,58 @@ def is_array_like(x: Any) -> bool:
         hasattr(x, "__cuda_array_interface__")
 
 
-def check_leaf(path, leaf: Any, fun: Callable) -> Any:
+def check_leaf(name: str, leaf: Any, fun: Callable) -> Any:
+    """`leaf`, or a TypeError naming it by its path (`params[0]['w']`, as jax.jit does)."""
     if is_array_like(leaf):
         return leaf
-    where = jax.tree_util.keystr(path)
     raise TypeError(
-        f"argument {where} of {getattr(fun, '__name__', 'the function')} is a "
+        f"argument {name} of {getattr(fun, '__name__', 'the function')} is a "
         f"{type(leaf).__name__}, not an array: pass a jax/numpy/cupy array or a Python "
         f"scalar, or mark the argument static with static_argnums/static_argnames")
+
+
+def named_leaves(fun: Callable, args: tuple, kwargs: dict, static_argnums: tuple):
+    """(name, leaf) for every leaf of the dynamic arguments (statics taken out), named as
+    jax.jit names them: the parameter's name, then the path inside it (`x`,
+    `params[0][1]`, `rest[2]` for *rest, `kw['a']` for **kw)."""
+    names = _positional_names(fun, len(args), static_argnums)
+    for name, arg in zip(names, args):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(arg)[0]:
+            yield name + jax.tree_util.keystr(path), leaf
+    keywords, var_keyword = _keyword_names(fun)
+    for key in sorted(kwargs):
+        name = key if key in keywords or var_keyword is None else f"{var_keyword}[{key!r}]"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(kwargs[key])[0]:
+            yield name + jax.tree_util.keystr(path), leaf
+
+
+def _positional_names(fun: Callable, count: int, static_argnums: tuple) -> list[str]:
+    """Names of the first `count` positional arguments that are not static."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):  # a builtin or a callable without a signature
+        params = []
+    named = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    var = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
+    names, position = [], 0
+    while len(names) < count:
+        if position not in static_argnums:
+            if position < len(named):
+                names.append(named[position])
+            else:  # past the named ones: *args, or the position where there is no name
+                names.append(f"{var or 'args'}[{position - len(named)}]")
+        position += 1
+    return names
+
+
+def _keyword_names(fun: Callable) -> tuple[set, str | None]:
+    """The names a keyword argument can bind to, and the **kwargs parameter's name."""
+    try:
+        params = list(inspect.signature(fun).parameters.values())
+    except (TypeError, ValueError):
+        return set(), None
+    var = next((p.name for p in params if p.kind == p.VAR_KEYWORD), None)
+    return {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}, var
 
 
 def check_hashable(statics: tuple, fun: Callable) -> None:

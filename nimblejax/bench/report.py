@@ -167,6 +167,43 @@ PLAN_COLUMNS = _MODEL + [
     ("plan s", "plan_s", 6, _cell(".2f")), ("note", "note", 0, lambda r, f: _note(r))]
 
 
+# What the plan-only table's columns mean, said once under it (the header is terse).
+_PLAN_LEGEND = [
+    ("params M", "the model's parameters, in millions"),
+    ("tasks", "launches in one call: generated CUDA kernels + GEMMs (cuBLASLt) + other "
+              "library calls (cuDNN)"),
+    ("streams, events", "the CUDA streams the tasks are spread over, and the events that "
+                        "order tasks across streams"),
+    ("arena MB (inputs)", "the plan's one device allocation; in brackets, the part that "
+                          "holds the arguments (parameters included)"),
+    ("plan s", "seconds to trace and plan the model here; on a GPU the first call also "
+               "compiles the kernels and captures the graph"),
+    ("note", "critical path: the longest chain of tasks that wait for each other; the "
+             "shorter against all tasks, the more of them can run side by side"),
+]
+
+
+def plan_legend(rows: list[dict], no_cudnn: str = "", timeline: bool = False) -> list[str]:
+    """Lines under the plan-only table: the columns, then what to try next."""
+    legend = list(_PLAN_LEGEND)
+    if no_cudnn and any(no_cudnn in (r.get("note") or "") for r in rows):
+        legend.append(("*", no_cudnn.strip(" ()")))
+    width = max(len(name) for name, _ in legend)
+    lines = ["", "Columns (plans only, nothing ran):"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, text in legend]
+    lines += ["", "Next:",
+              "  nimble.explain(f, *args)   the same for your own function, task by task",
+              "  python examples/basics.py  (in the repository) a plan run on the CPU with "
+              "backend='interpret', checked against jax.jit"]
+    if not timeline:
+        lines.append("  python -m nimblejax.bench --models nasnet_mobile --batch 1 --timeline "
+                     "plan.png   a plan's streams over time, estimated without a GPU (needs "
+                     "matplotlib)")
+    lines.append("  on a machine with an NVIDIA GPU, this command times nimble against jax.jit "
+                 "(BENCHMARKS_HOWTO.md)")
+    return lines
+
+
 def gpu_columns(full: bool) -> list:
     """The timing table's columns: looped time first."""
     speed = lambda r, f: _speedup(r.get(f))  # noqa: E731

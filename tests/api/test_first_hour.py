@@ -10,7 +10,6 @@ import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import warnings
 from pathlib import Path
 
@@ -22,7 +21,8 @@ import nimblejax as nimble
 from nimblejax import api
 
 REPO = Path(__file__).resolve().parents[2]
-EXAMPLES = sorted((REPO / "examples").glob("*.py"))
+EXAMPLES = sorted((REPO / "examples").glob("*.py"))  # run anywhere
+GPU_EXAMPLES = sorted((REPO / "examples" / "gpu").glob("*.py"))  # need a GPU
 
 
 def _env(**extra) -> dict:
@@ -142,27 +142,68 @@ print("RESULTS", json.dumps(results))
 """
 
 
-def test_every_example_says_it_needs_a_gpu():
-    """Each example, run with no GPU visible, stops with one message naming itself and
-    what to do instead: the README's benchmark_runtime.py as its own process (exit
-    status 1, no traceback), every example's __main__ in one process (runpy)."""
-    assert len(EXAMPLES) >= 8
-    env = _env(PYTHONPATH=str(REPO))
-    one = subprocess.run([sys.executable, "examples/benchmark_runtime.py"], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=120)
-    assert one.returncode == 1, one.stdout + one.stderr
-    assert one.stderr.startswith("examples/benchmark_runtime.py needs an NVIDIA GPU"), one.stderr
-    assert "python -m nimblejax.bench" in one.stderr and "Traceback" not in one.stderr
-    r = subprocess.run([sys.executable, "-c", _RUN_ALL, *map(str, EXAMPLES)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=300)
+def _run_all(paths: list[Path]) -> dict:
+    """Each script's __main__ in one process (runpy: JAX is imported once), no GPU."""
+    r = subprocess.run([sys.executable, "-c", _RUN_ALL, *map(str, paths)], cwd=REPO,
+                       env=_env(PYTHONPATH=str(REPO)), capture_output=True, text=True, timeout=600)
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULTS ")]
     assert line, r.stdout + r.stderr
-    results = json.loads(line[0][len("RESULTS "):])
+    return json.loads(line[0][len("RESULTS "):])
+
+
+def test_every_example_runs_without_a_gpu():
+    """The teaching examples run to the end on the CPU plan interpreter, each checking
+    its results against jax.jit (an assert in the example)."""
+    names = {p.name for p in EXAMPLES}
+    assert {"basics.py", "grad.py", "train_step.py", "flax_model.py"} <= names, names
+    results = _run_all(EXAMPLES)
     for path in EXAMPLES:
+        assert results[str(path)] == [0, "ran to the end"], (path.name, results[str(path)])
+
+
+def test_every_gpu_example_says_it_needs_a_gpu():
+    """Each GPU tool, run with no GPU visible, stops with one message naming itself, why
+    (no GPU is visible, not a CUDA error code) and what to do instead: benchmark_runtime.py
+    as its own process (exit status 1, no traceback), every tool's __main__ in one process."""
+    assert len(GPU_EXAMPLES) >= 8
+    one = subprocess.run([sys.executable, "examples/gpu/benchmark_runtime.py"], cwd=REPO,
+                         env=_env(PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                         timeout=120)
+    assert one.returncode == 1, one.stdout + one.stderr
+    assert one.stderr.startswith("examples/gpu/benchmark_runtime.py needs an NVIDIA GPU"), one.stderr
+    assert "no GPU is visible" in one.stderr and "cudaError" not in one.stderr, one.stderr
+    assert "backend='interpret'" in one.stderr and "Traceback" not in one.stderr
+    results = _run_all(GPU_EXAMPLES)
+    for path in GPU_EXAMPLES:
         status, message = results[str(path)]
-        name = f"examples/{path.name}"
+        name = f"examples/gpu/{path.name}"
         assert status == 1, (name, message)
         assert message.startswith(f"{name} needs an NVIDIA GPU"), (name, message)
+
+
+def test_examples_need_no_sys_path_lines():
+    for path in EXAMPLES + GPU_EXAMPLES:
+        assert "sys.path" not in path.read_text(), path
+
+
+def test_examples_readme_lists_every_example():
+    text = (REPO / "examples" / "README.md").read_text()
+    for path in EXAMPLES + GPU_EXAMPLES:
+        assert f"({path.relative_to(REPO / 'examples').as_posix()})" in text, path.name
+
+
+def test_no_gpu_reasons_say_what_they_mean(monkeypatch):
+    from nimblejax.bench import needs_gpu
+
+    monkeypatch.setattr(needs_gpu, "_driver_loadable", lambda: False)
+    assert needs_gpu.gpu_problem() == ("no GPU is visible: the NVIDIA driver (libcuda.so.1) "
+                                       "is not installed here")
+    reason = needs_gpu.runtime_reason("CUDARuntimeError: cudaErrorNoDevice: no CUDA-capable device")
+    assert reason.startswith("no GPU is visible") and "CUDA_VISIBLE_DEVICES" in reason
+    reason = needs_gpu.runtime_reason("CUDARuntimeError: cudaErrorInsufficientDriver: ...")
+    assert "driver is too old" in reason and "cudaError" not in reason
+    assert needs_gpu.runtime_reason("CUDARuntimeError: cudaErrorUnknown") == \
+        "CUDARuntimeError: cudaErrorUnknown"
 
 
 def test_require_gpu_passes_where_a_gpu_is_usable(monkeypatch):
@@ -170,11 +211,16 @@ def test_require_gpu_passes_where_a_gpu_is_usable(monkeypatch):
 
     monkeypatch.setattr(needs_gpu, "gpu_problem", lambda: None)
     needs_gpu.require_gpu("examples/x.py")  # returns: nothing to say
-    monkeypatch.setattr(needs_gpu, "gpu_problem", lambda: "CUDARuntimeError: cudaErrorNoDevice")
+    monkeypatch.setattr(needs_gpu, "gpu_problem", lambda: "CUDARuntimeError: cudaErrorLaunchFailure")
+    monkeypatch.chdir(REPO)
     with pytest.raises(SystemExit) as e:
-        needs_gpu.require_gpu(str(REPO / "examples" / "x.py"))
-    assert str(e.value).startswith("examples/x.py needs an NVIDIA GPU")
-    assert "cudaErrorNoDevice" in str(e.value)
+        needs_gpu.require_gpu(str(REPO / "examples" / "gpu" / "x.py"))
+    assert str(e.value).startswith("examples/gpu/x.py needs an NVIDIA GPU")  # as typed from the root
+    assert "cudaErrorLaunchFailure" in str(e.value)  # an unknown failure is quoted
+    monkeypatch.chdir(REPO / "tests")  # outside the folder: its last two parts
+    with pytest.raises(SystemExit) as e:
+        needs_gpu.require_gpu(str(REPO / "examples" / "gpu" / "x.py"))
+    assert str(e.value).startswith("gpu/x.py needs an NVIDIA GPU")
 
 
 # ---- the README's quickstart from the folder that holds an editable clone ---------------
@@ -259,7 +305,38 @@ def test_readme_quickstart_from_the_folder_holding_an_editable_clone(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     assert f"NIMBLEJAX_FILE {clone / 'nimblejax' / '__init__.py'}" in r.stdout, r.stdout
     assert "nimblejax plan:" in r.stdout  # nimble.explain's report
+    # The parallelism the project is about: independent branches on several streams.
+    streams, events = map(int, re.search(r"totals: \d+ tasks, (\d+) streams, (\d+) events",
+                                         r.stdout).groups())
+    assert streams >= 2 and events >= 1, r.stdout
+    assert f"{streams} streams, {events} events" in r.stdout  # the Report's attributes
+    lines = r.stdout.splitlines()
+    diff = float(lines[lines.index(next(x for x in lines if x.startswith("NIMBLEJAX_FILE"))) - 1])
+    assert diff < 1e-4, lines  # the interpreted plan against jax.jit
     # No GPU here: jax.jit ran it, and the warning names the quickstart's own line.
-    call = next(i for i, line in enumerate(code.splitlines(), 1) if "= predict(" in line)
+    call = next(i for i, line in enumerate(code.splitlines(), 1) if "= fast(" in line)
     assert "no CUDA GPU is visible" in r.stderr
     assert f"quickstart.py:{call}: UserWarning" in r.stderr, r.stderr
+
+
+# ---- the README's other blocks: every command and link points at something real ---------
+
+def _bash_blocks(path: Path) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", path.read_text(), re.S)
+
+
+@pytest.mark.parametrize("doc", ["README.md", "examples/README.md", "BENCHMARKS_HOWTO.md"])
+def test_documented_commands_and_links_exist(doc):
+    """`python -m X` names a module of this checkout, `python path.py` and `bash path` a
+    file, and every relative link a file: the moved examples keep their documentation."""
+    import importlib.util
+
+    path = REPO / doc
+    commands = "\n".join(_bash_blocks(path)) + "\n" + path.read_text()
+    for module in set(re.findall(r"python3? -m ([\w.]+)", commands)):
+        if module not in ("pip", "pytest", "venv"):
+            assert importlib.util.find_spec(module), f"{doc}: python -m {module}"
+    for script in set(re.findall(r"(?:python3?|bash) ((?:examples|\.ci)/[\w/.-]+)", commands)):
+        assert (REPO / script).is_file(), f"{doc}: {script}"
+    for link in set(re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text())):
+        assert (path.parent / link).exists(), f"{doc}: link {link}"

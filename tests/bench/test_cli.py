@@ -65,9 +65,15 @@ def test_no_gpu_plans_every_model(no_gpu, tmp_path, capsys):
     assert out.count(NO_GPU_LINE) == 1
     assert [line for line in out.splitlines() if NO_GPU_LINE in line][0].startswith(NO_GPU_LINE)
     assert len(_table_rows(out, "mlp")) == 2 and len(_table_rows(out, "lstm")) == 2
-    # Every row says why it is not timed and what the plan decided: the note is never empty.
+    # Said once, not on every row: nothing is timed; each row's note is what the plan decided.
+    assert out.count("nothing is timed") == 1 and "not timed" not in out
     for line in _table_rows(out, "mlp") + _table_rows(out, "lstm"):
-        assert "not timed (no GPU); critical path" in line, line
+        assert "critical path" in line, line
+    # Under the table: what the columns mean, then what to try next.
+    tail = out[out.index("Columns (plans only"):]
+    for column in ("tasks", "streams, events", "arena MB (inputs)", "plan s"):
+        assert f"\n  {column}  " in tail, column
+    assert "Next:" in tail and "nimble.explain" in tail and "examples/basics.py" in tail
     assert "ETA" in captured.err and "ETA" not in out  # progress goes to stderr only
     data = json.loads(out_json.read_text())
     meta = data["meta"]
@@ -83,7 +89,7 @@ def test_no_gpu_plans_every_model(no_gpu, tmp_path, capsys):
         assert r["tasks"] == sum(r["task_kinds"].values()) > 0
         assert r["kernels"] == r["task_kinds"].get("kernel", 0)
         assert r["streams"] >= 1 and r["events"] >= 0 and r["arena_bytes"] > 0
-        assert r["note"].startswith("not timed (no GPU); ")
+        assert r["note"].startswith(("critical path", "a chain"))
         assert not any(k.endswith("_ms") or k.startswith("compile") for k in r), r
     lstm = [r for r in rows if r["model"] == "lstm"][0]
     assert lstm["streams"] > 1  # the input projections run beside the recurrence
@@ -107,6 +113,19 @@ def test_plan_notes_name_the_decisions():
         jax.ShapeDtypeStruct((4, 4), jnp.float32))
     if chain.critical_path == len(chain.tasks):
         assert plan_notes(chain, plan_options).startswith("a chain")
+
+
+def test_plan_legend_explains_the_star_once_where_a_row_has_it():
+    from nimblejax.bench.cli import NO_CUDNN
+    from nimblejax.bench.report import plan_legend
+
+    plain = [{"note": "critical path 3 of 9 tasks"}]
+    starred = plain + [{"note": "critical path 3 of 9 tasks; convs: 2 im2col+GEMM" + NO_CUDNN}]
+    assert not any(line.lstrip().startswith("*") for line in plan_legend(plain, NO_CUDNN))
+    stars = [line for line in plan_legend(starred, NO_CUDNN) if line.lstrip().startswith("*")]
+    assert len(stars) == 1 and "no cuDNN found here" in stars[0]
+    assert any("--timeline" in line for line in plan_legend(plain, NO_CUDNN))
+    assert not any("--timeline" in line for line in plan_legend(plain, NO_CUDNN, timeline=True))
 
 
 def test_unsupported_model_is_a_row_not_a_crash(no_gpu, monkeypatch, tmp_path, capsys):

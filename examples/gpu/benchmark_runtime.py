@@ -1,6 +1,6 @@
 """Runtime benchmark as programs run it: nimble.jit against jax.jit in one process.
 
-    PYTHONPATH=. python3 examples/benchmark_runtime.py [--json out.json] [--calls N]
+    PYTHONPATH=. python3 examples/gpu/benchmark_runtime.py [--json out.json] [--calls N]
 
 Per case, three figures (median µs per call):
 - looped: a fresh input each call (or the training state fed back), one block at the end;
@@ -15,20 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the tests.helpers package
 
-import nimblejax as nimble  # noqa: E402
-from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
-from tests.helpers.models import branchy_args, branchy_mlp  # noqa: E402
-from nimblejax.bench.timing import blocked_us, concurrent_jax, looped_us, nimble_gpu_us  # noqa: E402
+import nimblejax as nimble
+from nimblejax.bench.needs_gpu import require_gpu
+from tests.helpers.models import branchy_args, branchy_mlp
+from nimblejax.bench.timing import blocked_us, concurrent_jax, looped_us, nimble_gpu_us
 
 FRESH = 16  # distinct input arrays cycled through (no identity cache can help)
 ROUNDS = 5  # alternating rounds of every configuration

@@ -1,23 +1,20 @@
 """Where a nimble.jit call's host time goes (run on the GPU machine).
 
-    PYTHONPATH=. python3 examples/profile_call.py
+    PYTHONPATH=. python3 examples/gpu/profile_call.py
 """
 from __future__ import annotations
 
 import cProfile
-import os
 import pstats
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the tests.helpers package
-import nimblejax as nimble  # noqa: E402
-from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
-from nimblejax.bench.timing import median_us  # noqa: E402
-from tests.helpers.models import branchy_args, branchy_mlp  # noqa: E402
+import nimblejax as nimble
+from nimblejax.bench.needs_gpu import require_gpu
+from nimblejax.bench.timing import median_us
+from tests.helpers.models import branchy_args, branchy_mlp
 
 
 

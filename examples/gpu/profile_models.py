@@ -1,6 +1,6 @@
 """Where each benchmark model's GPU time goes, task by task (run on the GPU machine).
 
-    PYTHONPATH=. python3 examples/profile_models.py --models all --batch 1,32 --json out.json
+    PYTHONPATH=. python3 examples/gpu/profile_models.py --models all --batch 1,32 --json out.json
 
 For each model: jax.jit's GPU time (back-to-back calls), nimble's graph GPU time on one
 stream and on many, the serial sum of its tasks, and the slowest kernel families and
@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 import nimblejax as nimble
-from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
+from nimblejax.bench.needs_gpu import require_gpu
 from nimblejax.bench import timing
 from nimblejax.bench.models import MODELS
 from nimblejax.bench.profile import summarize, task_times

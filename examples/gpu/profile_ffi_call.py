@@ -4,7 +4,7 @@ one call into nimble's Python (the residency check) and the jitted call it makes
 dispatch, the custom call, the handler's copy kernels and graph launch), and the Python
 frames a steady-state call runs.
 
-    PYTHONPATH=. python3 examples/profile_ffi_call.py
+    PYTHONPATH=. python3 examples/gpu/profile_ffi_call.py
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import nimblejax as nimble
-from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
+from nimblejax.bench.needs_gpu import require_gpu
 from nimblejax.bench.timing import looped_us
 
 

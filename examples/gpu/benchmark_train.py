@@ -1,6 +1,6 @@
 """Train-step and per-convolution benchmark: nimble.jit against jax.jit on one GPU.
 
-    PYTHONPATH=. python3 examples/benchmark_train.py [--json out.json]
+    PYTHONPATH=. python3 examples/gpu/benchmark_train.py [--json out.json]
 
 1. A full SGD-with-momentum train step of the CIFAR ResNet-style and MobileNetV2-style
    models (tests/helpers/train_models.py) at batch 32, 64 and 128.
@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the tests.helpers package
-import nimblejax as nimble  # noqa: E402
-from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
-from nimblejax.bench.timing import e2e_us, nimble_gpu_us, throughput_us  # noqa: E402
-from tests.helpers.train_models import TRAIN_MODELS, batch, make_train_step  # noqa: E402
+import nimblejax as nimble
+from nimblejax.bench.needs_gpu import require_gpu
+from nimblejax.bench.timing import e2e_us, nimble_gpu_us, throughput_us
+from tests.helpers.train_models import TRAIN_MODELS, batch, make_train_step
 
 # (input H=W, Cin, Cout, kernel, stride) of ResNet-50's convolutions (one per distinct shape).
 RESNET50_CONVS = [

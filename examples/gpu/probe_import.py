@@ -10,7 +10,7 @@ from jax._src import xla_bridge
 from jax._src.lib import _jax
 
 from nimblejax.bench.timing import median_us
-from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
+from nimblejax.bench.needs_gpu import require_gpu
 
 
 

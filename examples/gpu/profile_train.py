@@ -1,17 +1,14 @@
 """Where a train step's host time goes under nimble.jit (GPU machine)."""
 import cProfile
-import os
 import pstats
-import sys
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # the tests.helpers package
-import nimblejax as nimble  # noqa: E402
-from nimblejax.bench.needs_gpu import require_gpu  # noqa: E402
-from nimblejax.bench.timing import median_us  # noqa: E402
-from tests.helpers.train_models import TRAIN_MODELS, batch, make_train_step  # noqa: E402
+import nimblejax as nimble
+from nimblejax.bench.needs_gpu import require_gpu
+from nimblejax.bench.timing import median_us
+from tests.helpers.train_models import TRAIN_MODELS, batch, make_train_step
 
 require_gpu(__file__)
 init, apply = TRAIN_MODELS["resnet"]
