@@ -97,13 +97,14 @@ def test_inception_training_step_splits_into_slices():
 
 def test_split_rewrite_keeps_the_source_line_and_shapes():
     from nimblejax.compiler.canonicalize.slices import rewrite_split
+    from nimblejax.options import Options
     from nimblejax.compiler.trace import make_graph
 
     graph, _ = make_graph(lambda x: lax.split(x, (2, 0, 3), axis=1),
                           [jax.ShapeDtypeStruct((4, 5), jnp.float32)])
     (node,) = [n for n in graph.nodes if n.name == "split"]
     assert "test_sort.py" in node.source
-    parts = rewrite_split(node)
+    parts = rewrite_split(node, Options())
     assert [p.name for p in parts] == ["slice"] * 3
     assert [p.outputs[0] for p in parts] == list(node.outputs)
     assert all(p.source == node.source and p.inputs == node.inputs for p in parts)
