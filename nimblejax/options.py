@@ -28,7 +28,7 @@ one, "auto" the C one where it can be built (else Python, after one warning). Bo
 decide alike; "python" is for debugging and for machines without a C compiler.
 
 Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
-convolution: `use_cudnn` in compiler/canonicalize/conv.py.
+convolution: `use_cudnn` in compiler/canonicalize/conv_path.py.
 
 Library discovery (where libcublas, libcublasLt and libcudnn are) reads its own variables
 through `library_override` and `cuda_roots` below, also only here. The benchmark CLI reads

@@ -13,7 +13,7 @@ from jax import lax
 
 from tests.helpers.graphs import evaluate, names, trace
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize, registry
-from nimblejax.compiler.canonicalize import conv as conv_mod
+from nimblejax.compiler.canonicalize import conv_path as conv_mod
 from nimblejax.compiler.canonicalize.dot import gemm_layout
 from nimblejax.options import Options
 
@@ -134,7 +134,7 @@ def test_each_rewrite_is_registered_for_its_primitives_in_one_table():
     table = {name: (rule.fn.__module__.rsplit(".", 1)[1], rule.replaces, rule.after_merge)
              for name, rule in registry.REWRITES.items()}
     assert table == {
-        "conv_general_dilated": ("conv", False, False),
+        "conv_general_dilated": ("conv_path", False, False),
         "reduce_sum": ("split", False, False), "reduce_max": ("split", False, False),
         "reduce_min": ("split", False, False),
         "split": ("slices", True, False),

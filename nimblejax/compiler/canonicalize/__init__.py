@@ -2,7 +2,7 @@
 forms lowering expects, each rewrite registered for its primitives beside it
 (registry.py: one table, primitive → rewrite):
 
-- convolutions → im2col + GEMM, a cuDNN call, or kept for the direct kernel (conv.py:
+- convolutions → im2col + GEMM, a cuDNN call, or kept for the direct kernel (conv_path.py:
   the one place a convolution's path is decided);
 - long reductions with few outputs → two reductions (split.py);
 - split → one slice per output (slices.py);
@@ -24,7 +24,7 @@ that nothing reads (the unused outputs of an unstack or a split) are dropped at 
 from __future__ import annotations
 
 # Each rewrite module registers its rewrites on import.
-from nimblejax.compiler.canonicalize import conv, dot, slices, split, stacking  # noqa: F401
+from nimblejax.compiler.canonicalize import conv_path, dot, slices, split, stacking  # noqa: F401
 from nimblejax.compiler.canonicalize.merge_dots import merge_dots
 from nimblejax.compiler.canonicalize.registry import REWRITES, sweep
 from nimblejax.compiler.ir import Graph

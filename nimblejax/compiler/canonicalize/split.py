@@ -20,8 +20,8 @@ from nimblejax.options import Options
 SPLITTABLE = {"reduce_sum": jnp.sum, "reduce_max": jnp.max, "reduce_min": jnp.min}
 MIN_REDUCED = 16384      # shorter rows are fine in one kernel
 MIN_COLUMN = 1024        # shorter columns too
-TARGET_THREADS = 32768   # column reductions: outputs of the first stage
-TARGET_ROWS = 2048       # row reductions: rows of the first stage
+TARGET_THREADS = 32768   # column reductions: outputs of the first reduction
+TARGET_ROWS = 2048       # row reductions: rows of the first reduction
 
 
 @rewrites(*SPLITTABLE)
