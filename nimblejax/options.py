@@ -20,7 +20,8 @@ settings never share a stale plan.
 activation as kernels (compiler/epilogue.py).
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
-after every compiler pass to stderr (compiler/printing.py).
+after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
+(compiler/stages.py).
 
 `residency`: which implementation of the XLA call path's residency check runs
 (runtime/residency.py): "c" the C extension built on first use, "python" the pure-Python
