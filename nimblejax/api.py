@@ -19,9 +19,9 @@ from nimblejax import options as options_mod
 from nimblejax.arguments import (as_tuple as _as_tuple, check_hashable as _check_hashable,
                                  check_leaf as _check_leaf, is_array_like as _is_array_like,
                                  name_like as _name_like, named_leaves as _named_leaves,
-                                 signature as _signature,
+                                 signature as _signature, spec as _spec,
                                  static_positions as _static_positions)
-from nimblejax.compiler.pipeline import compile_function
+from nimblejax.compiler.pipeline import Stages, compile_function, trace_stages
 from nimblejax.compiler.plan import Plan
 from nimblejax.options import Options
 from nimblejax.runtime import residency
@@ -460,6 +460,12 @@ class NimbleFunction:
             start += child.num_leaves
         return frozenset(donated)
 
+    def stages(self, *args, **kwargs) -> Stages:
+        """The program after each compiler pass for these arguments (which may be
+        jax.ShapeDtypeStruct): pass name → Stage, printed as NIMBLE_DEBUG=2 prints it."""
+        leaves, _key, in_tree, statics = self._flatten(args, kwargs, abstract_ok=True)
+        return trace_stages(self._flat_fun(in_tree, statics, []), [_spec(x) for x in leaves], self.options)
+
 
 def _ffi_library(required: bool):
     """The loaded and initialized XLA FFI handler, or None (it warned why) where it
@@ -478,5 +484,3 @@ def _ffi_library(required: bool):
         raise RuntimeError("call_path='ffi': the XLA FFI handler could not be built or loaded "
                            "(see the warning above); use call_path='auto' to fall back")
     return library
-
-

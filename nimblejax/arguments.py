@@ -103,6 +103,12 @@ def signature(x: Any) -> tuple:
     return tuple(x.shape), dtype, False
 
 
+def spec(x: Any) -> jax.ShapeDtypeStruct:
+    """The abstract value a plan is traced at for argument `x`."""
+    shape, dtype, weak = signature(x)
+    return jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
+
+
 def _scalar_dtype(x: bool | int | float) -> np.dtype:
     """jnp.asarray(x).dtype without making an array (that takes 20 µs, on every call
     that passes a Python scalar): it depends only on the kind of scalar and x64."""

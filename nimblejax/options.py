@@ -20,7 +20,8 @@ settings never share a stale plan.
 activation as kernels (compiler/epilogue.py).
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
-after every compiler pass to stderr (compiler/printing.py).
+after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
+(compiler/stages.py).
 
 `residency`: which implementation of the XLA call path's residency check runs
 (runtime/residency.py): "c" the C extension built on first use, "python" the pure-Python
@@ -28,7 +29,7 @@ one, "auto" the C one where it can be built (else Python, after one warning). Bo
 decide alike; "python" is for debugging and for machines without a C compiler.
 
 Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
-convolution: `use_cudnn` in compiler/canonicalize/conv.py.
+convolution: `use_cudnn` in compiler/canonicalize/conv_path.py.
 
 Library discovery (where libcublas, libcublasLt and libcudnn are) reads its own variables
 through `library_override` and `cuda_roots` below, also only here. The benchmark CLI reads

@@ -414,9 +414,9 @@ NO_CUDNN = " (no cuDNN found here: with it, the im2col ones go to cuDNN at this 
 def plan_notes(plan, options, batch: Optional[int] = None) -> str:
     """The plan's notable decisions in a few words: how parallel it is, the path of its
     convolutions, and the control flow it flattened. `options`: the plan's (its
-    convolutions' path is canonicalize/conv.py's `use_cudnn`, at `batch` when known)."""
+    convolutions' path is canonicalize/conv_path.py's `use_cudnn`, at `batch` when known)."""
     from nimblejax.bench.profile import task_family
-    from nimblejax.compiler.canonicalize.conv import use_cudnn
+    from nimblejax.compiler.canonicalize.conv_path import use_cudnn
 
     tasks = len(plan.tasks)
     cp = plan.critical_path

@@ -105,7 +105,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
                     continue
         elif rule_for(node).kind is RuleKind.REDUCTION:
             gid = row_target(node, consumers, outputs, owner, roots, rows)
-            if gid is not None:  # one stage of its consumers' row kernel
+            if gid is not None:  # one reduction of its consumers' row kernel
                 owner[node], depth[node], rows[gid] = frozenset([gid]), 0, node.outputs[0].size
                 continue
         new_group(node)

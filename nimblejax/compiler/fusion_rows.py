@@ -53,7 +53,7 @@ def is_row_reduction(node: Node) -> bool:
 
 def row_target(node: Node, consumers: Mapping[Var, list[Node]], outputs, owner,
                roots: Mapping[int, Node], rows: Mapping[int, int]) -> int | None:
-    """The group that reduction `node` joins as a stage of a row kernel, or None.
+    """The group that reduction `node` joins as one of a row kernel's reductions, or None.
 
     `owner` maps each node already placed (all of node's consumers are: the walk is
     backwards) to its groups, `roots` each group to its root, `rows` each row group so far

@@ -1,35 +1,40 @@
-"""The compiler's stages, in order: a function → one launch plan.
+"""The compiler's passes, in order: a function → one launch plan.
 
     trace (trace.py)            jaxpr → graph IR: inlined, CSE, dead code dropped
     check                       every primitive has a rule, every dtype is supported
     canonicalize (canonicalize/) conv paths, reduction splits, GEMM-ready dots
     fuse (fusion.py)            nodes → groups, one group per kernel or library call
     lower (lowering/)           groups → Tasks: generated kernels, GemmCall, ConvCall, views
+    buffers (buffers.py)        shared bytes, each task's reads and writes, the task DAG
     streams (streams/)          Nimble's stream assignment and the minimal events
     memory (memory.py)          one arena; reuse only after every use happens-before
     verify (streams/verify.py)  no two unordered tasks touch overlapping bytes
 
-Each stage runs once; nothing here touches a GPU. With `debug=2` (NIMBLE_DEBUG=2) the
-program is printed to stderr after trace, canonicalize, fuse, lower, streams and memory
-(compiler/printing.py).
+`PASSES` is that list after trace: each a named function Program → Program that fills
+in one more field of the frozen `Program`. Each runs once; nothing here touches a GPU.
+A pass with a text is a stage (compiler/stages.py): with `debug=2` (NIMBLE_DEBUG=2) it
+is printed to stderr as soon as its pass has run, and `trace_stages` returns them all.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
 
 import jax
-import networkx as nx
 
+from nimblejax.compiler import printing
+from nimblejax.compiler.buffers import Buffers, analyze_buffers
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize
-from nimblejax.compiler.fusion import fuse
-from nimblejax.compiler.ir import Graph, Var, fresh_ids
-from nimblejax.compiler.kinds import TaskKind
+from nimblejax.compiler.fusion import Group, fuse
+from nimblejax.compiler.ir import Graph, fresh_ids
 from nimblejax.compiler.lowering import lower
 from nimblejax.compiler.lowering.registry import check_supported
+from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.memory import plan_memory
-from nimblejax.compiler import printing
 from nimblejax.compiler.plan import Plan
-from nimblejax.compiler.streams import critical_path, make_schedule, verify
+from nimblejax.compiler.stages import Stage, Stages
+from nimblejax.compiler.streams import Schedule, critical_path, make_schedule, verify
 from nimblejax.compiler.trace import make_graph
 from nimblejax.options import Options
 
@@ -38,55 +43,123 @@ class PlanVerificationError(AssertionError):
     """A plan whose streams and memory would race: a bug in nimblejax's planners."""
 
 
+@dataclass(frozen=True)
+class Program:
+    """What the passes have made so far; each pass fills in the next field."""
+    graph: Graph  # the traced graph, then the canonicalized one
+    control: tuple = ()  # the trace's loop and cond decisions (canonicalize drops them)
+    groups: Optional[tuple[Group, ...]] = None  # fuse
+    lowered: Optional[tuple[Task, ...]] = None  # lower: every task, views included
+    buffers: Optional[Buffers] = None  # buffers
+    schedule: Optional[Schedule] = None  # streams
+    plan: Optional[Plan] = None  # memory
+
+
+@dataclass(frozen=True)
+class Pass:
+    name: str
+    run: Callable[[Program, Options], Program]
+    made: Optional[str] = None  # the Program field it fills: its stage's value
+    text: Optional[Callable[[Program], str]] = None  # its stage's text; None: a check only
+
+
+# ---- the passes -------------------------------------------------------------------------
+def _check(p: Program, options: Options) -> Program:
+    check_supported(p.graph.nodes, REWRITTEN)
+    return p
+
+
+def _canonicalize(p: Program, options: Options) -> Program:
+    return dataclasses.replace(p, graph=canonicalize(p.graph, options))
+
+
+def _fuse(p: Program, options: Options) -> Program:
+    # Plain cuBLAS has no epilogues: there a bias or activation stays a kernel.
+    groups = fuse(p.graph, gemm_epilogues=options.gemm != "cublas")
+    return dataclasses.replace(p, groups=tuple(groups))
+
+
+def _lower(p: Program, options: Options) -> Program:
+    return dataclasses.replace(p, lowered=tuple(lower(p.groups)))
+
+
+def _buffers(p: Program, options: Options) -> Program:
+    return dataclasses.replace(p, buffers=analyze_buffers(p.graph, p.lowered))
+
+
+def _streams(p: Program, options: Options) -> Program:
+    return dataclasses.replace(p, schedule=make_schedule(p.buffers.dag, options.max_streams))
+
+
+def _memory(p: Program, options: Options) -> Program:
+    b, schedule = p.buffers, p.schedule
+    memory = plan_memory(schedule, b.sizes, b.reads, b.writes, pinned=b.pinned)
+    plan = Plan(p.graph, p.groups, tuple(schedule.order), b.views, b.dag, schedule, memory,
+                b.storage, b.sizes, b.reads, b.writes, p.control)
+    return dataclasses.replace(p, plan=plan)
+
+
+def _verify(p: Program, options: Options) -> Program:
+    if options.verify:
+        verify_plan(p.plan)
+    return p
+
+
+PASSES: tuple[Pass, ...] = (
+    Pass("check", _check),
+    Pass("canonicalize", _canonicalize, "graph", lambda p: printing.graph_text(p.graph)),
+    Pass("fuse", _fuse, "groups", lambda p: printing.groups_text(p.groups)),
+    Pass("lower", _lower, "lowered", lambda p: printing.tasks_text(p.lowered)),
+    Pass("buffers", _buffers, "buffers", lambda p: printing.buffers_text(p.buffers)),
+    Pass("streams", _streams, "schedule",
+         lambda p: printing.schedule_text(p.schedule, critical_path(p.buffers.dag))),
+    Pass("memory", _memory, "plan", lambda p: printing.memory_text(p.plan)),
+    Pass("verify", _verify),
+)
+TRACE = Pass("trace", lambda p, options: p, "graph", lambda p: printing.graph_text(p.graph))
+# The stages, in order: what NIMBLE_DEBUG=2 prints and `trace_stages` returns.
+STAGES: tuple[str, ...] = tuple(p.name for p in (TRACE, *PASSES) if p.text is not None)
+
+
+# ---- running them -------------------------------------------------------------------------
 def compile_function(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct],
-                     options: Options = Options()) -> tuple[Plan, Any]:
+                     options: Options = Options(),
+                     kept: Optional[list[Stage]] = None) -> tuple[Plan, Any]:
     """Trace `fun` (flat arguments → flat outputs) at `specs` and plan it. Value ids are
-    numbered from 0 for each plan."""
+    numbered from 0 for each plan. Each stage is appended to `kept` when given."""
     with fresh_ids():
         graph, out_shapes = make_graph(fun, specs)
-        _print(options, "trace", printing.graph_text, graph)
-        return build_plan(graph, options), out_shapes
+        _after(TRACE, Program(graph, graph.control), options, kept)
+        return build_plan(graph, options, kept), out_shapes
 
 
-def build_plan(graph: Graph, options: Options = Options()) -> Plan:
-    check_supported(graph.nodes, REWRITTEN)
-    control = graph.control  # canonicalize rebuilds the graph without it
-    graph = canonicalize(graph, options)
-    _print(options, "canonicalize", printing.graph_text, graph)
-    # Plain cuBLAS has no epilogues: there a bias or activation stays a kernel.
-    groups = fuse(graph, gemm_epilogues=options.gemm != "cublas")
-    _print(options, "fuse", printing.groups_text, groups)
-    all_tasks = lower(groups)
-    _print(options, "lower", printing.tasks_text, all_tasks)
-    views = tuple(t for t in all_tasks if t.kind is TaskKind.VIEW)
-    # Values that share a buffer: views, and outputs computed in an input's bytes.
-    storage: dict[Var, Var] = {}
-    for t in all_tasks:  # topological: a value's buffer is known before its views'
-        pairs = ((t.outputs[0], t.inputs[0]),) if t.kind is TaskKind.VIEW else t.aliases
-        for out, src in pairs:
-            storage[out] = storage.get(src, src)
-    tasks = [t for t in all_tasks if t.kind is not TaskKind.VIEW]
-    root = lambda v: storage.get(v, v)  # noqa: E731
-    reads = {t: tuple(dict.fromkeys(root(v) for v in t.inputs)) for t in tasks}
-    writes = {t: tuple(root(v) for v in t.outputs) for t in tasks}
-    dag = _task_dag(tasks, reads, writes)
-    schedule = make_schedule(dag, options.max_streams)
-    _print(options, "streams", printing.schedule_text, schedule, critical_path(dag))
-    sizes = _sizes(graph, reads, writes)
-    pinned = set(graph.inputs) | set(graph.consts)
-    pinned |= {root(a) for a in graph.outputs if isinstance(a, Var)}
-    memory = plan_memory(schedule, sizes, reads, writes, pinned=[b for b in sizes if b in pinned])
-    plan = Plan(graph, tuple(groups), tuple(schedule.order), views, dag, schedule, memory,
-                storage, sizes, reads, writes, control)
-    _print(options, "memory", printing.memory_text, plan)
-    if options.verify:
-        verify_plan(plan)
-    return plan
+def trace_stages(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct],
+                 options: Options = Options()) -> Stages:
+    """Every stage of planning `fun` at `specs`: pass name → Stage, in order."""
+    kept: list[Stage] = []
+    compile_function(fun, specs, options, kept)
+    return Stages(kept)
 
 
-def _print(options: Options, stage: str, text: Callable[..., str], *args: Any) -> None:
+def build_plan(graph: Graph, options: Options = Options(),
+               kept: Optional[list[Stage]] = None) -> Plan:
+    """Run every pass of `PASSES` over a traced graph."""
+    program = Program(graph, graph.control)
+    for p in PASSES:
+        program = p.run(program, options)
+        _after(p, program, options, kept)
+    return program.plan
+
+
+def _after(p: Pass, program: Program, options: Options, kept: Optional[list[Stage]]) -> None:
+    """Print the pass's stage (NIMBLE_DEBUG=2) and keep it, where asked to."""
+    if p.text is None or not (options.print_passes or kept is not None):
+        return
+    stage = Stage(p.name, getattr(program, p.made), lambda: p.text(program))
     if options.print_passes:
-        printing.emit(stage, text(*args))
+        printing.emit(str(stage))
+    if kept is not None:
+        kept.append(stage)
 
 
 def verify_plan(plan: Plan) -> None:
@@ -94,28 +167,3 @@ def verify_plan(plan: Plan) -> None:
     found = verify(plan.schedule, plan.memory, plan.sizes, plan.reads, plan.writes)
     if found:
         raise PlanVerificationError(f"{len(found)} race(s) in the plan; first: {found[0]}")
-
-
-def _task_dag(tasks, reads, writes) -> nx.DiGraph:
-    """An edge from the last task before t (in topological order) that wrote a buffer t
-    reads. A buffer has one writer, or several in a chain of in-place updates (each
-    writer the only reader of the value before it)."""
-    last: dict = {}
-    dag = nx.DiGraph()
-    dag.add_nodes_from(tasks)
-    for t in tasks:
-        for b in reads[t]:
-            if b in last:
-                dag.add_edge(last[b], t)
-        for b in writes[t]:
-            last[b] = t
-    return dag
-
-
-def _sizes(graph: Graph, reads, writes) -> dict[Var, int]:
-    sizes: dict[Var, int] = {v: v.nbytes for v in graph.inputs}
-    sizes.update({v: v.nbytes for v in graph.consts})
-    for bufs in list(reads.values()) + list(writes.values()):
-        for b in bufs:
-            sizes[b] = b.nbytes
-    return sizes

@@ -1,5 +1,6 @@
-"""The program as text after each compiler pass (`NIMBLE_DEBUG=2`), and the pieces
-`nimble.explain` shares: event numbers, one line per task, byte sizes.
+"""The program as text after each compiler pass (`NIMBLE_DEBUG=2`, and the Stage
+objects of compiler/stages.py), and the pieces `nimble.explain` shares: event numbers,
+one line per task, byte sizes.
 
     trace         the graph IR, each node with its user line; loop and cond decisions
     canonicalize  the graph IR after the rewrites
@@ -10,12 +11,16 @@
                   gemm_float32_1x4x8x16[bias+relu]), launches (grid × block) or the
                   library call, values written and read (and an output computed in an
                   input's bytes); views
+    buffers       the values sharing another's bytes, the pinned buffers, then one
+                  line per task (t0, t1, ...): buffers written and read, the tasks it
+                  runs after (its edges in the task DAG)
     streams       the launch order: stream, events waited on and recorded, task
     memory        the same with each buffer's arena offset and size, then the arena
 
 Every line is made from the plan's own records, numbered per plan (value ids from 0,
 events in launch order), so one function prints the same text every time.
-Everything here only reads; nothing imports this module but the pipeline and explain.
+Everything here only reads. Readers: compiler/stages.py (the pass texts), explain.py
+(the shared pieces) and memory.py (`format_bytes`).
 """
 from __future__ import annotations
 
@@ -26,13 +31,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence, TextIO
 from nimblejax.compiler.kinds import TaskKind
 
 if TYPE_CHECKING:
+    from nimblejax.compiler.buffers import Buffers
     from nimblejax.compiler.fusion import Group
     from nimblejax.compiler.ir import Graph
     from nimblejax.compiler.lowering.task import Task
     from nimblejax.compiler.plan import Plan
     from nimblejax.compiler.streams import Schedule
 
-PASSES = ("trace", "canonicalize", "fuse", "lower", "streams", "memory")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # object reprs in params: not deterministic
 
 
@@ -52,11 +57,20 @@ def header(stage: str) -> str:
     return f"=== nimblejax after {stage} ==="
 
 
-def emit(stage: str, text: str, file: TextIO | None = None) -> None:
-    """Write one pass's text under its header (to stderr by default)."""
-    assert stage in PASSES, stage
+def clean(text: str) -> str:
+    """`text` without object addresses (which differ from run to run)."""
+    return _ADDRESS.sub("", text)
+
+
+def section(stage: str, text: str) -> str:
+    """One pass's text under its header, as NIMBLE_DEBUG=2 writes it."""
+    return f"{header(stage)}\n{text}\n"
+
+
+def emit(section_text: str, file: TextIO | None = None) -> None:
+    """Write one pass's section (to stderr by default)."""
     out = file if file is not None else sys.stderr
-    out.write(f"{header(stage)}\n{_ADDRESS.sub('', text)}\n")
+    out.write(section_text)
     out.flush()
 
 
@@ -104,6 +118,26 @@ def tasks_text(tasks: Sequence[Task]) -> str:
         lines.append(f"  {t.kind:<6} {t.name}  {outs} <- {ins}{shared}\n           {launch_text(t)}")
     views = sum(t.kind is TaskKind.VIEW for t in tasks)
     return f"{len(tasks) - views} tasks (+{views} views)\n" + "\n".join(lines)
+
+
+# ---- buffers ------------------------------------------------------------------------------
+def buffers_text(buffers: Buffers) -> str:
+    tasks = buffers.tasks
+    edges = buffers.dag.number_of_edges()
+    lines = [f"{len(tasks)} tasks, {edges} edges (last writer -> reader), "
+             f"{len(buffers.sizes)} buffers, {len(buffers.pinned)} pinned"]
+    if buffers.storage:
+        lines.append("  shared: " + ", ".join(f"{v!r} in {b!r}" for v, b in buffers.storage.items()))
+    if buffers.pinned:
+        lines.append("  pinned: " + " ".join(map(repr, buffers.pinned)))
+    number = {t: i for i, t in enumerate(tasks)}  # names may repeat: t0, t1, ... do not
+    for t in tasks:
+        outs = " ".join(map(repr, buffers.writes[t]))
+        ins = " ".join(map(repr, buffers.reads[t]))
+        after = sorted(number[u] for u in buffers.dag.predecessors(t))
+        runs_after = f"  after {', '.join(f't{i}' for i in after)}" if after else ""
+        lines.append(f"  t{number[t]} {t.name}  {outs} <- {ins}{runs_after}")
+    return "\n".join(lines)
 
 
 # ---- streams ------------------------------------------------------------------------------

@@ -100,10 +100,10 @@ def test_the_cycle_check_sees_imports_inside_functions(tmp_path, monkeypatch):
 # module: each child starts with no nimblejax module loaded and imports only its own
 # (a fresh `python -c "import <module>"` each would cost the jax import 70 times).
 _IMPORT_EACH = textwrap.dedent("""\
-    import importlib, os, sys, tempfile, traceback
+    import importlib, os, sys, traceback
     import jax, jax.numpy, networkx, numpy  # third-party: shared by every child
     running = {}  # pid -> (module, file for its traceback)
-    logs = tempfile.mkdtemp()
+    logs = sys.argv[1]  # the test's tmp_path: pytest removes it
 
     def reap():
         pid, status = os.wait()
@@ -111,7 +111,7 @@ _IMPORT_EACH = textwrap.dedent("""\
         if status:
             print(f"--- import {name} failed:\\n{open(log).read()}", flush=True)
 
-    for name in sys.argv[1:]:
+    for name in sys.argv[2:]:
         if len(running) >= (os.cpu_count() or 1):
             reap()
         log = os.path.join(logs, name)
@@ -132,11 +132,11 @@ _IMPORT_EACH = textwrap.dedent("""\
     """)
 
 
-def test_every_module_imports_on_its_own():
+def test_every_module_imports_on_its_own(tmp_path):
     names = list(modules())
     assert "nimblejax.compiler.control" in names and "nimblejax.runtime.libs.loader" in names
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH, *names], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", _IMPORT_EACH, str(tmp_path), *names], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == "", done.stdout[-6000:]

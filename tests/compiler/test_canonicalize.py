@@ -12,8 +12,8 @@ import pytest
 from jax import lax
 
 from tests.helpers.graphs import evaluate, names, trace
-from nimblejax.compiler.canonicalize import canonicalize
-from nimblejax.compiler.canonicalize import conv as conv_mod
+from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize, registry
+from nimblejax.compiler.canonicalize import conv_path as conv_mod
 from nimblejax.compiler.canonicalize.dot import gemm_layout
 from nimblejax.options import Options
 
@@ -127,3 +127,41 @@ def test_other_nodes_pass_through_unchanged():
     graph = trace(lambda x: jnp.tanh(x) * 2.0 + 1.0, rand(rng, 4, 5))
     new = canonicalize(graph, Options())
     assert new.nodes == graph.nodes and new.inputs == graph.inputs and new.outputs == graph.outputs
+
+
+# ---- the table of rewrites (canonicalize/registry.py) ------------------------------------
+def test_each_rewrite_is_registered_for_its_primitives_in_one_table():
+    table = {name: (rule.fn.__module__.rsplit(".", 1)[1], rule.replaces, rule.after_merge)
+             for name, rule in registry.REWRITES.items()}
+    assert table == {
+        "conv_general_dilated": ("conv_path", False, False),
+        "reduce_sum": ("split", False, False), "reduce_max": ("split", False, False),
+        "reduce_min": ("split", False, False),
+        "split": ("slices", True, False),
+        "stack": ("stacking", True, False), "unstack": ("stacking", True, False),
+        "tile": ("stacking", True, False),
+        "dot_general": ("dot", False, True),
+    }
+    # What needs no lowering rule is read from the table.
+    assert REWRITTEN == {"split", "stack", "unstack", "tile"}
+
+
+def test_a_second_rewrite_for_one_primitive_is_refused():
+    name = "nimble_test_only_primitive"
+    registry.rewrites(name)(lambda node, options: [node])
+    try:
+        with pytest.raises(ValueError, match="two canonicalization rewrites"):
+            registry.rewrites(name)(lambda node, options: [])
+    finally:
+        del registry.REWRITES[name]
+
+
+def test_the_dot_layout_runs_in_the_sweep_after_merge_dots_only():
+    rng = np.random.default_rng(8)
+    fn = lambda a, b: jnp.einsum("kbm,bnk->bmn", a, b, precision="highest")  # noqa: E731
+    graph = trace(fn, rand(rng, 5, 3, 4), rand(rng, 3, 6, 5))
+    first = registry.sweep(graph.nodes, Options(), after_merge=False)
+    assert first == list(graph.nodes)  # nothing of the first sweep applies
+    second = registry.sweep(graph.nodes, Options(), after_merge=True)
+    dots = [n for n in second if n.name == "dot_general"]
+    assert "transpose" in [n.name for n in second] and all(gemm_layout(n) is not None for n in dots)

@@ -219,15 +219,17 @@ def compile_library(text: str, flags: tuple[str, ...] = ("-O1",)) -> ctypes.CDLL
     """C++ `text` built by the host compiler as a shared library (cached by text)."""
     key = hashlib.sha1(" ".join((text, *flags)).encode()).hexdigest()
     if key not in _LIBS:
-        tmp = tempfile.mkdtemp(prefix="nimble-emu-")
-        src, lib = os.path.join(tmp, "k.cpp"), os.path.join(tmp, "k.so")
-        with open(src, "w") as f:
-            f.write(text)
-        proc = subprocess.run([compiler(), *flags, "-std=c++20", "-pthread", "-shared", "-fPIC",
-                               "-fwrapv", "-w", src, "-o", lib], capture_output=True, text=True)
-        if proc.returncode:
-            raise RuntimeError(f"emulated kernels do not compile:\n{proc.stderr[-4000:]}")
-        _LIBS[key] = ctypes.CDLL(lib)
+        # The folder goes once the library is loaded: a loaded library stays mapped
+        # after its file is removed, and a test run must leave no files behind.
+        with tempfile.TemporaryDirectory(prefix="nimble-emu-") as tmp:
+            src, lib = os.path.join(tmp, "k.cpp"), os.path.join(tmp, "k.so")
+            with open(src, "w") as f:
+                f.write(text)
+            proc = subprocess.run([compiler(), *flags, "-std=c++20", "-pthread", "-shared", "-fPIC",
+                                   "-fwrapv", "-w", src, "-o", lib], capture_output=True, text=True)
+            if proc.returncode:
+                raise RuntimeError(f"emulated kernels do not compile:\n{proc.stderr[-4000:]}")
+            _LIBS[key] = ctypes.CDLL(lib)
     return _LIBS[key]
 
 

@@ -1,6 +1,6 @@
 """XLA's GPU argmax/argmin, simulated literally: JAX's reducer (jax/_src/lax/lax.py,
 _ArgMinMaxReducer) applied to (value, index) pairs in the combination structure of the
-fusion XLA emits (nimblejax/compiler/lowering/xla_reduce_order.py describes and plans
+fusion XLA emits (nimblejax/compiler/lowering/xla_reduce_order.py describes and arranges
 it): each thread's loop with the accumulator first, shuffle-down trees with the own
 lane first (a lane past the warp reads its own value), the cross-warp step with init
 values in the lanes past the warp count, inits in the padding of split reductions.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from nimblejax.compiler.lowering.xla_reduce_order import WARP, Plan
+from nimblejax.compiler.lowering.xla_reduce_order import WARP, Arrangement
 
 
 def reducer(is_max: bool):
@@ -32,7 +32,7 @@ def _shuffle_tree(lanes, red, max_dist):
     return lanes[0]
 
 
-def simulate(p: Plan, elems, red, init):
+def simulate(p: Arrangement, elems, red, init):
     """elems: (value, index) pairs of one reduced axis; returns the reduced pair."""
     r = len(elems)
     if p.kind == "seq":
@@ -71,18 +71,18 @@ def simulate(p: Plan, elems, red, init):
     return simulate(p.outer, inner, red, init)
 
 
-def xla_gpu_argminmax(x, axis: int, is_max: bool, plan: Plan, init_value):
+def xla_gpu_argminmax(x, axis: int, is_max: bool, order: Arrangement, init_value):
     """x: a numpy array; the int64 indices XLA's GPU fusion returns."""
     import numpy as np
     x = np.moveaxis(np.asarray(x), axis, -1)
     rows = x.reshape(-1, x.shape[-1]) if x.size else x.reshape(0, x.shape[-1])
     red = reducer(is_max)
-    out = [simulate(plan, [(v, i) for i, v in enumerate(row.tolist())], red, (init_value, 0))[1]
+    out = [simulate(order, [(v, i) for i, v in enumerate(row.tolist())], red, (init_value, 0))[1]
            for row in rows]
     return np.asarray(out, np.int64).reshape(x.shape[:-1])
 
 
-def first_nan_by_rank(x, axis: int, is_max: bool, plan: Plan):
+def first_nan_by_rank(x, axis: int, is_max: bool, order: Arrangement):
     """The same from the rank model: the lowest-ranked NaN, else the best value's
     lowest index."""
     import numpy as np
@@ -90,7 +90,7 @@ def first_nan_by_rank(x, axis: int, is_max: bool, plan: Plan):
     x = np.moveaxis(np.asarray(x), axis, -1)
     n = x.shape[-1]
     rows = x.reshape(-1, n)
-    rank = np.array([nan_rank(plan, n, i) for i in range(n)])
+    rank = np.array([nan_rank(order, n, i) for i in range(n)])
     out = []
     for row in rows.astype(np.float64):
         nan = np.isnan(row)

@@ -1,15 +1,18 @@
 """Canonicalization: the stage between tracing and fusion. It rewrites nodes into the
-forms lowering expects:
+forms lowering expects, each rewrite registered for its primitives beside it
+(registry.py: one table, primitive → rewrite):
 
-- convolutions → im2col + GEMM, a cuDNN call, or kept for the direct kernel (conv.py:
+- convolutions → im2col + GEMM, a cuDNN call, or kept for the direct kernel (conv_path.py:
   the one place a convolution's path is decided);
 - long reductions with few outputs → two reductions (split.py);
 - split → one slice per output (slices.py);
 - stack, unstack, tile → reshapes, slices, broadcasts and a concatenate (stacking.py);
 - independent dots sharing an operand → one dot and free slices of its result
-  (merge_dots.py), once the rewrites above have made their dots and slices;
-- dot_general → operands transposed into a GEMM-ready layout (dot.py), last, so that
-  merged dots get their layout too and merge_dots sees the dots as the user wrote them.
+  (merge_dots.py: a pass over the whole graph, not a rewrite of one node), once the
+  rewrites above have made their dots and slices;
+- dot_general → operands transposed into a GEMM-ready layout (dot.py), in a second
+  sweep after merge_dots, so that merged dots get their layout too and merge_dots sees
+  the dots as the user wrote them.
 
 (Random-number primitives and PRNG key arrays are expanded earlier, while tracing:
 compiler/prng.py.)
@@ -20,37 +23,21 @@ that nothing reads (the unused outputs of an unstack or a split) are dropped at 
 """
 from __future__ import annotations
 
-from nimblejax.compiler.canonicalize.conv import rewrite_conv
-from nimblejax.compiler.canonicalize.dot import canonicalize_dot
+# Each rewrite module registers its rewrites on import.
+from nimblejax.compiler.canonicalize import conv_path, dot, slices, split, stacking  # noqa: F401
 from nimblejax.compiler.canonicalize.merge_dots import merge_dots
-from nimblejax.compiler.canonicalize.slices import rewrite_split
-from nimblejax.compiler.canonicalize.split import split_reduction
-from nimblejax.compiler.canonicalize.stacking import REWRITES as STACKING, rewrite_stacking
-from nimblejax.compiler.ir import Graph, Node
+from nimblejax.compiler.canonicalize.registry import REWRITES, sweep
+from nimblejax.compiler.ir import Graph
 from nimblejax.options import Options
 
-
 # Primitives this stage replaces entirely (they need no lowering rule).
-REWRITTEN = frozenset({"split"}) | STACKING
+REWRITTEN = frozenset(name for name, rule in REWRITES.items() if rule.replaces)
 
 
 def canonicalize(graph: Graph, options: Options) -> Graph:
-    nodes: list[Node] = []
-    for node in graph.nodes:
-        if node.name == "conv_general_dilated":
-            parts = rewrite_conv(node, options)
-        elif node.name.startswith("reduce_"):
-            parts = split_reduction(node)
-        elif node.name == "split":
-            parts = rewrite_split(node)
-        elif node.name in STACKING:
-            parts = rewrite_stacking(node)
-        else:
-            parts = [node]
-        nodes.extend(parts)
-    merged = merge_dots(Graph(graph.inputs, graph.outputs, tuple(nodes), graph.consts))
-    nodes = [part for node in merged.nodes
-             for part in (canonicalize_dot(node) if node.name == "dot_general" else [node])]
+    first = sweep(graph.nodes, options, after_merge=False)
+    merged = merge_dots(Graph(graph.inputs, graph.outputs, tuple(first), graph.consts))
+    last = sweep(merged.nodes, options, after_merge=True)
     from nimblejax.compiler.trace import drop_dead_code
 
-    return drop_dead_code(Graph(graph.inputs, graph.outputs, tuple(nodes), merged.consts))
+    return drop_dead_code(Graph(graph.inputs, graph.outputs, tuple(last), merged.consts))

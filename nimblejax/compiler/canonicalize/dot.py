@@ -10,8 +10,10 @@ from __future__ import annotations
 import jax
 from jax import lax
 
+from nimblejax.compiler.canonicalize.registry import rewrites
 from nimblejax.compiler.ir import Node, Var
 from nimblejax.compiler import dtypes
+from nimblejax.options import Options
 
 
 def dot_dims(node: Node):
@@ -42,7 +44,8 @@ def _transposed(batch, rows, cols, ndim: int) -> bool | None:
     return None
 
 
-def canonicalize_dot(node: Node) -> list[Node]:
+@rewrites("dot_general", after_merge=True)
+def canonicalize_dot(node: Node, options: Options) -> list[Node]:
     """[node] if GEMM-ready, else [transpose(s)..., new dot_general]."""
     if gemm_layout(node) is not None:
         return [node]

@@ -12,8 +12,10 @@ import jax
 from jax import lax
 import numpy as np
 
+from nimblejax.compiler.canonicalize.registry import rewrites
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler.jaxprs import open_jaxpr
+from nimblejax.options import Options
 
 
 @functools.lru_cache(maxsize=None)
@@ -25,7 +27,8 @@ def _slice_eqn():
     return eqn.primitive, tuple(eqn.params)
 
 
-def rewrite_split(node: Node) -> list[Node]:
+@rewrites("split", replaces=True)
+def rewrite_split(node: Node, options: Options) -> list[Node]:
     (x,) = node.inputs
     axis = int(node.params["axis"])
     primitive, names = _slice_eqn()

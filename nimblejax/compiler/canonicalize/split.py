@@ -12,18 +12,21 @@ import math
 import jax
 import jax.numpy as jnp
 
+from nimblejax.compiler.canonicalize.registry import rewrites
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
+from nimblejax.options import Options
 
 SPLITTABLE = {"reduce_sum": jnp.sum, "reduce_max": jnp.max, "reduce_min": jnp.min}
 MIN_REDUCED = 16384      # shorter rows are fine in one kernel
 MIN_COLUMN = 1024        # shorter columns too
-TARGET_THREADS = 32768   # column reductions: outputs of the first stage
-TARGET_ROWS = 2048       # row reductions: rows of the first stage
+TARGET_THREADS = 32768   # column reductions: outputs of the first reduction
+TARGET_ROWS = 2048       # row reductions: rows of the first reduction
 
 
-def split_reduction(node: Node) -> list[Node]:
-    if node.name not in SPLITTABLE or dtypes.name(node.inputs[0].dtype) not in ("float32", "int32"):
+@rewrites(*SPLITTABLE)
+def split_reduction(node: Node, options: Options) -> list[Node]:
+    if dtypes.name(node.inputs[0].dtype) not in ("float32", "int32"):
         return [node]
     x, out = node.inputs[0], node.outputs[0]
     axes = tuple(sorted(int(a) for a in node.params["axes"]))

@@ -23,13 +23,14 @@ import jax
 import numpy as np
 from jax import lax
 
+from nimblejax.compiler.canonicalize.registry import rewrites
 from nimblejax.compiler.ir import Literal, Node, Var
 from nimblejax.compiler.jaxprs import open_jaxpr
+from nimblejax.options import Options
 
-REWRITES = frozenset({"stack", "unstack", "tile"})
 
-
-def rewrite_stacking(node: Node) -> list[Node]:
+@rewrites("stack", "unstack", "tile", replaces=True)
+def rewrite_stacking(node: Node, options: Options) -> list[Node]:
     from nimblejax.compiler.trace import GraphBuilder
 
     param = tuple(node.params["reps"]) if node.name == "tile" else int(node.params["axis"])

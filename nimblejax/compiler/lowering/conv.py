@@ -1,10 +1,10 @@
 """Convolution lowering rules: the im2col gather kernel, the cuDNN call record, and a
 direct generated kernel for depthwise-like convolutions. Which path a convolution
-takes is decided before fusion, in compiler/canonicalize/conv.py.
+takes is decided before fusion, in compiler/canonicalize/conv_path.py.
 """
 from __future__ import annotations
 
-from nimblejax.compiler.canonicalize.conv import im2col_shape, conv_specs
+from nimblejax.compiler.canonicalize.conv_path import im2col_shape, conv_specs
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind

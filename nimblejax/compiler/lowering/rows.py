@@ -108,18 +108,18 @@ def threads_per_row(n_rows: int, longest: int) -> int:
 
 def row_kernel(root: Node, nodes: tuple[Node, ...]) -> Kernel:
     """One kernel for a row group: `nodes` in topological order, `root` last."""
-    stages = [n for n in nodes if rule_for(n).kind is RuleKind.REDUCTION]
+    reductions = [n for n in nodes if rule_for(n).kind is RuleKind.REDUCTION]
     out = root.outputs[0]
-    n_rows = stages[0].outputs[0].size
+    n_rows = reductions[0].outputs[0].size
     per_out = out.size // n_rows  # the outputs of one row: its length, or 1
-    longest = max([per_out] + [s.inputs[0].size // n_rows for s in stages])
+    longest = max([per_out] + [s.inputs[0].size // n_rows for s in reductions])
     per_row = threads_per_row(n_rows, longest)
     block = max(per_row, BLOCK) if per_row <= 32 else per_row
     rows_per_block = block // per_row
-    b = RowBuilder({n.outputs[0]: n for n in nodes if n not in stages},
-                   _slots(stages, n_rows, per_out, per_row))
+    b = RowBuilder({n.outputs[0]: n for n in nodes if n not in reductions},
+                   _slots(reductions, n_rows, per_out, per_row))
     b.emit(f"// {n_rows} rows, {per_row} thread(s) per row: "
-           + ", ".join(f"{s.name} over {s.inputs[0].size // n_rows}" for s in stages)
+           + ", ".join(f"{s.name} over {s.inputs[0].size // n_rows}" for s in reductions)
            + f", then {per_out} output(s) per row")
     b.emit(f"const int lane = threadIdx.x % {per_row};")
     b.emit(f"const long long row = (long long)blockIdx.x * {rows_per_block} + threadIdx.x / {per_row};")
@@ -129,26 +129,26 @@ def row_kernel(root: Node, nodes: tuple[Node, ...]) -> Kernel:
     else:
         b.emit("const long long o = row;")
     b.declarations = len(b.lines)
-    for k, stage in enumerate(stages):
-        b.known[stage.outputs[0]] = _reduce_row(b, stage, k, per_row)
+    for k, reduction in enumerate(reductions):
+        b.known[reduction.outputs[0]] = _reduce_row(b, reduction, k, per_row)
     if ragged:
         b.open(f"if (row < {n_rows})")
     _write_row(b, root, per_out, per_row)
     while b.depth > 1:
         b.close()
-    b.ops = _name_ops(stages, b.ops, per_out < longest)
+    b.ops = _name_ops(reductions, b.ops, per_out < longest)
     return b.finish("row", out, -(-n_rows // rows_per_block), block)
 
 
-def _reduce_row(b: RowBuilder, stage: Node, k: int, per_row: int) -> str:
-    """One pass over row `o` reducing `stage`'s operand; the result's C name, which every
+def _reduce_row(b: RowBuilder, reduction: Node, k: int, per_row: int) -> str:
+    """One pass over row `o` reducing `reduction`'s operand; the result's C name, which every
     thread of the row holds."""
-    reducer = rule_for(stage).fn(stage.inputs[0].dtype)
-    x, out = stage.inputs[0], stage.outputs[0]
+    reducer = rule_for(reduction).fn(reduction.inputs[0].dtype)
+    x, out = reduction.inputs[0], reduction.outputs[0]
     acc, acc_type, combine = f"acc{k}", reducer.acc_type, reducer.combine
     length = x.size // out.size
     lead = b.index_vars("o", out.shape)
-    b.emit(f"// pass {k}: {stage.name}")
+    b.emit(f"// pass {k}: {reduction.name}")
     b.emit(f"{acc_type} {acc} = {reducer.init};")
     scopes = b.open_pass(length, per_row)
     idx = lead + b.index_vars("c", x.shape[out.ndim:])
@@ -194,10 +194,11 @@ def _write_row(b: RowBuilder, root: Node, per_out: int, per_row: int) -> None:
     b.close_pass(scopes)
 
 
-def _slots(stages: list[Node], n_rows: int, per_out: int, per_row: int) -> int:
+def _slots(reductions: list[Node], n_rows: int, per_out: int, per_row: int) -> int:
     """Elements per thread per pass where every pass has the same length and they are
     few enough to keep in registers, else 0 (every pass reads global memory)."""
-    lengths = {s.inputs[0].size // n_rows for s in stages} | ({per_out} if per_out > 1 else set())
+    lengths = {s.inputs[0].size // n_rows for s in reductions}
+    lengths |= {per_out} if per_out > 1 else set()
     slots = -(-max(lengths) // per_row)
     return slots if len(lengths) == 1 and slots <= MAX_SLOTS else 0
 
@@ -209,10 +210,10 @@ def _lead_axes(shape: tuple[int, ...], n_rows: int) -> int | None:
     return None
 
 
-def _name_ops(stages: list[Node], ops: list[str], reduces_rows: bool) -> list[str]:
+def _name_ops(reductions: list[Node], ops: list[str], reduces_rows: bool) -> list[str]:
     """What the kernel's name shows: the pattern where it is a known one (softmax,
     log_softmax, logsumexp, layer_norm, rms_norm), else its reductions and operations."""
-    reduced = [s.name.removeprefix("reduce_") for s in stages]
+    reduced = [s.name.removeprefix("reduce_") for s in reductions]
     seen = set(ops)
     if reduced == ["max", "sum"] and "exp" in seen:
         if reduces_rows:  # one output per row

@@ -169,7 +169,7 @@ def argminmax(node: Node) -> Kernel:
     out_idx = b.index_vars("o", [x.shape[d] for d in kept])
     b.emit(f"{ctype} av = 0; int ai = {none};")
     if is_float:
-        plan = xla_reduce_order.plan_for(x.shape, axis, x.dtype)
+        order = xla_reduce_order.arrangement_for(x.shape, axis, x.dtype)
         b.emit("long long nr = 9223372036854775807LL; int ni = 0;")
     b.open(f"for (int r = lane; r < {n_red}; r += 32)")
     full = list(out_idx)
@@ -177,7 +177,7 @@ def argminmax(node: Node) -> Kernel:
     b.emit(f"const {ctype} bv = {b.load(x, tuple(full))};")
     if is_float:
         b.open("if (bv != bv)")
-        rank = xla_reduce_order.emit_nan_rank(b.tmp, plan, n_red, "r")
+        rank = xla_reduce_order.emit_nan_rank(b.tmp, order, n_red, "r")
         b.emit(f"if ({rank} < nr) {{ nr = {rank}; ni = r; }}")
         b.close()
         b.emit(f"else if (ai == {none} || bv {cmp} av) {{ av = bv; ai = r; }}")

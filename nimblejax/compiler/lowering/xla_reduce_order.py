@@ -63,7 +63,7 @@ COL_TILE = 128                # GetReductionTiling: column tile_y
 
 
 @dataclass(frozen=True)
-class Plan:
+class Arrangement:
     """kind: "seq" (loop fusion), "row" (threads, vec, tile), "col" (slots),
     "split" (k1, k2, inner, outer)."""
     kind: str
@@ -72,8 +72,8 @@ class Plan:
     tile: int = 1
     k1: int = 0
     k2: int = 0
-    inner: "Plan | None" = None
-    outer: "Plan | None" = None
+    inner: "Arrangement | None" = None
+    outer: "Arrangement | None" = None
 
 
 def dims3(shape, axis) -> tuple[int, int, int]:
@@ -136,51 +136,53 @@ def _stage2_bits(bits: int, bf16: bool) -> int:
     return 32 if bf16 else min(bits, 32)
 
 
-def plan(a: int, r: int, b: int, bits: int, bf16: bool = False) -> Plan:
+def arrangement(a: int, r: int, b: int, bits: int, bf16: bool = False) -> Arrangement:
     """XLA's arrangement for reducing the middle of (a, r, b) whose fusion reads
     `bits`-wide values (its smallest input width)."""
     if r <= 1:
-        return Plan("seq")
+        return Arrangement("seq")
     if b == 1:  # row reduction [1, a, r]
         if r < WARP and WARP % r:
-            return Plan("seq")
+            return Arrangement("seq")
         if r > MIN_THREADS_X_ROW * ROW_TILE:
             k1, k2 = _split_params(r, MIN_THREADS_X_ROW * ROW_TILE, True)
-            return Plan("split", k1=k1, k2=k2, inner=plan(a * k1, k2, 1, bits, bf16),
-                        outer=plan(a, k1, 1, _stage2_bits(bits, bf16)))
+            return Arrangement("split", k1=k1, k2=k2,
+                               inner=arrangement(a * k1, k2, 1, bits, bf16),
+                               outer=arrangement(a, k1, 1, _stage2_bits(bits, bf16)))
         t = min(MIN_THREADS_X_ROW, _round_up(_ceil_div(r, ROW_ELEMENTS_PER_THREAD), WARP))
         v = _vector_size(r, t, bits)
         tile = min(ROW_ELEMENTS_PER_THREAD // v, _ceil_div(r // v, t))
-        return Plan("row", threads=t, vec=v, tile=tile)
+        return Arrangement("row", threads=t, vec=v, tile=tile)
     # column reduction [a, r, b]
     if (r < WARP or (r < 2 * WARP and b < WARP) or (r < 4 * WARP and b < 8)
             or (r < 8 * WARP and b < 3)):
-        return Plan("seq")
+        return Arrangement("seq")
     if r > WARP * COL_TILE:
         k1, k2 = _split_params(r, WARP * COL_TILE, False)
-        return Plan("split", k1=k1, k2=k2, inner=plan(a * k1, k2, b, bits, bf16),
-                    outer=plan(a, k1, b, _stage2_bits(bits, bf16)))
+        return Arrangement("split", k1=k1, k2=k2,
+                           inner=arrangement(a * k1, k2, b, bits, bf16),
+                           outer=arrangement(a, k1, b, _stage2_bits(bits, bf16)))
     if WARP % b == 0:  # SmallColumnReductionFusion
         v = _vector_size(r * b, WARP, bits)
         shared_rows = v * 128 // b
         while shared_rows > WARP and v > 1:
             v //= 2
             shared_rows //= 2
-        return Plan("col", threads=min(shared_rows, WARP))
-    return Plan("col", threads=WARP)
+        return Arrangement("col", threads=min(shared_rows, WARP))
+    return Arrangement("col", threads=WARP)
 
 
-def plan_for(shape, axis, dtype) -> Plan:
+def arrangement_for(shape, axis, dtype) -> Arrangement:
     import numpy as np
     bits = 8 * np.dtype(dtype).itemsize
-    return plan(*dims3(shape, axis), bits, bf16=np.dtype(dtype).name == "bfloat16")
+    return arrangement(*dims3(shape, axis), bits, bf16=np.dtype(dtype).name == "bfloat16")
 
 
 def bitrev(x: int, bits: int) -> int:
     return int(format(x, f"0{bits}b")[::-1], 2) if bits else 0
 
 
-def rank_span(p: Plan, r: int) -> int:
+def rank_span(p: Arrangement, r: int) -> int:
     """One more than the largest rank nan_rank gives a position of an r-long axis."""
     if p.kind == "seq":
         return r
@@ -191,7 +193,7 @@ def rank_span(p: Plan, r: int) -> int:
     return rank_span(p.outer, p.k1) * rank_span(p.inner, p.k2)
 
 
-def nan_rank(p: Plan, r: int, i: int) -> int:
+def nan_rank(p: Arrangement, r: int, i: int) -> int:
     """Position i's place among the leaves of XLA's combining tree (lower wins)."""
     if p.kind == "seq":
         return i
@@ -218,7 +220,7 @@ def _brev_c(x: str, bits: int) -> str:
     return "(" + " | ".join(terms) + ")"
 
 
-def emit_nan_rank(tmp, p: Plan, r: int, i: str) -> str:
+def emit_nan_rank(tmp, p: Arrangement, r: int, i: str) -> str:
     """C code for nan_rank(p, r, i) of the C int expression `i`: `tmp(ctype, expr)`
     declares a temporary and returns its name (KernelBuilder.tmp). Returns a long long."""
     ll = "long long"

@@ -97,13 +97,14 @@ def test_inception_training_step_splits_into_slices():
 
 def test_split_rewrite_keeps_the_source_line_and_shapes():
     from nimblejax.compiler.canonicalize.slices import rewrite_split
+    from nimblejax.options import Options
     from nimblejax.compiler.trace import make_graph
 
     graph, _ = make_graph(lambda x: lax.split(x, (2, 0, 3), axis=1),
                           [jax.ShapeDtypeStruct((4, 5), jnp.float32)])
     (node,) = [n for n in graph.nodes if n.name == "split"]
     assert "test_sort.py" in node.source
-    parts = rewrite_split(node)
+    parts = rewrite_split(node, Options())
     assert [p.name for p in parts] == ["slice"] * 3
     assert [p.outputs[0] for p in parts] == list(node.outputs)
     assert all(p.source == node.source and p.inputs == node.inputs for p in parts)
@@ -199,9 +200,9 @@ def xla_gpu_reference(node, x):
     is_max = node.name == "argmax"
     if x.dtype.kind == "f" or x.dtype.name == "bfloat16":
         x = x.astype(np.float32)
-    plan = xo.plan_for(x.shape, axis, node.inputs[0].dtype)
+    order = xo.arrangement_for(x.shape, axis, node.inputs[0].dtype)
     init = -np.inf if is_max else np.inf
-    return xla_gpu_argminmax(x, axis, is_max, plan, init).astype(node.outputs[0].dtype)
+    return xla_gpu_argminmax(x, axis, is_max, order, init).astype(node.outputs[0].dtype)
 
 
 # ---- argmax / argmin: the NaN XLA's GPU reduction returns ------------------------------
@@ -224,28 +225,28 @@ def test_xla_order_model_reproduces_the_gpu_probe():
         n = shape[axis]
         key = (shape, axis, dtype)
         if key not in ranks:
-            plan = xo.plan_for(shape, axis, jnp.dtype(dtype))
-            ranks[key] = plan, np.array([xo.nan_rank(plan, n, i) for i in range(n)])
-        plan, rank = ranks[key]
+            order = xo.arrangement_for(shape, axis, jnp.dtype(dtype))
+            ranks[key] = order, np.array([xo.nan_rank(order, n, i) for i in range(n)])
+        order, rank = ranks[key]
         if "pos" in row:
             nans = np.asarray(row["pos"])
         else:
             bits = np.unpackbits(np.frombuffer(base64.b64decode(row["nan"]), np.uint8))[:n]
             nans = np.flatnonzero(bits)
         assert len(nans) >= 2
-        assert nans[np.argmin(rank[nans])] == row["y"], (key, plan)
+        assert nans[np.argmin(rank[nans])] == row["y"], (key, order)
         if n <= 6000:
             is_max = row["op"] == "argmax"
             mask = np.zeros(n, bool)
             mask[nans] = True
             elems = [(math.nan if m else 0.0, i) for i, m in enumerate(mask)]
-            assert simulate(plan, elems, reducer(is_max), (-math.inf if is_max else math.inf, 0))[1] \
-                == row["y"], (key, plan)
+            assert simulate(order, elems, reducer(is_max), (-math.inf if is_max else math.inf, 0))[1] \
+                == row["y"], (key, order)
         shapes.add((shape, axis))
     assert len(doc["rows"]) == 13078 and len(shapes) == 52
 
 
-# (shape, axis, dtype): one of each arrangement XLA picks (the plan kind noted).
+# (shape, axis, dtype): one of each arrangement XLA picks (its kind noted).
 MODEL_SHAPES = [
     ((6, 45), 1, "float32"),      # row, 32 threads
     ((45, 6), 0, "float32"),      # loop fusion (small column)
@@ -286,29 +287,29 @@ def test_rank_model_equals_the_literal_simulation(shape, axis, dtype):
     """The kernel keeps the lowest-ranked NaN (any combining order gives it); the
     simulation applies JAX's reducer in XLA's order: the same index, NaN or not."""
     r = np.random.default_rng(4)
-    plan = xo.plan_for(shape, axis, jnp.dtype(dtype))
+    order = xo.arrangement_for(shape, axis, jnp.dtype(dtype))
     rows = min(math.prod(shape) // shape[axis], 24)
     x = np.moveaxis(nan_rows(dtype, shape, r, nan=r.choice([0.002, 0.05, 0.3])), axis, -1)
     x = x.reshape(-1, shape[axis])[:rows]
     for is_max in (True, False):
-        want = xla_gpu_argminmax(x, 1, is_max, plan, -np.inf if is_max else np.inf)
-        np.testing.assert_array_equal(first_nan_by_rank(x, 1, is_max, plan), want)
+        want = xla_gpu_argminmax(x, 1, is_max, order, -np.inf if is_max else np.inf)
+        np.testing.assert_array_equal(first_nan_by_rank(x, 1, is_max, order), want)
 
 
 def test_plan_kinds():
-    kind = lambda shape, axis, dt="float32": xo.plan_for(shape, axis, jnp.dtype(dt))  # noqa: E731
+    kind = lambda shape, axis, dt="float32": xo.arrangement_for(shape, axis, jnp.dtype(dt))  # noqa: E731
     assert kind((6, 7), 1).kind == kind((45, 6), 0).kind == kind((2, 33, 3), 1).kind == "seq"
-    assert kind((6, 45), 1) == xo.Plan("row", threads=32, vec=1, tile=2)
-    assert kind((4, 300), 1) == xo.Plan("row", threads=32, vec=2, tile=5)
-    assert kind((4, 300), 1, "float16") == xo.Plan("row", threads=32, vec=4, tile=3)
-    assert kind((3, 5000), 1) == xo.Plan("row", threads=320, vec=2, tile=8)
-    assert kind((6, 32), 1) == kind((20000, 32), 1) == xo.Plan("row", threads=32, vec=1, tile=1)
-    assert kind((6, 8), 1) == xo.Plan("row", threads=32, vec=1, tile=1)
-    assert kind((5000, 64), 1) == xo.Plan("row", threads=32, vec=2, tile=1)
-    assert kind((4000, 128), 1, "float16") == xo.Plan("row", threads=32, vec=4, tile=1)
-    assert kind((6, 64), 1) == xo.Plan("row", threads=32, vec=2, tile=1)
-    assert kind((128, 6), 0) == xo.Plan("col", threads=32)
-    assert kind((64, 16), 0) == xo.Plan("col", threads=16)
+    assert kind((6, 45), 1) == xo.Arrangement("row", threads=32, vec=1, tile=2)
+    assert kind((4, 300), 1) == xo.Arrangement("row", threads=32, vec=2, tile=5)
+    assert kind((4, 300), 1, "float16") == xo.Arrangement("row", threads=32, vec=4, tile=3)
+    assert kind((3, 5000), 1) == xo.Arrangement("row", threads=320, vec=2, tile=8)
+    assert kind((6, 32), 1) == kind((20000, 32), 1) == xo.Arrangement("row", threads=32, vec=1, tile=1)
+    assert kind((6, 8), 1) == xo.Arrangement("row", threads=32, vec=1, tile=1)
+    assert kind((5000, 64), 1) == xo.Arrangement("row", threads=32, vec=2, tile=1)
+    assert kind((4000, 128), 1, "float16") == xo.Arrangement("row", threads=32, vec=4, tile=1)
+    assert kind((6, 64), 1) == xo.Arrangement("row", threads=32, vec=2, tile=1)
+    assert kind((128, 6), 0) == xo.Arrangement("col", threads=32)
+    assert kind((64, 16), 0) == xo.Arrangement("col", threads=16)
     split = kind((2, 20000), 1)
     assert split.kind == "split" and split.k1 * split.k2 >= 20000
     for dt, vec in (("float32", 2), ("float16", 4), ("bfloat16", 2)):  # measured: 50257 = 140 x 359
@@ -326,28 +327,28 @@ def test_generated_nan_rank_code_equals_the_model(tmp_path):
     shapes = MODEL_SHAPES + [((2, 50257), 1, "float32"), ((1, 300000), 1, "bfloat16"),
                              ((20000, 32), 1, "float32"), ((10000, 7), 0, "float32"),
                              ((3, 5000, 5), 1, "float16")]
-    funcs, plans = [], []
+    funcs, orders = [], []
     for k, (shape, axis, dtype) in enumerate(shapes):
-        plan = xo.plan_for(shape, axis, jnp.dtype(dtype))
+        order = xo.arrangement_for(shape, axis, jnp.dtype(dtype))
         lines = []
 
         def tmp(ctype, expr):
             lines.append(f"    {ctype} t{len(lines)} = {expr};")
             return f"t{len(lines) - 1}"
 
-        result = xo.emit_nan_rank(tmp, plan, shape[axis], "r")
+        result = xo.emit_nan_rank(tmp, order, shape[axis], "r")
         funcs.append(f'extern "C" void rank{k}(long long* out, int n) {{\n'
                      f"  for (int r = 0; r < n; ++r) {{\n" + "\n".join(lines) +
                      f"\n    out[r] = {result};\n  }}\n}}\n")
-        plans.append((plan, shape[axis]))
+        orders.append((order, shape[axis]))
     lib = kernel_emulator.compile_library("\n".join(funcs))
-    for k, (plan, n) in enumerate(plans):
+    for k, (order, n) in enumerate(orders):
         got = np.zeros(n, np.int64)
         getattr(lib, f"rank{k}")(got.ctypes.data_as(ctypes.c_void_p), ctypes.c_int(n))
-        want = np.array([xo.nan_rank(plan, n, i) for i in range(n)])
-        np.testing.assert_array_equal(got, want, err_msg=str(plan))
+        want = np.array([xo.nan_rank(order, n, i) for i in range(n)])
+        np.testing.assert_array_equal(got, want, err_msg=str(order))
         assert len(set(want.tolist())) == n  # a permutation: no two positions tie
-        assert want.max() < xo.rank_span(plan, n)
+        assert want.max() < xo.rank_span(order, n)
 
 
 EMULATED_ARG = [((6, 45), 1, "float32"), ((45, 6), 0, "float16"), ((6, 77), 1, "bfloat16"),
@@ -390,8 +391,8 @@ def test_argminmax_kernel_on_cpu_returns_xla_gpu_nan(shape, axis, dtype, arg_lib
             assert [v.dtype for v in task.kernel.params] == [np.int32, xs.dtype]
             kernel_emulator.launch(task.kernel, buffers, arg_library)
             is_max = op == "argmax"
-            plan = xo.plan_for(shape, axis, jnp.dtype(dtype))
-            want = xla_gpu_argminmax(x, axis, is_max, plan, -np.inf if is_max else np.inf)
+            order = xo.arrangement_for(shape, axis, jnp.dtype(dtype))
+            want = xla_gpu_argminmax(x, axis, is_max, order, -np.inf if is_max else np.inf)
             np.testing.assert_array_equal(out, want, err_msg=f"{op} nan={nan}")
             if nan == 0.0:  # no NaN: the lowest index of the best value, as on the CPU
                 want_cpu = np.asarray(getattr(jnp, op)(jnp.asarray(x, dtype), axis=axis))

@@ -26,6 +26,7 @@ from jax import lax
 from jax.extend.core import Primitive
 
 from nimblejax.compiler.canonicalize.dot import compute_mode
+from nimblejax.compiler.canonicalize.registry import rewrites
 from nimblejax.compiler.ir import Node, Var
 from nimblejax.compiler import dtypes
 from nimblejax.options import Options
@@ -151,6 +152,7 @@ def use_cudnn(options: Options, batch: int) -> bool:
 MAX_CUDNN_FILTER = 11
 
 
+@rewrites("conv_general_dilated")
 def rewrite_conv(node: Node, options: Options) -> list[Node]:
     """conv_general_dilated → [transposes, im2col, dot_general, transposes], or
     [transposes, nimble_cudnn_conv, transpose], or [node] (direct kernel)."""
