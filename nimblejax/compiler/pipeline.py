@@ -53,10 +53,11 @@ def build_plan(graph: Graph, options: Options = Options()) -> Plan:
     control = graph.control  # canonicalize rebuilds the graph without it
     graph = canonicalize(graph, options)
     _print(options, "canonicalize", printing.graph_text, graph)
-    # Plain cuBLAS has no epilogues: there a bias or activation stays a kernel.
-    groups = fuse(graph, gemm_epilogues=options.gemm != "cublas")
+    # Plain cuBLAS has no epilogues: there a bias or activation stays a kernel. Neither
+    # has the small-M kernel (lowering/gemm_small.py), which the library call is not.
+    groups = fuse(graph, gemm_epilogues=options.gemm != "cublas", small_gemm=options.small_gemm)
     _print(options, "fuse", printing.groups_text, groups)
-    all_tasks = lower(groups)
+    all_tasks = lower(groups, small_gemm=options.small_gemm)
     _print(options, "lower", printing.tasks_text, all_tasks)
     views = tuple(t for t in all_tasks if t.kind is TaskKind.VIEW)
     # Values that share a buffer: views, and outputs computed in an input's bytes.
