@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
+from nimblejax.bench import gemm_small as gemm_small_bench
 from nimblejax.bench.models import MODELS, lstm
 from nimblejax.compiler.ir import Var
 from nimblejax.compiler.lowering.gemm_small import small_m_matmul
@@ -91,6 +92,14 @@ def test_transposed_b_keeps_the_library_and_transposed_a_takes_the_kernel():
     (t,) = small_tasks(plan)
     assert "A stored (512, 8)" in t.kernel.source
     assert_tree_close(nimble.jit(f, backend="interpret")(ht, w2), jax.jit(f)(ht, w2))
+
+
+@pytest.mark.parametrize("m,n,k", gemm_small_bench.SHAPES)
+def test_bench_shapes_are_one_task_either_way(m, n, k):
+    """nimblejax/bench/gemm_small.py times each shape's one task, kernel off and on."""
+    args = (rand(r, m, k), rand(r, k, n))
+    (off,), (on,) = (plan_of(matmul, *args, small_gemm=s).tasks for s in (False, True))
+    assert off.kind == "gemm" and on.name.startswith(f"{SMALL}{m}_f32_")
 
 
 def test_bias_and_activation_after_a_small_dot_are_kernels_not_an_epilogue():
