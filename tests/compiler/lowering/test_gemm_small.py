@@ -145,10 +145,11 @@ def _emulate(m: int, n: int, k: int, trans_a: bool, dtype=jnp.float32, out_dtype
 @needs_cxx
 @pytest.mark.parametrize("trans_a", [False, True], ids=["A", "At"])
 @pytest.mark.parametrize("m,n,k", [(1, 40, 64), (7, 100, 37), (32, 48, 130), (3, 1000, 6),
-                                   (5, 520, 1001)])
+                                   (5, 520, 1001), (4, 64, 1536), (2, 40, 2101)])
 def test_emulated_kernel_matches_numpy(m, n, k, trans_a):
     """N not a multiple of the block's columns, K not a multiple of the chunk or of 4,
-    chunks left empty (K = 6), every row count up to 32."""
+    chunks left empty (K = 6), chunks of several stages of B (K = 1536, 2101), every row
+    count up to 32."""
     kernel, got, want = _emulate(m, n, k, trans_a)
     assert kernel.name.startswith(f"nimble_gemm_small_m{m}_f32_")
     assert ("float4" in kernel.source) == (not trans_a and k % 4 == 0)
