@@ -30,18 +30,20 @@ Kernel: a block is COLUMNS x CHUNKS = 256 threads. Thread (col, chunk) owns outp
 j = block * COLUMNS + col and the rows k of its K-chunk; it keeps the M accumulators of
 column j in registers. It reads its chunk's B[k, j] (coalesced across the warp) STAGE rows
 at a time into registers, all those loads in flight together, then, four k at a time,
-A[i, k] for every row i (the same address across the lanes of one chunk: a broadcast; a
-float4 where A is float32, row-major and K % 4 == 0; a chunk walks along A's rows, so
-after its first float4 of a row the rest of that 128-byte line is in L1). Then the
-chunks' partial sums are added through shared memory, chunk 0 first, and each block
-writes its columns of C. Measured registers (ptxas, sm_90, M = 32): 88, no spills.
+A[i, k] for every row i: the same address across the lanes of one chunk (a broadcast),
+one 16-byte load of four floats (8 bytes of four halves) where A is row-major and
+K % 4 == 0. A chunk walks along A's rows, so after its first load of a row the rest of
+that 128-byte line is in L1. Then the chunks' partial sums are added through shared
+memory, chunk 0 first, and each block writes its columns of C. Registers (ptxas, sm_90,
+M = 32): 88 for float32, 160 for halves (more loads in flight), no spills; capping them
+at 128 (two blocks per SM) made ptxas spill.
 """
 from __future__ import annotations
 
 import hashlib
 
 from nimblejax.compiler import dtypes
-from nimblejax.compiler.ir import Node, Var, short_dtype
+from nimblejax.compiler.ir import Var, short_dtype
 from nimblejax.compiler.lowering.codegen import PRELUDE
 from nimblejax.compiler.lowering.task import Kernel
 
@@ -81,7 +83,7 @@ def small_m_matmul(out: Var, a: Var, b: Var, m: int, n: int, k: int, trans_a: bo
     chunks = THREADS // cols
     length = chunk_length(k, chunks)
     dtype = dtypes.name(a.dtype)
-    vector = dtype == "float32" and not trans_a and k % 4 == 0
+    vector = dtype if not trans_a and k % 4 == 0 else None
     body = _source(m, n, k, trans_a, cols, chunks, length, a, b, out, vector)
     digest = hashlib.sha1(body.encode()).hexdigest()[:4]
     name = f"nimble_gemm_small_m{m}_{short_dtype(a.dtype)}_{digest}"
@@ -90,7 +92,7 @@ def small_m_matmul(out: Var, a: Var, b: Var, m: int, n: int, k: int, trans_a: bo
 
 
 def _source(m: int, n: int, k: int, trans_a: bool, cols: int, chunks: int, length: int,
-            a: Var, b: Var, out: Var, vector: bool) -> str:
+            a: Var, b: Var, out: Var, vector: str | None) -> str:
     sa, sb, sc = (dtypes.storage_type(v.dtype) for v in (a, b, out))
     a_at = (lambda i, kk: dtypes.load(a.dtype, f"A[({kk}) * {m} + {i}]")) if trans_a else \
         (lambda i, kk: dtypes.load(a.dtype, f"A[{i} * {k} + ({kk})]"))
@@ -145,14 +147,27 @@ def _source(m: int, n: int, k: int, trans_a: bool, cols: int, chunks: int, lengt
     return "\n".join(lines) + "\n"
 
 
-def _four_products(a_at, vector: bool, k: int) -> list[str]:
-    """acc[i] += A[i, k..k+3] * b[q..q+3] (one float4 load of A where aligned)."""
+def _four_products(a_at, vector: str | None, k: int) -> list[str]:
+    """acc[i] += A[i, k..k+3] * b[q..q+3]: one 16-byte (float32) or 8-byte (half types)
+    load of A where `vector` (A's dtype) says the four are aligned, else four loads."""
     pad = " " * 12
-    if vector:
-        return [f"{pad}const float4 a = *reinterpret_cast<const float4*>(&A[i * {k} + k]);",
-                f"{pad}acc[i] = fmaf(a.x, b[q], acc[i]); acc[i] = fmaf(a.y, b[q + 1], acc[i]);",
-                f"{pad}acc[i] = fmaf(a.z, b[q + 2], acc[i]); acc[i] = fmaf(a.w, b[q + 3], acc[i]);"]
-    return [f"{pad}acc[i] = fmaf({a_at('i', f'k + {r}')}, b[q + {r}], acc[i]);" for r in range(4)]
+    if vector is None:
+        return [f"{pad}acc[i] = fmaf({a_at('i', f'k + {r}')}, b[q + {r}], acc[i]);" for r in range(4)]
+    if vector == "float32":
+        load = f"{pad}const float4 a = *reinterpret_cast<const float4*>(&A[i * {k} + k]);"
+        values = ("a.x", "a.y", "a.z", "a.w")
+    else:  # four halves in a uint2, the lower address in the low bits (little-endian)
+        load = f"{pad}const uint2 a = *reinterpret_cast<const uint2*>(&A[i * {k} + k]);"
+        values = tuple(_half_of(vector, word, high) for word in ("a.x", "a.y") for high in (False, True))
+    return [load, *(f"{pad}acc[i] = fmaf({v}, b[q + {r}], acc[i]);" for r, v in enumerate(values))]
+
+
+def _half_of(dtype: str, word: str, high: bool) -> str:
+    """The float value of the low or high 16-bit half of a 32-bit `word` of A."""
+    if dtype == "bfloat16":  # a bfloat16 is the top half of a float32: exact
+        return f"__uint_as_float({word} & 0xffff0000u)" if high else f"__uint_as_float({word} << 16)"
+    bits = f"({word} >> 16)" if high else f"({word} & 0xffffu)"
+    return f"__half2float(__ushort_as_half((unsigned short){bits}))"
 
 
 def _tail(a_at, m: int, k: int) -> list[str]:

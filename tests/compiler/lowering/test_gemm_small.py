@@ -157,10 +157,13 @@ def test_emulated_kernel_matches_numpy(m, n, k, trans_a):
 
 
 @needs_cxx
+@pytest.mark.parametrize("trans_a,k", [(False, 96), (False, 99), (True, 96)], ids=["A", "A-odd", "At"])
 @pytest.mark.parametrize("dtype,out_dtype", [(jnp.bfloat16, None), (jnp.float16, None),
                                              (jnp.bfloat16, jnp.float32)])
-def test_emulated_half_kernels_round_once_at_the_store(dtype, out_dtype):
-    _, got, want = _emulate(6, 72, 96, False, dtype, out_dtype)
+def test_emulated_half_kernels_round_once_at_the_store(dtype, out_dtype, trans_a, k):
+    """Four halves per 8-byte load where A is row-major and K % 4 == 0, else one by one."""
+    kernel, got, want = _emulate(6, 72, k, trans_a, dtype, out_dtype)
+    assert ("uint2" in kernel.source) == (not trans_a and k % 4 == 0)
     rel = 1e-5 if out_dtype == jnp.float32 else 1e-2  # one rounding of the f32 sum
     np.testing.assert_allclose(got, want, rtol=rel, atol=rel * np.abs(want).max())
 
