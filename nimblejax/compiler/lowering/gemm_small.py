@@ -179,6 +179,7 @@ def _tail(a_at, m: int, k: int) -> list[str]:
             "          for (int r = 0; r < 3; ++r) {",
             "            if (k + r >= k_end) break;",
             "            #pragma unroll",
-            f"            for (int i = 0; i < {m}; ++i) acc[i] = fmaf({a_at('i', 'k + r')}, b[q + r], acc[i]);",
+            f"            for (int i = 0; i < {m}; ++i)",
+            f"              acc[i] = fmaf({a_at('i', 'k + r')}, b[q + r], acc[i]);",
             "          }",
             "        }"]
