@@ -15,9 +15,13 @@ settings never share a stale plan.
 | debug        | NIMBLE_DEBUG         | 0 / 1 / 2 (below)           | checks        |
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
 | residency    | NIMBLE_RESIDENCY     | "auto" / "c" / "python"     | runtime       |
+| small_gemm   | NIMBLE_SMALL_GEMM    | True / False (0 turns off)  | the plan      |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
+
+`small_gemm`: small-M float GEMMs (an RNN's recurrent `h @ W_hh`) run as a generated
+kernel instead of the library call (compiler/lowering/gemm_small.py says which, and why).
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
 after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
@@ -48,7 +52,7 @@ CALL_PATHS = ("auto", "ffi", "python")
 RESIDENCY_CHECKS = ("auto", "c", "python")
 _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
         "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
-        "residency": "NIMBLE_RESIDENCY"}
+        "residency": "NIMBLE_RESIDENCY", "small_gemm": "NIMBLE_SMALL_GEMM"}
 
 
 @dataclass(frozen=True)
@@ -61,12 +65,17 @@ class Options:
     debug: int = 0
     call_path: str = "auto"
     residency: str = "auto"
+    small_gemm: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
         _check_choice("conv", self.conv, CONV_PATHS)
         _check_choice("call_path", self.call_path, CALL_PATHS)
         _check_choice("residency", self.residency, RESIDENCY_CHECKS)
+        if not isinstance(self.small_gemm, bool):
+            raise ValueError(f"small_gemm must be True or False, got {self.small_gemm!r} "
+                             f"(environment variable NIMBLE_SMALL_GEMM=0/1 or "
+                             f"nimble.jit(..., small_gemm=...))")
         if self.max_streams is not None and (not isinstance(self.max_streams, int)
                                              or isinstance(self.max_streams, bool)
                                              or self.max_streams < 1):
@@ -105,6 +114,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "debug": _int_or_none(env.get(_ENV["debug"], ""), "debug") or 0,
         "call_path": env.get(_ENV["call_path"], "auto"),
         "residency": env.get(_ENV["residency"], "auto"),
+        "small_gemm": _flag(env.get(_ENV["small_gemm"], "1")),
     }
     if base is not None:
         default = Options()

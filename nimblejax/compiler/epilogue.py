@@ -99,8 +99,10 @@ class _Context:
 
 
 def find_epilogues(graph: Graph, consumers: Mapping[Var, list[Node]],
-                   outputs) -> dict[Node, EpilogueMatch]:
-    """dot_general node → its epilogue, for the library GEMMs that have one."""
+                   outputs, small_gemm: bool = True) -> dict[Node, EpilogueMatch]:
+    """dot_general node → its epilogue, for the library GEMMs that have one. With
+    `small_gemm`, small-M dots are generated kernels (lowering/gemm_small.py), not
+    library GEMMs: they take no epilogue."""
     producer = {v: n for n in graph.nodes for v in n.outputs}
     depth: dict[Node, int] = {}
     for node in graph.nodes:
@@ -109,7 +111,7 @@ def find_epilogues(graph: Graph, consumers: Mapping[Var, list[Node]],
     found: dict[Node, EpilogueMatch] = {}
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node in graph.nodes:
-        if node.name == "dot_general" and node not in ctx.claimed and is_library_gemm(node):
+        if node.name == "dot_general" and node not in ctx.claimed and is_library_gemm(node, small_gemm):
             match = _Chain(node, ctx).match()
             if match is not None:
                 match = replace(match, chain=tuple(sorted(match.chain, key=order.__getitem__)))

@@ -62,9 +62,11 @@ class Group:
         return (self.epilogue.output,) if self.epilogue is not None else self.root.outputs
 
 
-def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
+def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> list[Group]:
     """Groups of a canonicalized graph (compiler/canonicalize), in topological order.
-    `gemm_epilogues`: whether GEMMs take their epilogues (cuBLASLt; plain cuBLAS has none)."""
+    `gemm_epilogues`: whether GEMMs take their epilogues (cuBLASLt; plain cuBLAS has none).
+    `small_gemm`: whether small-M GEMMs are the generated kernel (lowering/gemm_small.py),
+    which has no epilogue: their bias and activation stay elementwise kernels."""
     consumers = graph.consumers()
     outputs = {a for a in graph.outputs if isinstance(a, Var)}
     owner: dict[Node, frozenset[int]] = {}
@@ -80,7 +82,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True) -> list[Group]:
         owner[node] = frozenset([gid])
         depth[node] = 0
 
-    ep = _Epilogues(find_epilogues(graph, consumers, outputs) if gemm_epilogues else {})
+    ep = _Epilogues(find_epilogues(graph, consumers, outputs, small_gemm) if gemm_epilogues else {})
     for dot, match in ep.matches.items():  # decided first: the walk below skips them
         new_group(dot)
         for n in match.chain:

@@ -12,7 +12,7 @@ class RuleKind(StrEnum):
     ELEMENTWISE = "elementwise"  # a C expression at one index: fusible into any kernel
     REDUCTION = "reduction"      # a reducer; producers fuse into its loop
     KERNEL = "kernel"            # a standalone generated kernel
-    GEMM = "gemm"                # a GemmCall (or a generated kernel for integer types)
+    GEMM = "gemm"                # a GemmCall (or a generated kernel: integers, small M)
     CUDNN = "cudnn"              # a ConvCall
 
 

@@ -74,13 +74,14 @@ def _canonicalize(p: Program, options: Options) -> Program:
 
 
 def _fuse(p: Program, options: Options) -> Program:
-    # Plain cuBLAS has no epilogues: there a bias or activation stays a kernel.
-    groups = fuse(p.graph, gemm_epilogues=options.gemm != "cublas")
+    # Plain cuBLAS has no epilogues: there a bias or activation stays a kernel. Neither
+    # has the small-M kernel (lowering/gemm_small.py), which the library call is not.
+    groups = fuse(p.graph, gemm_epilogues=options.gemm != "cublas", small_gemm=options.small_gemm)
     return dataclasses.replace(p, groups=tuple(groups))
 
 
 def _lower(p: Program, options: Options) -> Program:
-    return dataclasses.replace(p, lowered=tuple(lower(p.groups)))
+    return dataclasses.replace(p, lowered=tuple(lower(p.groups, small_gemm=options.small_gemm)))
 
 
 def _buffers(p: Program, options: Options) -> Program:

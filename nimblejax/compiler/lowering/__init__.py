@@ -19,7 +19,9 @@ if TYPE_CHECKING:  # fusion imports lowering rules; avoid the cycle at import ti
 __all__ = ["lower_group", "lower", "RULES", "Task", "Kernel", "GemmCall", "ConvCall"]
 
 
-def lower_group(group: Group) -> Task:
+def lower_group(group: Group, small_gemm: bool = True) -> Task:
+    """`small_gemm`: whether small-M float GEMMs become the generated kernel
+    (Options.small_gemm; lowering/gemm_small.py)."""
     root = group.root
     inlined = {n.outputs[0]: n for n in group.nodes if n is not root}
     if group.kind is GroupKind.VIEW:
@@ -38,7 +40,7 @@ def lower_group(group: Group) -> Task:
         name = f"cudnn_conv_{call.x.shape[1]}x{call.x.shape[2]}x{call.x.shape[3]}_k{call.w.shape[1]}"
         return Task(name, TaskKind.CUDNN, group.inputs, group.outputs, group.nodes, conv=call)
     elif group.kind is GroupKind.GEMM:
-        made = rule_for(root).fn(root)
+        made = rule_for(root).fn(root, small_gemm=small_gemm)
         if isinstance(made, GemmCall):
             if group.epilogue is not None:  # fusion made it only for library GEMMs
                 made = group.epilogue.apply(made)
@@ -61,5 +63,5 @@ def lower_group(group: Group) -> Task:
                 group.outputs, group.nodes, kernel=kernel)
 
 
-def lower(groups: list[Group]) -> list[Task]:
-    return [lower_group(g) for g in groups]
+def lower(groups: list[Group], small_gemm: bool = True) -> list[Task]:
+    return [lower_group(g, small_gemm) for g in groups]

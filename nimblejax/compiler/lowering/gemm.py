@@ -1,6 +1,8 @@
-"""dot_general → a cuBLAS GEMM record (float types) or a generated kernel (ints).
+"""dot_general → a cuBLAS GEMM record (float types), the small-M kernel (an RNN's
+recurrent GEMM: gemm_small.py says when and why) or a generated kernel (ints).
 
 Operands were put in a GEMM-ready layout before fusion (compiler/canonicalize/dot.py).
+`small_gemm` is Options.small_gemm (NIMBLE_SMALL_GEMM=0 turns the small-M kernel off).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import BLOCK, KernelBuilder, blocks_for
+from nimblejax.compiler.lowering.gemm_small import small_m_matmul, takes_small_m
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import GemmCall, Kernel
 
@@ -25,8 +28,8 @@ def gemm_sizes(node: Node) -> tuple[int, int, int, int]:
     return size(lhs, lb), size(lhs, lf), size(rhs, rf), size(lhs, lc)
 
 
-def is_library_gemm(node: Node) -> bool:
-    """Whether a canonicalized dot_general becomes a GemmCall (else a generated kernel)."""
+def is_float_gemm(node: Node) -> bool:
+    """Whether a canonicalized dot_general is a float GEMM a library could compute."""
     lhs, rhs = node.inputs
     out = node.outputs[0]
     names = (dtypes.name(lhs.dtype), dtypes.name(rhs.dtype), dtypes.name(out.dtype))
@@ -34,8 +37,20 @@ def is_library_gemm(node: Node) -> bool:
             and min(gemm_sizes(node)) > 0)
 
 
+def is_small_m_gemm(node: Node) -> bool:
+    """Whether a float GEMM fits the small-M kernel's rule (gemm_small.takes_small_m)."""
+    layout = gemm_layout(node)
+    return (layout is not None and is_float_gemm(node)
+            and takes_small_m(*gemm_sizes(node), layout[1], dtypes.name(node.inputs[0].dtype)))
+
+
+def is_library_gemm(node: Node, small_gemm: bool = True) -> bool:
+    """Whether a canonicalized dot_general becomes a GemmCall (else a generated kernel)."""
+    return is_float_gemm(node) and not (small_gemm and is_small_m_gemm(node))
+
+
 @register("dot_general", kind=RuleKind.GEMM)
-def dot_general(node: Node) -> Union[GemmCall, Kernel]:
+def dot_general(node: Node, small_gemm: bool = True) -> Union[GemmCall, Kernel]:
     layout = gemm_layout(node)
     if layout is None:
         raise AssertionError("dot_general must be canonicalized before lowering")
@@ -43,7 +58,9 @@ def dot_general(node: Node) -> Union[GemmCall, Kernel]:
     out = node.outputs[0]
     batch, m, n, k = gemm_sizes(node)
     ta, tb = layout
-    if is_library_gemm(node):
+    if small_gemm and is_small_m_gemm(node):
+        return small_m_matmul(out, lhs, rhs, m, n, k, ta)
+    if is_library_gemm(node, small_gemm):
         dtype, out_dtype = dtypes.name(lhs.dtype), dtypes.name(out.dtype)
         compute = compute_mode(node) if dtype == "float32" else "f32_from_half"
         return GemmCall(batch, m, n, k, ta, tb, dtype, compute,

@@ -15,7 +15,9 @@ Rule kinds, and the signature of their `fn`:
   its output in the bytes of operand k when it is that value's only reader and the value
   is a buffer of the plan's own (fusion.py decides, `Group.in_place`): it is then called
   with `in_place=True` and must not read operand k's old bytes except where it writes.
-- "gemm": `fn(node) -> GemmCall` (cuBLAS on the GPU), or a `Kernel` for integer types.
+- "gemm": `fn(node, small_gemm=True) -> GemmCall` (cuBLAS on the GPU), or a `Kernel`
+  for integer types and, with `small_gemm` (Options.small_gemm), small-M float GEMMs
+  (gemm_small.py).
 - "cudnn": `fn(node) -> ConvCall` (a cuDNN convolution on the GPU).
 """
 from __future__ import annotations
