@@ -1,16 +1,19 @@
-"""Small-M GEMMs (an RNN's recurrent `h @ W_hh`) as one generated kernel, not cuBLASLt.
+"""Small-M GEMMs (an RNN's recurrent `h @ W_hh` at batch 1 to 8) as one generated
+kernel, not cuBLASLt.
 
-Why: measured on an H100, cuBLASLt (and plain cuBLAS) take 9.7 µs for the LSTM's
-32x2048x512 float32 step GEMM, while XLA's whole step (GEMM and gate math) takes about
-5.3 µs. The library's tiles are built for large M: with M = 32 most of a tile is
+Why: in a plan's per-task profile on an H100, cuBLASLt (and plain cuBLAS) took 9.5 µs
+for the LSTM's 1x2048x512 float32 step GEMM, while XLA's whole step (GEMM and gate math)
+takes about 5.3 µs. Timed alone, this kernel beats cuBLASLt up to M = 8 and loses at
+M = 32 (SMALL_M_MAX). The library's tiles are built for large M: with M = 32 most of a tile is
 padding, and the few tiles left cannot fill 132 SMs without split-K passes. The problem
 is small enough to read straight through: B (K x N) is read once, coalesced, and A (M x K,
 64 KB here) is read by every block from L2 as warp-wide broadcasts.
 
 The rule (`takes_small_m`), each condition with its reason:
 - batch == 1: the recurrent step is one matrix product; batched dots keep the library.
-- M <= 32 (rows of the row-major output): each thread keeps M accumulators in registers,
-  and the block's partial sums (M x 256 floats, 32 KB at M = 32) fit static shared memory.
+- M <= SMALL_M_MAX = 8 (rows of the row-major output), measured (below); the kernel
+  itself handles up to 32: each thread keeps M accumulators in registers, and the
+  block's partial sums (M x 256 floats, 32 KB at M = 32) fit static shared memory.
 - K * N >= 2**19: below that the library's launch is short anyway and the branchy MLP's
   256x256 layers keep their cuBLASLt epilogues; BERT's GEMMs (M = 128 and more) keep the
   library by the M limit.
@@ -47,7 +50,10 @@ from nimblejax.compiler.ir import Var, short_dtype
 from nimblejax.compiler.lowering.codegen import PRELUDE
 from nimblejax.compiler.lowering.task import Kernel
 
-SMALL_M_MAX = 32
+# Measured on an H100 (python -m nimblejax.bench.gemm_small, f32, µs of the dot alone):
+# 1x2048x512 2.38 against cuBLASLt's 2.83, 8x1024x1024 4.34 against 5.57, but
+# 32x2048x512 10.39 against 5.85: from M = 32 on, the library's tiles win.
+SMALL_M_MAX = 8
 MIN_KN = 2 ** 19
 MIN_N = 512
 THREADS = 256
