@@ -15,6 +15,7 @@ settings never share a stale plan.
 | debug        | NIMBLE_DEBUG         | 0 / 1 / 2 (below)           | checks        |
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
 | residency    | NIMBLE_RESIDENCY     | "auto" / "c" / "python"     | runtime       |
+| fallback     | NIMBLE_FALLBACK      | "xla" / "error"             | unsupported   |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
@@ -26,6 +27,11 @@ after every compiler pass to stderr (compiler/printing.py).
 (runtime/residency.py): "c" the C extension built on first use, "python" the pure-Python
 one, "auto" the C one where it can be built (else Python, after one warning). Both
 decide alike; "python" is for debugging and for machines without a C compiler.
+
+`fallback`: what a function holding equations nimble cannot lower does. "xla" (default)
+runs it with co-execution (runtime/coexec.py): nimble plans the regions it supports, the
+rest stays with XLA inside the same jax.jit, with one warning naming the primitives;
+"error" raises UnsupportedPrimitiveError naming the primitive and the user's line.
 
 Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
 convolution: `use_cudnn` in compiler/canonicalize/conv.py.
@@ -45,9 +51,10 @@ GEMM_LIBRARIES = ("lt", "cublas")
 CONV_PATHS = ("auto", "cudnn", "im2col")
 CALL_PATHS = ("auto", "ffi", "python")
 RESIDENCY_CHECKS = ("auto", "c", "python")
+FALLBACKS = ("xla", "error")
 _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
         "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
-        "residency": "NIMBLE_RESIDENCY"}
+        "residency": "NIMBLE_RESIDENCY", "fallback": "NIMBLE_FALLBACK"}
 
 
 @dataclass(frozen=True)
@@ -60,12 +67,14 @@ class Options:
     debug: int = 0
     call_path: str = "auto"
     residency: str = "auto"
+    fallback: str = "xla"
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
         _check_choice("conv", self.conv, CONV_PATHS)
         _check_choice("call_path", self.call_path, CALL_PATHS)
         _check_choice("residency", self.residency, RESIDENCY_CHECKS)
+        _check_choice("fallback", self.fallback, FALLBACKS)
         if self.max_streams is not None and (not isinstance(self.max_streams, int)
                                              or isinstance(self.max_streams, bool)
                                              or self.max_streams < 1):
@@ -104,6 +113,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "debug": _int_or_none(env.get(_ENV["debug"], ""), "debug") or 0,
         "call_path": env.get(_ENV["call_path"], "auto"),
         "residency": env.get(_ENV["residency"], "auto"),
+        "fallback": env.get(_ENV["fallback"], "xla"),
     }
     if base is not None:
         default = Options()
