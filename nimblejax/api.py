@@ -22,6 +22,7 @@ from nimblejax.arguments import (as_tuple as _as_tuple, check_hashable as _check
                                  check_leaf as _check_leaf, is_array_like as _is_array_like,
                                  name_like as _name_like, signature as _signature,
                                  static_positions as _static_positions)
+from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.pipeline import compile_function
 from nimblejax.compiler.plan import Plan
 from nimblejax.options import Options
@@ -300,7 +301,12 @@ class NimbleFunction:
                            self._plan_flat, self._make_runner(), self._runners, self._plans, donated,
                            arena="resident")
         avals = tuple(jax.core.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type) for s in specs)
-        plan, _ = body.plan(avals)
+        try:
+            plan, _ = body.plan(avals)
+        except UnsupportedPrimitiveError:
+            if self.options.fallback == "error":
+                raise
+            return False  # co-execution: the full path (_op_call) partitions it
         # A leaf the plan returns as it is must be an operand (XLA hands it back). A
         # donated leaf is always passed too: XLA then writes a result into its buffer,
         # where a leaf fed back inside the arena would leave XLA allocating every result
@@ -331,10 +337,29 @@ class NimbleFunction:
         precision = jax.config.jax_default_matmul_precision
         body = xla_op.Body((id(self), in_tree, statics, donated, precision), flat_fun,
                            self._plan_flat, self._make_runner(), self._runners, self._plans, donated)
-        outs = xla_op.call(body, leaves)
+        try:
+            outs = xla_op.call(body, leaves)
+        except UnsupportedPrimitiveError:
+            if self.options.fallback == "error":
+                raise
+            outs = self._coexec(body, leaves)
         if not out_tree_box:
             jax.eval_shape(flat_fun, *leaves)
         return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)
+
+    def _coexec(self, body, leaves: list) -> list:
+        """Co-execution (runtime/coexec.py): the regions nimble supports as nimble_calls,
+        the rest as JAX equations, all inside this jax.jit; warns once per set of
+        primitives left to XLA. The resident path does not apply (full path)."""
+        from nimblejax.runtime import coexec
+
+        program = coexec.partition_function(body.flat_fun, leaves)
+        message = coexec.summary(program)
+        warned = self.__dict__.setdefault("_coexec_warned", set())
+        if message not in warned:
+            warned.add(message)
+            _warn_at_user_line(f"nimblejax: {message}. Pass fallback='error' to refuse them.")
+        return coexec.evaluate(program, leaves, coexec.region_caller(body, leaves))
 
     def _plan_flat(self, flat_fun: Callable, specs) -> Plan:
         return compile_function(flat_fun, specs, self.options)[0]
