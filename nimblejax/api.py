@@ -196,6 +196,15 @@ class NimbleFunction:
         leaves, _key, in_tree, statics = self._flatten(args, kwargs, abstract_ok=True)
         return self._trace(leaves, in_tree, statics)[0]
 
+    def partition(self, *args, **kwargs):
+        """The co-execution partition for these arguments (compiler/partition.py's
+        Program: nimble regions and the equations left to XLA); arguments may be
+        jax.ShapeDtypeStruct."""
+        from nimblejax.runtime import coexec
+
+        leaves, _key, in_tree, statics = self._flatten(args, kwargs, abstract_ok=True)
+        return coexec.partition_function(self._flat_fun(in_tree, statics, []), leaves)
+
     @property
     def cache_size(self) -> int:
         """Plans made so far (one per signature; grad and vmap add their own)."""

@@ -20,6 +20,7 @@ what this module decides, inside one jax.jit):
 """
 from __future__ import annotations
 
+import re
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Union
@@ -135,7 +136,7 @@ Classify = Callable[[Any, list], Optional[str]]
 def partition(closed: Any, classify: Classify) -> Program:
     """Partition a closed jaxpr; `classify(eqn, ins)` says why nimble cannot lower an
     equation (None: it can), given its inputs (Const where known)."""
-    return _partition(closed, classify, "r")
+    return _partition(closed, classify, "")
 
 
 def _partition(closed: Any, classify: Classify, prefix: str) -> Program:
@@ -173,7 +174,7 @@ def _flatten(jaxpr: Any, env: dict, classify: Classify, steps: list, prefix: str
             outs = [_read(inner, v) for v in body.outvars]
         else:
             outs = [None if type(v).__name__ == "DropVar" else Value(v.aval) for v in eqn.outvars]
-            where = f"{prefix}.{name}{len(steps)}"
+            where = f"{prefix}{name}{len(steps)}"
             inner_progs = _inner(eqn, classify, where) if why is not None and name in CONTROL else ()
             steps.append(Step(eqn, tuple(ins), tuple(outs), src, why, inner_progs))
         for v, a in zip(eqn.outvars, outs):
@@ -188,7 +189,7 @@ def _inner(eqn: Any, classify: Classify, where: str) -> tuple:
     name = eqn.primitive.name
     bodies = ((p["cond_jaxpr"], p["body_jaxpr"]) if name == "while" else
               tuple(p["branches"]) if name == "cond" else (p["jaxpr"],))
-    progs = tuple(_partition(b, classify, f"{where}.{k}") for k, b in enumerate(bodies))
+    progs = tuple(_partition(b, classify, f"{where}.{k}/") for k, b in enumerate(bodies))
     return progs if any(prog.regions() for prog in progs) else ()
 
 
@@ -214,7 +215,7 @@ def _group(steps: list[Step], outputs: tuple, prefix: str) -> tuple:
         if s in xla:
             xla_by_depth.setdefault(depth[s], []).append(s)
     for d in sorted(set(levels) | set(xla_by_depth)):
-        region = _region(f"{prefix}{len(parts)}", levels[d], steps, outputs) if d in levels else None
+        region = _region(f"{prefix}r{len(parts)}", levels[d], steps, outputs) if d in levels else None
         if region is not None and region.outputs:  # a region nothing reads is dead code
             parts.append(region)
         parts += [s if s.why is not None else _demoted(s) for s in xla_by_depth.get(d, [])]
@@ -289,5 +290,5 @@ def nimble_classify(eqn: Any, ins: list) -> Optional[str]:
 
 def short_reason(message: str) -> str:
     """An UnsupportedPrimitiveError's message without its advice to use backend="jax"
-    (co-execution is what runs it)."""
-    return message.split(" Use nimble.jit(")[0].strip()
+    (co-execution is what runs it) and without the line (explain names the step's own)."""
+    return re.sub(r" \(from [^()]*\)", "", message.split(" Use nimble.jit(")[0]).strip()

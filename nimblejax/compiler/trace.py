@@ -108,7 +108,10 @@ class GraphBuilder:
                     name, src, "inlined", "a library primitive with no rule, traced "
                     "through its implementation in JAX"))
                 body, consts = open_jaxpr(impl)
+                start = len(self.nodes)
                 outs = self.inline(body, [self.const(c) for c in consts] + ins, src)
+                # Traced here, its equations would name this file: they carry the call's line.
+                self.nodes[start:] = [dataclasses.replace(n, source=src) for n in self.nodes[start:]]
             else:
                 outs = [self.new_var(v.aval) for v in eqn.outvars]
                 self.nodes.append(Node(eqn.primitive, tuple(ins), tuple(outs),

@@ -24,8 +24,12 @@ CallRegion = Callable[[Region, list], list]
 
 def partition_function(flat_fun: Callable, args: Sequence[Any]) -> Program:
     """`flat_fun` traced at `args`' types and partitioned by nimble's own checker."""
-    specs = [jax.ShapeDtypeStruct(jax.numpy.shape(a), _dtype(a), weak_type=_weak(a)) for a in args]
+    specs = [jax.ShapeDtypeStruct(_shape(a), _dtype(a), weak_type=_weak(a)) for a in args]
     return partition(jax.make_jaxpr(flat_fun)(*specs), nimble_classify)
+
+
+def _shape(a: Any) -> tuple:
+    return tuple(a.shape) if hasattr(a, "shape") else ()
 
 
 def _dtype(a: Any) -> Any:
@@ -159,7 +163,8 @@ def _describe(program: Program, plan_of, indent: str) -> list[str]:
             if plan_of is not None:
                 plan = plan_of(part)
                 planned = f" → {len(plan.tasks)} tasks, {plan.schedule.num_streams} streams"
-                planned += "".join(f"; {d}" for d in plan.control if d.choice == "inlined")
+                inlined = sorted({d.primitive for d in plan.control if d.choice == "inlined"})
+                planned += f"; library primitives inlined: {', '.join(inlined)}" if inlined else ""
             lines.append(f"{indent}region {part.name}: {len(part.steps)} equations, "
                          f"{len(part.inputs)} in, {len(part.outputs)} out{planned} "
                          f"[{', '.join(names[:8])}{', ...' if len(names) > 8 else ''}]")
@@ -182,7 +187,7 @@ def region_caller(parent: Any, operands: Sequence[Any]) -> CallRegion:
 
     from nimblejax.runtime import xla_op
 
-    sigs = tuple((tuple(jax.numpy.shape(x)), str(_dtype(x)), _weak(x)) for x in operands)
+    sigs = tuple((_shape(x), str(_dtype(x)), _weak(x)) for x in operands)
 
     def call_region(region: Region, xs: list) -> list:
         body = dataclasses.replace(parent, key=parent.key + ("region", sigs, region.name),
