@@ -124,20 +124,17 @@ class GraphBuilder:
 
 
 def library_impl(eqn: Any) -> Any:
-    """The jaxpr of `eqn`'s implementation, for a primitive that no table of nimble
-    knows and whose `impl` is written in JAX (equinox's unvmap_any, select_if_vmap,
-    nonbatchable, maybe_set...): inlined, it needs no rule of its own. None for any
-    other primitive, JAX's own among them (their impl dispatches the primitive itself,
-    so its trace holds the primitive again)."""
-    from nimblejax.compiler.canonicalize import REWRITTEN
-    from nimblejax.compiler.lowering.registry import RULES
+    """The jaxpr of `eqn`'s implementation, for a primitive defined outside JAX whose
+    `impl` is written in JAX (equinox's unvmap_any, select_if_vmap, nonbatchable,
+    maybe_set...): inlined, it needs no rule of its own. None for any other primitive:
+    JAX's own (their impl, defined in jax, dispatches the primitive itself) and those
+    with effects."""
     from nimblejax.compiler.unsupported import NOT_SUPPORTED
 
-    name = eqn.primitive.name
-    if name in RULES or name in REWRITTEN or name in NOT_SUPPORTED or getattr(eqn, "effects", None):
-        return None
     impl = getattr(eqn.primitive, "impl", None)
-    if impl is None:
+    module = getattr(getattr(impl, "func", impl), "__module__", None) or "jax"
+    if (impl is None or module.split(".")[0] in ("jax", "jaxlib", "nimblejax")
+            or eqn.primitive.name in NOT_SUPPORTED or getattr(eqn, "effects", None)):
         return None
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
              for v in eqn.invars]
@@ -145,7 +142,7 @@ def library_impl(eqn: Any) -> Any:
         closed = jax.make_jaxpr(lambda *xs: impl(*xs, **eqn.params))(*specs)
     except Exception:  # an impl that is not traceable JAX (a host call, a C function)
         return None
-    if name in _primitive_names(open_jaxpr(closed)[0]):
+    if eqn.primitive.name in _primitive_names(open_jaxpr(closed)[0]):
         return None
     return closed
 
