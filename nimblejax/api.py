@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 from nimblejax import options as options_mod
 from nimblejax.arguments import (as_tuple as _as_tuple, check_hashable as _check_hashable,
@@ -197,9 +195,7 @@ class NimbleFunction:
         return self._trace(leaves, in_tree, statics)[0]
 
     def partition(self, *args, **kwargs):
-        """The co-execution partition for these arguments (compiler/partition.py's
-        Program: nimble regions and the equations left to XLA); arguments may be
-        jax.ShapeDtypeStruct."""
+        """Co-execution's regions and XLA equations for these arguments (partition.py)."""
         from nimblejax.runtime import coexec
 
         leaves, _key, in_tree, statics = self._flatten(args, kwargs, abstract_ok=True)
@@ -312,10 +308,10 @@ class NimbleFunction:
         avals = tuple(jax.core.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type) for s in specs)
         try:
             plan, _ = body.plan(avals)
-        except UnsupportedPrimitiveError:
+        except UnsupportedPrimitiveError:  # co-execution: the full path (_op_call)
             if self.options.fallback == "error":
                 raise
-            return False  # co-execution: the full path (_op_call) partitions it
+            return False
         # A leaf the plan returns as it is must be an operand (XLA hands it back). A
         # donated leaf is always passed too: XLA then writes a result into its buffer,
         # where a leaf fed back inside the arena would leave XLA allocating every result
@@ -357,18 +353,10 @@ class NimbleFunction:
         return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)
 
     def _coexec(self, body, leaves: list) -> list:
-        """Co-execution (runtime/coexec.py): the regions nimble supports as nimble_calls,
-        the rest as JAX equations, all inside this jax.jit; warns once per set of
-        primitives left to XLA. The resident path does not apply (full path)."""
+        """Co-execution (runtime/coexec.py) inside this jax.jit; warns once per message."""
         from nimblejax.runtime import coexec
 
-        program = coexec.partition_function(body.flat_fun, leaves)
-        message = coexec.summary(program)
-        warned = self.__dict__.setdefault("_coexec_warned", set())
-        if message not in warned:
-            warned.add(message)
-            _warn_at_user_line(f"nimblejax: {message}. Pass fallback='error' to refuse them.")
-        return coexec.evaluate(program, leaves, coexec.region_caller(body, leaves))
+        return coexec.run(body, leaves, self.__dict__.setdefault("_warned", set()), _warn_at_user_line)
 
     def _plan_flat(self, flat_fun: Callable, specs) -> Plan:
         return compile_function(flat_fun, specs, self.options)[0]
@@ -455,15 +443,17 @@ class NimbleFunction:
         return plan, out_tree_box[-1], out_shapes
 
     def _compile(self, key, leaves, in_tree, statics, backend) -> Compiled:
+        from nimblejax.runtime import interpret, xla_op
+
         plan, out_tree, out_shapes = self._trace(leaves, in_tree, statics)
         if backend == "interpret":
-            run = _interpret_runner(plan, self.output)
+            run = interpret.direct_runner(plan, self.output)
         else:
             from nimblejax.runtime.executable import make_executable
 
             run = make_executable(plan, output=self.output, eager=self.options.eager,
                                   gemm=self.options.gemm, donate=self._donated_leaves(in_tree))
-        run = _on_key_data(run, leaves, out_shapes, self.output)
+        run = xla_op.runner_on_key_data(run, leaves, out_shapes, self.output)
         compiled = Compiled(plan, out_tree, run)
         self._cache[key] = compiled
         return compiled
@@ -481,32 +471,6 @@ class NimbleFunction:
                 donated.update(range(start, start + child.num_leaves))
             start += child.num_leaves
         return frozenset(donated)
-
-
-def _interpret_runner(plan: Plan, output: str) -> Callable[[list], list]:
-    from nimblejax.runtime import interpret
-
-    calls = iter(range(1 << 62))
-    wrap = np.asarray if output == "numpy" else jnp.asarray
-
-    def run(leaves: list) -> list:
-        # Each call takes another interleaving of the streams.
-        outs = interpret.run(plan, [np.asarray(x) for x in leaves], seed=next(calls))
-        return [wrap(o) for o in outs]
-
-    return run
-
-
-def _on_key_data(run: Callable, leaves: list, out_shapes, output: str) -> Callable:
-    """`run` for typed PRNG key arrays: a plan takes and makes their uint32 key data.
-    Key results come back as keys for output="jax", as their key data otherwise."""
-    from nimblejax.runtime.xla_op import from_key_data, key_impl, to_key_data
-
-    in_impls = [key_impl(x) for x in leaves]
-    out_impls = [key_impl(s) if output == "jax" else None for s in out_shapes]
-    if all(i is None for i in in_impls + out_impls):
-        return run
-    return lambda xs: from_key_data(run(to_key_data(xs, in_impls)), out_impls)
 
 
 def _ffi_library(required: bool):

@@ -176,6 +176,18 @@ def _describe(program: Program, plan_of, indent: str) -> list[str]:
     return lines
 
 
+def run(body: Any, operands: Sequence[Any], warned: set, warn: Callable[[str], None]) -> list:
+    """A nimble function's flat body (an xla_op.Body nimble cannot plan whole),
+    partitioned and evaluated; `warn` is called once per message (`warned` holds those
+    given), naming the primitives left to XLA and their lines."""
+    program = partition_function(body.flat_fun, operands)
+    message = f"nimblejax: {summary(program)}. Pass fallback='error' to refuse them."
+    if message not in warned:
+        warned.add(message)
+        warn(message)
+    return evaluate(program, operands, region_caller(body, operands))
+
+
 # ---- regions as nimble_calls ---------------------------------------------------------
 def region_caller(parent: Any, operands: Sequence[Any]) -> CallRegion:
     """Each region a `nimble_call` of a Body derived from `parent` (a runtime/xla_op.py

@@ -206,6 +206,16 @@ def key_impl(x) -> Any:
     return getattr(dtype, "_impl", None) or dtype.impl  # `impl` before JAX 0.4.16
 
 
+def runner_on_key_data(run: Callable, leaves: list, out_shapes, output: str) -> Callable:
+    """The direct path's `run` (api.py) for typed PRNG key arrays: a plan takes and makes
+    their key data; key results come back as keys for output="jax", else as key data."""
+    in_impls = [key_impl(x) for x in leaves]
+    out_impls = [key_impl(s) if output == "jax" else None for s in out_shapes]
+    if all(i is None for i in in_impls + out_impls):
+        return run
+    return lambda xs: from_key_data(run(to_key_data(xs, in_impls)), out_impls)
+
+
 def to_key_data(xs, impls) -> list:
     return [x if i is None else jax.random.key_data(x) for x, i in zip(xs, impls)]
 
