@@ -332,7 +332,7 @@ class NimbleFunction:
 
     def _op_call(self, *args, **kwargs):
         """Traced by jax.jit once per signature: f's flat body as one nimble_call."""
-        from nimblejax.runtime import xla_op
+        from nimblejax.runtime import coexec, xla_op
 
         statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
@@ -340,8 +340,10 @@ class NimbleFunction:
         flat_fun = self._flat_fun(in_tree, statics, out_tree_box)
         donated = self._donated_leaves(in_tree)
         precision = jax.config.jax_default_matmul_precision
+        fallback = None if self.options.fallback == "error" else coexec.fallback
         body = xla_op.Body((id(self), in_tree, statics, donated, precision), flat_fun,
-                           self._plan_flat, self._make_runner(), self._runners, self._plans, donated)
+                           self._plan_flat, self._make_runner(), self._runners, self._plans, donated,
+                           fallback=fallback, owned=True)
         try:
             outs = xla_op.call(body, leaves)
         except UnsupportedPrimitiveError:

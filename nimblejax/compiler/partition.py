@@ -39,14 +39,17 @@ HEAVY = frozenset({
     "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin", "cumsum", "cumprod",
     "cummax", "cummin", "cumlogsumexp", "sort", "scatter", "scatter-add", "scatter_add",
     "scatter-mul", "scatter-min", "scatter-max", "gather", "reduce_precision",
-    "reduce_window_sum", "reduce_window_max", "reduce_window_min", "scan", "while", "cond",
-    "fft", "jit", "pjit", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-    "checkpoint", "remat", "closed_call", "random_bits", "threefry2x32",
-})
+    "reduce_window_sum", "reduce_window_max", "reduce_window_min", "scan", "while",
+    "random_bits", "threefry2x32",
+})  # and the same inside the body of a call-like equation (`_weight`)
 CALL_LIKE = frozenset({"pjit", "jit", "closed_call", "core_call", "call", "eval_jaxpr",
                        "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat",
                        "remat2", "checkpoint"})
 CONTROL = frozenset({"while", "cond", "scan"})
+# Custom derivative rules kept: the equation stays, its `call_jaxpr` partitioned, so JAX
+# still differentiates it by the library's rule (optimistix's implicit function theorem
+# around a while loop that is not reverse-differentiable itself).
+CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -166,7 +169,13 @@ def _flatten(jaxpr: Any, env: dict, classify: Classify, steps: list, prefix: str
         src = source_line(eqn)
         src = outer if src == "<unknown>" else src
         why = classify(eqn, ins)
-        if why is not None and name in CALL_LIKE and name in INLINED and _body(eqn) is not None:
+        if why is not None and name in CUSTOM_RULES and "call_jaxpr" in eqn.params:
+            outs = [None if type(v).__name__ == "DropVar" else Value(v.aval) for v in eqn.outvars]
+            where = f"{prefix}{name}{len(steps)}"
+            body = _partition(eqn.params["call_jaxpr"], classify, f"{where}.0/")
+            steps.append(Step(eqn, tuple(ins), tuple(outs), src, why,
+                              (body,) if body.regions() else ()))
+        elif why is not None and name in CALL_LIKE and name in INLINED and _body(eqn) is not None:
             body, consts = open_jaxpr(_body(eqn))  # open it: part of it may be nimble's
             inner = dict(zip(body.constvars, map(Const, consts)))
             inner.update(zip(body.invars, ins))
@@ -242,8 +251,22 @@ def _depths(steps: list[Step], xla: set) -> dict[Step, int]:
 
 
 def worth_a_plan(steps: list[Step]) -> bool:
-    """Whether a region is worth a nimble plan (see MIN_REGION_EQNS)."""
-    return len(steps) >= MIN_REGION_EQNS or any(s.name in HEAVY for s in steps)
+    """Whether a region is worth a nimble plan (see MIN_REGION_EQNS): equations inside
+    nested calls count, and so does a GEMM there."""
+    weights = [_weight(s.eqn) for s in steps]
+    return sum(n for n, _ in weights) >= MIN_REGION_EQNS or any(h for _, h in weights)
+
+
+def _weight(eqn: Any) -> tuple[int, bool]:
+    """(equations, whether one is HEAVY) of `eqn`, its nested bodies included."""
+    from nimblejax.compiler.control import _sub_jaxprs
+
+    count, heavy = 1, eqn.primitive.name in HEAVY
+    for sub in _sub_jaxprs(eqn.params):
+        for inner in open_jaxpr(sub)[0].eqns:
+            n, h = _weight(inner)
+            count, heavy = count + n, heavy or h
+    return count, heavy
 
 
 def _demoted(step: Step) -> Step:

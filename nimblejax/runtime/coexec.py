@@ -16,7 +16,8 @@ import jax
 from jax import lax
 
 from nimblejax.compiler import control
-from nimblejax.compiler.partition import Const, Program, Region, Step, nimble_classify, partition
+from nimblejax.compiler.partition import (CUSTOM_RULES, Const, Program, Region, Step, nimble_classify,
+                                          partition)
 
 # (region, its operands) → its results: a nimble_call of the region (api.py makes it).
 CallRegion = Callable[[Region, list], list]
@@ -67,11 +68,12 @@ def _read(env: dict, atom: Any) -> Any:
     return atom.value if isinstance(atom, Const) else env[atom]
 
 
-def bind(eqn: Any, args: list) -> list:
-    """Apply one jaxpr equation as jax.core.eval_jaxpr does (its params, its user line)."""
+def bind(eqn: Any, args: list, params: dict | None = None) -> list:
+    """Apply one jaxpr equation as jax.core.eval_jaxpr does (its params, or `params`, and
+    its user line)."""
     from jax._src import source_info_util as siu
 
-    params = eqn.primitive.get_bind_params(eqn.params)
+    params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
     subfuns, params = params if isinstance(params, tuple) else ((), params)  # (subfuns, params) ≤0.4
     ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
     with siu.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
@@ -88,11 +90,22 @@ def run_step(step: Step, args: list, call_region: CallRegion) -> list:
     bodies."""
     if not step.inner:
         return bind(step.eqn, args)
+    if step.name in CUSTOM_RULES:
+        return _custom_rule(step, args, call_region)
     if step.name == "while":
         return _while(step, args, call_region)
     if step.name == "cond":
         return _cond(step, args, call_region)
     return _scan(step, args, call_region)
+
+
+def _custom_rule(step: Step, args: list, call_region: CallRegion) -> list:
+    """custom_jvp_call / custom_vjp_call bound again with its partitioned body as its
+    `call_jaxpr`: the library's derivative rule stays (run by JAX as it is)."""
+    (prog,) = step.inner
+    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in map(jax.typeof, args)]
+    closed = jax.make_jaxpr(lambda *xs: evaluate(prog, list(xs), call_region))(*specs)
+    return bind(step.eqn, args, dict(step.eqn.params, call_jaxpr=closed))
 
 
 def _while(step: Step, args: list, call_region: CallRegion) -> list:
@@ -204,7 +217,7 @@ def region_caller(parent: Any, operands: Sequence[Any]) -> CallRegion:
     def call_region(region: Region, xs: list) -> list:
         body = dataclasses.replace(parent, key=parent.key + ("region", sigs, region.name),
                                    flat_fun=functools.partial(run_region, region),
-                                   donated=frozenset(), arena="", fallback=fallback)
+                                   donated=frozenset(), arena="", fallback=fallback, owned=False)
         return xla_op.call(body, xs)
 
     return call_region

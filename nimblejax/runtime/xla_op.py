@@ -60,8 +60,10 @@ class Body:
     arena: str = field(default="", compare=False)
     # `fallback(body, operands)`: what runs where this body cannot be planned (a VJP or
     # a batched body holding a primitive nimble cannot lower): runtime/coexec.py's
-    # partitioned evaluation. None: the planner's error is raised.
+    # partitioned evaluation. None: the planner's error is raised. `owned`: the caller
+    # (api.py) handles this body's own failure; the bodies derived from it fall back.
     fallback: Optional[Callable] = field(default=None, compare=False)
+    owned: bool = field(default=False, compare=False)
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -255,7 +257,7 @@ def _call(body: Body, leaves: list) -> list:
 def _bind(body: Body, operands) -> list:
     """nimble_call on `operands`, or the body's fallback where it cannot be planned (the
     plan is made, or its error raised, when the primitive is bound)."""
-    if body.fallback is None:
+    if body.fallback is None or body.owned:
         return nimble_call_p.bind(*operands, body=body)
     try:
         body.plan(tuple(jax.typeof(x) for x in operands))

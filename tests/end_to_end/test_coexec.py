@@ -155,6 +155,62 @@ def test_grad_through_a_partitioned_function():
 
 
 @pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
+@jax.custom_jvp
+def sqrt_newton(a):
+    """A run-time while loop (not reverse-differentiable) under a custom JVP rule."""
+    def body(c):
+        x, _ = c
+        nx = 0.5 * (x + a / x)
+        return nx, jnp.max(jnp.abs(nx - x))
+    return lax.while_loop(lambda c: c[1] > 1e-6, body, (a, jnp.float32(1.0)))[0]
+
+
+@sqrt_newton.defjvp
+def _sqrt_newton_jvp(primals, tangents):
+    y = sqrt_newton(primals[0])
+    return y, tangents[0] / (2.0 * y)
+
+
+def test_a_custom_jvp_rule_around_a_partitioned_loop_is_kept():
+    def f(a, w):
+        return jnp.sum(jnp.tanh(w @ sqrt_newton(jnp.abs(a) + 1.0)))
+
+    a, w = args_newton(12)
+    g = nimble.jit(f, backend="interpret")
+    close(g(a, w), jax.jit(f)(a, w))
+    close(jax.grad(g, argnums=(0, 1))(a, w), jax.jit(jax.grad(f, argnums=(0, 1)))(a, w), tol=1e-4)
+    assert "custom_jvp_call" in {s.name for s in g.partition(a, w).xla_steps()}
+
+
+def test_a_vjp_nimble_cannot_plan_falls_back_to_co_execution():
+    """The forward is one plan; its backward holds a cholesky, so the VJP body is
+    partitioned instead of refused."""
+    @jax.custom_vjp
+    def gram(a):
+        return a @ a.T + 4.0 * jnp.eye(a.shape[0])
+
+    def fwd(a):
+        return gram(a), a
+
+    def bwd(a, ct):
+        return (jnp.linalg.cholesky(ct @ ct.T + 4.0 * jnp.eye(a.shape[0])) @ a,)
+
+    gram.defvjp(fwd, bwd)
+
+    def f(a):
+        return jnp.sum(jnp.tanh(gram(a)), axis=0)
+
+    a = rand(np.random.default_rng(13), 5, 5)
+    g = nimble.jit(f, backend="interpret", fallback="error")
+    close(g(a), jax.jit(f)(a))  # the forward: one plan
+    loss = lambda fn: lambda a: jnp.sum(fn(a) ** 2)  # noqa: E731
+    with pytest.raises(nimble.UnsupportedPrimitiveError, match="'cholesky'"):
+        jax.grad(loss(g))(a)
+    h = nimble.jit(f, backend="interpret")
+    close(jax.grad(loss(h))(a), jax.grad(loss(f))(a), tol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore:Some donated buffers were not usable")
 def test_vmap_and_donation_across_the_partition():
     r = np.random.default_rng(6)
     a, w = rand(r, 3, 6, 6), rand(r, 3, 6, 5)
