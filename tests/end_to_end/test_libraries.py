@@ -65,6 +65,9 @@ def test_optimistix_newton_root_find_matches_jax_jit():
     report = nimble.explain(f, y0, b)
     assert "xla while" in str(report) and "xla lu" in str(report)  # lineax's LU: XLA's
     assert report.regions
+    # The gradient by optimistix's implicit-function rule, kept around the partition.
+    loss = lambda fn: lambda b: jnp.sum(fn(y0, b) ** 2)  # noqa: E731
+    close(jax.grad(loss(f))(b), jax.jit(jax.grad(loss(newton_root)))(b), tol=1e-4)
 
 
 def test_equinox_mlp_is_one_plan_and_its_gradient_matches():
