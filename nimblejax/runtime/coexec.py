@@ -10,6 +10,7 @@ rules.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -71,18 +72,23 @@ def _read(env: dict, atom: Any) -> Any:
 def bind(eqn: Any, args: list, params: dict | None = None) -> list:
     """Apply one jaxpr equation as jax.core.eval_jaxpr does (its params, or `params`, and
     its user line)."""
-    from jax._src import source_info_util as siu
-
     params = eqn.primitive.get_bind_params(eqn.params if params is None else params)
     subfuns, params = params if isinstance(params, tuple) else ((), params)  # (subfuns, params) ≤0.4
-    ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-    with siu.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack):
-        if ctx is not None:
-            with ctx:
-                outs = eqn.primitive.bind(*subfuns, *args, **params)
-        else:
-            outs = eqn.primitive.bind(*subfuns, *args, **params)
+    ctx = getattr(getattr(eqn, "ctx", None), "manager", None) or contextlib.nullcontext()
+    with _user_line(eqn), ctx:
+        outs = eqn.primitive.bind(*subfuns, *args, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _user_line(eqn: Any) -> Any:
+    """The equation's source info while it is bound again, so that the jaxpr (and any
+    error) still names the user's line; a no-op where JAX's private helper moved."""
+    try:
+        from jax._src import source_info_util as siu
+
+        return siu.user_context(eqn.source_info.traceback, name_stack=eqn.source_info.name_stack)
+    except Exception:  # private JAX API
+        return contextlib.nullcontext()
 
 
 def run_step(step: Step, args: list, call_region: CallRegion) -> list:
