@@ -278,6 +278,34 @@ def test_regions_are_convex():
     close(nimble.jit(f, backend="interpret")(x), jax.jit(f)(x))
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_random_programs_partition_into_convex_regions_that_compute_the_same(seed, monkeypatch):
+    """Random DAGs of matmuls and elementwise ops; `cos` plays the unsupported primitive.
+    Regions evaluated as plain JAX (no plan): the partition alone must keep the program."""
+    monkeypatch.setattr(partition, "MIN_REGION_EQNS", 1)
+    r = np.random.default_rng(100 + seed)
+    ops = [jnp.sin, jnp.cos, jnp.tanh, lambda a, b: a + b, lambda a, b: a @ b * 0.5, jnp.cos]
+    picks = [(int(r.integers(len(ops))), r.integers(0, 1 << 30, 2)) for _ in range(14)]
+
+    def f(*xs):
+        pool = list(xs)
+        for k, (i, j) in picks:
+            op = ops[k]
+            args = [pool[int(x) % len(pool)] for x in (i, j)][: 1 if k in (0, 1, 2, 5) else 2]
+            pool.append(op(*args))
+        return pool[-3:]
+
+    xs = [rand(r, 4, 4) * 0.5 for _ in range(3)]
+    classify = lambda eqn, ins: "test" if eqn.primitive.name == "cos" else None  # noqa: E731
+    program = partition.partition(jax.make_jaxpr(f)(*xs), classify)
+    _assert_convex(program)
+    assert all(s.name == "cos" for s in program.xla_steps())
+    from nimblejax.runtime import coexec
+
+    got = coexec.evaluate(program, xs, lambda region, ys: coexec.run_region(region, *ys))
+    close(got, f(*xs), tol=1e-6)
+
+
 def _assert_convex(program) -> None:
     """No path from a region through any other part back into it."""
     made = {}
