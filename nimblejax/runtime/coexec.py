@@ -26,7 +26,9 @@ CallRegion = Callable[[Region, list], list]
 
 def partition_function(flat_fun: Callable, args: Sequence[Any]) -> Program:
     """`flat_fun` traced at `args`' types and partitioned by nimble's own checker."""
-    specs = [jax.ShapeDtypeStruct(_shape(a), _dtype(a), weak_type=_weak(a)) for a in args]
+    # A tracer's own type: inside shard_map it carries the mesh axes it varies over.
+    specs = [jax.typeof(a) if isinstance(a, jax.core.Tracer) else
+             jax.ShapeDtypeStruct(_shape(a), _dtype(a), weak_type=_weak(a)) for a in args]
     return partition(jax.make_jaxpr(flat_fun)(*specs), nimble_classify)
 
 
@@ -49,7 +51,7 @@ def evaluate(program: Program, args: Sequence[Any], call_region: CallRegion) -> 
     for part in program.parts:
         if isinstance(part, Region):
             outs = call_region(part, [env[v] for v in part.inputs])
-            env.update(zip(part.outputs, outs))
+            env.update(zip(part.outputs, _typed_as(outs, part.outputs)))
         else:
             outs = run_step(part, [_read(env, a) for a in part.ins], call_region)
             env.update((v, o) for v, o in zip(part.outs, outs) if v is not None)
@@ -227,6 +229,31 @@ def region_caller(parent: Any, operands: Sequence[Any]) -> CallRegion:
         return xla_op.call(body, xs)
 
     return call_region
+
+
+def _typed_as(outs: list, values: tuple) -> list:
+    """Inside shard_map, a region's results varying over the mesh axes the traced
+    program says (`values`' types): nimble_call's custom VJP drops them, and the JAX
+    equations beside it are bound one by one, without the pvary JAX's tracing inserts."""
+    fixed = []
+    for o, v in zip(outs, values):
+        missing = _varying(v.aval) - _varying(jax.typeof(o))
+        fixed.append(_pvary(o, tuple(sorted(missing))) if missing else o)
+    return fixed
+
+
+def _varying(aval: Any) -> frozenset:
+    """The mesh axes a value of type `aval` varies over inside shard_map:
+    `manual_axis_type.varying` (jax 0.10), `vma` before; empty outside shard_map."""
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def _pvary(x: Any, axes: tuple) -> Any:
+    """lax.pcast(x, axes, to="varying") (jax ≥0.10), lax.pvary before."""
+    if hasattr(lax, "pcast"):
+        return lax.pcast(x, axes, to="varying")
+    return lax.pvary(x, axes)
 
 
 def fallback(body: Any, operands: list) -> list:
