@@ -238,6 +238,18 @@ def test_scan_too_large_to_unroll_keeps_xlas_loop_around_a_nimble_body(monkeypat
     assert "nimble_call" in primitives(loop.params["jaxpr"])
 
 
+def test_typed_prng_keys_cross_the_partition():
+    def f(key, a):
+        k1, k2 = jax.random.split(key)
+        s = a @ a.T + 0.1 * jax.random.normal(k1, a.shape) + 5.0 * jnp.eye(a.shape[0])
+        return jnp.sum(jnp.linalg.cholesky(s) @ a, axis=0), k2
+
+    key, a = jax.random.key(3), rand(np.random.default_rng(14), 4, 4)
+    (got, k), (want, kw) = nimble.jit(f, backend="interpret")(key, a), jax.jit(f)(key, a)
+    close(got, want)
+    np.testing.assert_array_equal(jax.random.key_data(k), jax.random.key_data(kw))
+
+
 def test_tiny_regions_are_left_to_xla():
     def f(a):
         return jnp.linalg.cholesky(a @ a.T + 3.0 * jnp.eye(4)) * 2.0 + 1.0  # `* 2 + 1`: tiny
