@@ -21,6 +21,7 @@ from nimblejax.arguments import (as_tuple as _as_tuple, check_hashable as _check
                                  name_like as _name_like, named_leaves as _named_leaves,
                                  signature as _signature, spec as _spec,
                                  static_positions as _static_positions)
+from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.pipeline import Stages, compile_function, trace_stages
 from nimblejax.compiler.plan import Plan
 from nimblejax.options import Options
@@ -198,6 +199,13 @@ class NimbleFunction:
         leaves, _key, in_tree, statics = self._flatten(args, kwargs, abstract_ok=True)
         return self._trace(leaves, in_tree, statics)[0]
 
+    def partition(self, *args, **kwargs):
+        """Co-execution's regions and XLA equations for these arguments (partition.py)."""
+        from nimblejax.runtime import coexec
+
+        leaves, _key, in_tree, statics = self._flatten(args, kwargs, abstract_ok=True)
+        return coexec.partition_function(self._flat_fun(in_tree, statics, []), leaves)
+
     @property
     def cache_size(self) -> int:
         """Plans made so far (one per signature; grad and vmap add their own)."""
@@ -307,7 +315,12 @@ class NimbleFunction:
                            self._plan_flat, self._make_runner(), self._runners, self._plans, donated,
                            arena="resident")
         avals = tuple(jax.core.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type) for s in specs)
-        plan, _ = body.plan(avals)
+        try:
+            plan, _ = body.plan(avals)
+        except UnsupportedPrimitiveError:  # co-execution: the full path (_op_call)
+            if self.options.fallback == "error":
+                raise
+            return False
         # Always passed: a leaf the plan returns as it is (XLA hands it back), and a donated
         # leaf (XLA writes a result into it; fed back, every result was a fresh XLA
         # allocation: H100, 96 state leaves, 1062 µs against 516 µs passed).
@@ -326,7 +339,7 @@ class NimbleFunction:
 
     def _op_call(self, *args, **kwargs):
         """Traced by jax.jit once per signature: f's flat body as one nimble_call."""
-        from nimblejax.runtime import xla_op
+        from nimblejax.runtime import coexec, xla_op
 
         statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
         leaves, in_tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
@@ -334,12 +347,25 @@ class NimbleFunction:
         flat_fun = self._flat_fun(in_tree, statics, out_tree_box)
         donated = self._donated_leaves(in_tree)
         precision = jax.config.jax_default_matmul_precision
+        fallback = None if self.options.fallback == "error" else coexec.fallback
         body = xla_op.Body((id(self), in_tree, statics, donated, precision), flat_fun,
-                           self._plan_flat, self._make_runner(), self._runners, self._plans, donated)
-        outs = xla_op.call(body, leaves)
+                           self._plan_flat, self._make_runner(), self._runners, self._plans, donated,
+                           fallback=fallback, owned=True)
+        try:
+            outs = xla_op.call(body, leaves)
+        except UnsupportedPrimitiveError:
+            if self.options.fallback == "error":
+                raise
+            outs = self._coexec(body, leaves)
         if not out_tree_box:
             jax.eval_shape(flat_fun, *leaves)
         return jax.tree_util.tree_unflatten(out_tree_box[-1], outs)
+
+    def _coexec(self, body, leaves: list) -> list:
+        """Co-execution (runtime/coexec.py) inside this jax.jit; warns once per message."""
+        from nimblejax.runtime import coexec
+
+        return coexec.run(body, leaves, self.__dict__.setdefault("_warned", set()), _warn_at_user_line)
 
     def _plan_flat(self, flat_fun: Callable, specs) -> Plan:
         return compile_function(flat_fun, specs, self.options)[0]
@@ -429,19 +455,17 @@ class NimbleFunction:
         return plan, out_tree_box[-1], out_shapes
 
     def _compile(self, key, leaves, in_tree, statics, backend) -> Compiled:
+        from nimblejax.runtime import interpret, xla_op
+
         plan, out_tree, out_shapes = self._trace(leaves, in_tree, statics)
         if backend == "interpret":
-            from nimblejax.runtime.interpret import direct_runner
-
-            run = direct_runner(plan, self.output)
+            run = interpret.direct_runner(plan, self.output)
         else:
             from nimblejax.runtime.executable import make_executable
 
             run = make_executable(plan, output=self.output, eager=self.options.eager,
                                   gemm=self.options.gemm, donate=self._donated_leaves(in_tree))
-        from nimblejax.runtime.xla_op import on_key_data_runner
-
-        run = on_key_data_runner(run, leaves, out_shapes, self.output)
+        run = xla_op.runner_on_key_data(run, leaves, out_shapes, self.output)
         compiled = Compiled(plan, out_tree, run)
         self._cache[key] = compiled
         return compiled

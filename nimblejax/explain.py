@@ -50,9 +50,55 @@ class Report:
     __repr__ = __str__
 
 
-def explain(fun: Callable, *args: Any, **kwargs: Any) -> Report:
-    """Plan `fun` for these arguments and return a printable report (nothing runs)."""
+class CoexecReport:
+    """What a co-executed function runs (runtime/coexec.py): each nimble region with its
+    size and plan, each equation left to XLA and why, the library primitives inlined."""
+
+    def __init__(self, program: Any, plans: dict) -> None:
+        self.program = program
+        self.plans = plans  # region name → Plan
+        self.regions = program.regions()
+        self.xla = program.xla_steps()
+
+    def __str__(self) -> str:
+        from nimblejax.runtime import coexec
+
+        lines = [f"nimblejax co-execution: {len(self.regions)} nimble region(s), "
+                 f"{len(self.xla)} equation(s) left to XLA"]
+        lines += coexec.describe(self.program, lambda r: self.plans[r.name])
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def explain(fun: Callable, *args: Any, **kwargs: Any) -> "Report | CoexecReport":
+    """Plan `fun` for these arguments and return a printable report (nothing runs). A
+    function nimble cannot plan whole is partitioned (unless fallback="error"): the
+    report lists its regions and what went to XLA."""
     from nimblejax.api import NimbleFunction, jit
+    from nimblejax.compiler.errors import UnsupportedPrimitiveError
 
     nf = fun if isinstance(fun, NimbleFunction) else jit(fun, backend="interpret")
-    return Report(nf.plan(*args, **kwargs))
+    try:
+        return Report(nf.plan(*args, **kwargs))
+    except UnsupportedPrimitiveError:
+        if nf.options.fallback == "error":
+            raise
+    return _coexec_report(nf, nf.partition(*args, **kwargs))
+
+
+def _coexec_report(nf: Any, program: Any) -> CoexecReport:
+    import functools
+
+    import jax
+
+    from nimblejax.compiler.pipeline import compile_function
+    from nimblejax.runtime import coexec
+
+    plans = {}
+    for region in program.regions():
+        specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+                 for v in region.inputs]
+        plans[region.name] = compile_function(functools.partial(coexec.run_region, region),
+                                              specs, nf.options)[0]
+    return CoexecReport(program, plans)

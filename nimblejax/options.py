@@ -16,6 +16,7 @@ settings never share a stale plan.
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
 | residency    | NIMBLE_RESIDENCY     | "auto" / "c" / "python"     | runtime       |
 | small_gemm   | NIMBLE_SMALL_GEMM    | True / False (0 turns off)  | the plan      |
+| fallback     | NIMBLE_FALLBACK      | "xla" / "error"             | unsupported   |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
@@ -31,6 +32,11 @@ after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
 (runtime/residency.py): "c" the C extension built on first use, "python" the pure-Python
 one, "auto" the C one where it can be built (else Python, after one warning). Both
 decide alike; "python" is for debugging and for machines without a C compiler.
+
+`fallback`: what a function holding equations nimble cannot lower does. "xla" (default)
+runs it with co-execution (runtime/coexec.py): nimble plans the regions it supports, the
+rest stays with XLA inside the same jax.jit, with one warning naming the primitives;
+"error" raises UnsupportedPrimitiveError naming the primitive and the user's line.
 
 Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
 convolution: `use_cudnn` in compiler/canonicalize/conv_path.py.
@@ -50,9 +56,11 @@ GEMM_LIBRARIES = ("lt", "cublas")
 CONV_PATHS = ("auto", "cudnn", "im2col")
 CALL_PATHS = ("auto", "ffi", "python")
 RESIDENCY_CHECKS = ("auto", "c", "python")
+FALLBACKS = ("xla", "error")
 _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
         "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
-        "residency": "NIMBLE_RESIDENCY", "small_gemm": "NIMBLE_SMALL_GEMM"}
+        "residency": "NIMBLE_RESIDENCY", "small_gemm": "NIMBLE_SMALL_GEMM",
+        "fallback": "NIMBLE_FALLBACK"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,7 @@ class Options:
     call_path: str = "auto"
     residency: str = "auto"
     small_gemm: bool = True
+    fallback: str = "xla"
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
@@ -76,6 +85,7 @@ class Options:
             raise ValueError(f"small_gemm must be True or False, got {self.small_gemm!r} "
                              f"(environment variable NIMBLE_SMALL_GEMM=0/1 or "
                              f"nimble.jit(..., small_gemm=...))")
+        _check_choice("fallback", self.fallback, FALLBACKS)
         if self.max_streams is not None and (not isinstance(self.max_streams, int)
                                              or isinstance(self.max_streams, bool)
                                              or self.max_streams < 1):
@@ -115,6 +125,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "call_path": env.get(_ENV["call_path"], "auto"),
         "residency": env.get(_ENV["residency"], "auto"),
         "small_gemm": _flag(env.get(_ENV["small_gemm"], "1")),
+        "fallback": env.get(_ENV["fallback"], "xla"),
     }
     if base is not None:
         default = Options()

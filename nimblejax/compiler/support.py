@@ -9,7 +9,8 @@ Every primitive of JAX is in exactly one group:
   (compiler/canonicalize/), loops and conds flattened (compiler/control.py), random
   numbers expanded into threefry arithmetic (compiler/prng.py);
 - inlined: call-like primitives whose body is copied into the graph, and identities
-  (compiler/trace.py);
+  (compiler/trace.py); primitives of other libraries whose `impl` is JAX (equinox's)
+  are inlined too (trace.library_impl), but are not JAX's and not in this table;
 - not supported: NOT_SUPPORTED (compiler/unsupported.py, re-exported here), each with
   a one-line reason.
 

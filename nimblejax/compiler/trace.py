@@ -103,6 +103,15 @@ class GraphBuilder:
                 outs = control.inline_control(self, eqn, ins, src)
             elif name in prng.RANDOM_PRIMITIVES or prng.touches_keys(eqn):
                 outs = prng.expand(self, eqn, ins, src)
+            elif (impl := library_impl(eqn)) is not None:  # equinox's primitives, say
+                self.control.append(control.ControlDecision(
+                    name, src, "inlined", "a library primitive with no rule, traced "
+                    "through its implementation in JAX"))
+                body, consts = open_jaxpr(impl)
+                start = len(self.nodes)
+                outs = self.inline(body, [self.const(c) for c in consts] + ins, src)
+                # Traced here, its equations would name this file: they carry the call's line.
+                self.nodes[start:] = [dataclasses.replace(n, source=src) for n in self.nodes[start:]]
             else:
                 outs = [self.new_var(v.aval) for v in eqn.outvars]
                 self.nodes.append(Node(eqn.primitive, tuple(ins), tuple(outs),
@@ -112,6 +121,39 @@ class GraphBuilder:
                 if not _is_dropvar(v):
                     env[v] = a
         return [read(v) for v in jaxpr.outvars]
+
+
+def library_impl(eqn: Any) -> Any:
+    """The jaxpr of `eqn`'s implementation, for a primitive defined outside JAX whose
+    `impl` is written in JAX (equinox's unvmap_any, select_if_vmap, nonbatchable,
+    maybe_set...): inlined, it needs no rule of its own. None for any other primitive:
+    JAX's own (their impl, defined in jax, dispatches the primitive itself) and those
+    with effects."""
+    from nimblejax.compiler.unsupported import NOT_SUPPORTED
+
+    impl = getattr(eqn.primitive, "impl", None)
+    module = getattr(getattr(impl, "func", impl), "__module__", None) or "jax"
+    if (impl is None or module.split(".")[0] in ("jax", "jaxlib", "nimblejax")
+            or eqn.primitive.name in NOT_SUPPORTED or getattr(eqn, "effects", None)):
+        return None
+    specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
+             for v in eqn.invars]
+    try:
+        closed = jax.make_jaxpr(lambda *xs: impl(*xs, **eqn.params))(*specs)
+    except Exception:  # an impl that is not traceable JAX (a host call, a C function)
+        return None
+    if eqn.primitive.name in _primitive_names(open_jaxpr(closed)[0]):
+        return None
+    return closed
+
+
+def _primitive_names(jaxpr: Any) -> set[str]:
+    names: set[str] = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for inner in control._sub_jaxprs(eqn.params):
+            names |= _primitive_names(open_jaxpr(inner)[0])
+    return names
 
 
 def _body(eqn: Any) -> Any:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import random
 import threading
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -133,10 +133,8 @@ def _output(plan: Plan, arena: Arena, atom, args) -> np.ndarray:
     return arena.read(atom)
 
 
-def direct_runner(plan, output: str):
-    """The direct (Python) call path's runner on the interpret backend: leaves in,
-    results out as jax arrays (numpy for output="numpy"); each call takes another
-    interleaving of the streams."""
+def direct_runner(plan: Plan, output: str) -> Callable[[list], list]:
+    """api.py's direct path on the interpret backend: each call another interleaving."""
     import jax.numpy as jnp
 
     calls = iter(range(1 << 62))

@@ -22,7 +22,7 @@ import functools
 import itertools
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
+from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.plan import Plan
 from nimblejax.runtime.runner import PASSED, Runner
 
@@ -57,6 +58,12 @@ class Body:
     # Names the arena: bodies that differ only here share plans but not runners (the
     # resident path's arena holds operands between calls; nothing else may write it).
     arena: str = field(default="", compare=False)
+    # `fallback(body, operands)`: what runs where this body cannot be planned (a VJP or
+    # a batched body holding a primitive nimble cannot lower): runtime/coexec.py's
+    # partitioned evaluation. None: the planner's error is raised. `owned`: the caller
+    # (api.py) handles this body's own failure; the bodies derived from it fall back.
+    fallback: Optional[Callable] = field(default=None, compare=False)
+    owned: bool = field(default=False, compare=False)
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -66,7 +73,7 @@ class Body:
 
     def derive(self, tag: tuple, flat_fun: Callable) -> "Body":
         return Body(self.key + (tag,), flat_fun, self.plan_fn, self.make_runner, self.runners,
-                    self.plans)
+                    self.plans, fallback=self.fallback)
 
     def out_shapes(self, avals) -> list:
         return jax.eval_shape(self.flat_fun, *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
@@ -139,7 +146,7 @@ def _batched(args, dims, *, body: Body):
     moved = [a if d is None else jnp.moveaxis(a, d, 0) for a, d in zip(args, dims)]
     in_axes = tuple(None if d is None else 0 for d in dims)
     vmapped = body.derive(("vmap", in_axes, size), jax.vmap(body.flat_fun, in_axes=in_axes))
-    outs = nimble_call_p.bind(*moved, body=vmapped)
+    outs = _bind(vmapped, moved)
     return outs, [0] * len(outs)
 
 
@@ -201,22 +208,22 @@ def key_impl(x) -> Any:
     return getattr(dtype, "_impl", None) or dtype.impl  # `impl` before JAX 0.4.16
 
 
+def runner_on_key_data(run: Callable, leaves: list, out_shapes, output: str) -> Callable:
+    """The direct path's `run` (api.py) for typed PRNG key arrays: a plan takes and makes
+    their key data; key results come back as keys for output="jax", else as key data."""
+    in_impls = [key_impl(x) for x in leaves]
+    out_impls = [key_impl(s) if output == "jax" else None for s in out_shapes]
+    if all(i is None for i in in_impls + out_impls):
+        return run
+    return lambda xs: from_key_data(run(to_key_data(xs, in_impls)), out_impls)
+
+
 def to_key_data(xs, impls) -> list:
     return [x if i is None else jax.random.key_data(x) for x, i in zip(xs, impls)]
 
 
 def from_key_data(xs, impls) -> list:
     return [x if i is None else jax.random.wrap_key_data(x, impl=i) for x, i in zip(xs, impls)]
-
-
-def on_key_data_runner(run: Callable, leaves: list, out_shapes, output: str) -> Callable:
-    """A direct-path `run` for typed PRNG key arrays: a plan takes and makes their uint32
-    key data. Key results come back as keys for output="jax", as their key data otherwise."""
-    in_impls = [key_impl(x) for x in leaves]
-    out_impls = [key_impl(s) if output == "jax" else None for s in out_shapes]
-    if all(i is None for i in in_impls + out_impls):
-        return run
-    return lambda xs: from_key_data(run(to_key_data(xs, in_impls)), out_impls)
 
 
 def on_key_data(fun: Callable, in_impls: list, out_impls: list) -> Callable:
@@ -231,7 +238,7 @@ def on_key_data(fun: Callable, in_impls: list, out_impls: list) -> Callable:
 def _call(body: Body, leaves: list) -> list:
     @jax.custom_vjp
     def run(*xs):
-        return nimble_call_p.bind(*xs, body=body)
+        return _bind(body, xs)
 
     def fwd(*xs):
         return run(*xs), xs
@@ -239,12 +246,24 @@ def _call(body: Body, leaves: list) -> list:
     def bwd(xs, cts):
         differentiable = [_is_float(x) for x in xs]
         float_cts = [c for c in cts if _is_float(c)]
-        grads = iter(nimble_call_p.bind(*xs, *float_cts, body=_vjp_body(body, len(xs))))
+        grads = iter(_bind(_vjp_body(body, len(xs)), list(xs) + float_cts))
         return tuple(next(grads) if d else np.zeros(np.shape(x), jax.dtypes.float0)
                      for x, d in zip(xs, differentiable))
 
     run.defvjp(fwd, bwd)
     return run(*leaves)
+
+
+def _bind(body: Body, operands) -> list:
+    """nimble_call on `operands`, or the body's fallback where it cannot be planned (the
+    plan is made, or its error raised, when the primitive is bound)."""
+    if body.fallback is None or body.owned:
+        return nimble_call_p.bind(*operands, body=body)
+    try:
+        body.plan(tuple(jax.typeof(x) for x in operands))
+    except UnsupportedPrimitiveError:
+        return body.fallback(body, list(operands))
+    return nimble_call_p.bind(*operands, body=body)
 
 
 def _is_float(x) -> bool:

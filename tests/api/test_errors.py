@@ -17,7 +17,7 @@ def test_unsupported_primitive_names_it_and_the_user_line():
         return jax.lax.linalg.cholesky(x) * 2.0  # this line is the one reported
 
     with pytest.raises(NotImplementedError) as info:
-        nimble.jit(f, backend="interpret")(rand(r, 3, 3))
+        nimble.jit(f, backend="interpret", fallback="error")(rand(r, 3, 3))
     msg = str(info.value)
     assert "'cholesky'" in msg
     assert f"test_errors.py:{f.__code__.co_firstlineno + 1}" in msg
@@ -27,7 +27,8 @@ def test_unsupported_primitive_names_it_and_the_user_line():
 
 def test_unsupported_dtype_is_named():
     with pytest.raises(NotImplementedError, match="complex64"):
-        nimble.jit(lambda x: x * 2, backend="interpret")(rand(r, 4).astype(jnp.complex64))
+        nimble.jit(lambda x: x * 2, backend="interpret", fallback="error")(
+            rand(r, 4).astype(jnp.complex64))
 
 
 def test_non_array_argument_is_a_type_error_naming_it():
@@ -164,7 +165,7 @@ def test_unsupported_primitive_inside_a_library_names_the_users_call(tmp_path, m
 
     line = f.__code__.co_firstlineno + 1
     with pytest.raises(NotImplementedError) as e:
-        nimble.jit(f, backend="interpret")(rand(r, 3))
+        nimble.jit(f, backend="interpret", fallback="error")(rand(r, 3))
     msg = str(e.value)
     assert "fakelib_nimble.py:4" in msg and f"called from {__file__}:{line}" in msg, msg
     assert 'backend="jax"' in msg

@@ -187,10 +187,11 @@ def test_nimble_function_inside_jit_and_vmap():
 
 
 def test_rbg_keys_raise_naming_the_impl():
-    f = nimble.jit(lambda k: jax.random.bits(k, (4,)), backend="interpret")
+    f = nimble.jit(lambda k: jax.random.bits(k, (4,)), backend="interpret", fallback="error")
     with pytest.raises(NotImplementedError, match=r"'rbg'.*backend=\"jax\""):
         f(jax.random.key(1, impl="rbg"))
-    g = nimble.jit(lambda: jax.random.bits(jax.random.key(1, impl="unsafe_rbg"), (4,)), backend="interpret")
+    g = nimble.jit(lambda: jax.random.bits(jax.random.key(1, impl="unsafe_rbg"), (4,)), backend="interpret",
+                   fallback="error")
     with pytest.raises(NotImplementedError, match="unsafe_rbg"):
         g()
 

@@ -37,6 +37,7 @@ def test_two_host_devices_interpret():
     assert "data-parallel step 3 on 2 device(s), MLP 12→16→5, 8 rows per device" in out
     assert "data-parallel step 3 on 2 device(s), MLP 256→512→512→10, 64 rows per device" in out
     assert "refused at trace time" in out
+    assert "shard_map of a co-executed function" in out
 
 
 @pytest.mark.gpu
