@@ -243,7 +243,9 @@ class NimbleFunction:
                                  "(call_path='auto'); the Python path cannot donate there")
             return "python", self._call_direct
         if backend == "cuda":
-            self._library = _ffi_library(required=path == "ffi")
+            from nimblejax.runtime import ffi
+
+            self._library = ffi.load_initialized(options_mod.cache_dir(), required=path == "ffi")
             if self._library is None:
                 return "python", self._call_direct
         self._op_jit_fn = self._op_jit()
@@ -489,22 +491,3 @@ class NimbleFunction:
         jax.ShapeDtypeStruct): pass name → Stage, printed as NIMBLE_DEBUG=2 prints it."""
         leaves, _key, in_tree, statics = self._flatten(args, kwargs, abstract_ok=True)
         return trace_stages(self._flat_fun(in_tree, statics, []), [_spec(x) for x in leaves], self.options)
-
-
-def _ffi_library(required: bool):
-    """The loaded and initialized XLA FFI handler, or None (it warned why) where it
-    cannot be built or loaded; `required` turns that into an error."""
-    from nimblejax import options as opts
-    from nimblejax.runtime import ffi
-
-    library = ffi.load(opts.cache_dir())
-    if library is not None:
-        try:
-            library.init()
-        except RuntimeError as e:
-            warnings.warn(f"nimblejax: {e}; using the Python call path", stacklevel=4)
-            library = None
-    if library is None and required:
-        raise RuntimeError("call_path='ffi': the XLA FFI handler could not be built or loaded "
-                           "(see the warning above); use call_path='auto' to fall back")
-    return library

@@ -25,7 +25,7 @@ import threading
 import warnings
 from typing import Sequence
 
-__all__ = ["TARGET", "FfiLibrary", "build", "load"]
+__all__ = ["TARGET", "FfiLibrary", "build", "load", "load_initialized"]
 
 TARGET = "nimble_plan"
 """Name of the XLA custom-call target that runs a registered plan."""
@@ -381,3 +381,19 @@ def load(cache_dir: str | os.PathLike, compiler: str | None = None) -> FfiLibrar
             _loaded = True
         return _library
 
+
+def load_initialized(cache_dir: str | os.PathLike, required: bool = False) -> FfiLibrary | None:
+    """`load`, then open libcuda (`FfiLibrary.init`): the handler ready to run plans, or
+    None (after a warning) where it cannot be built, loaded or initialized; `required`
+    (call_path="ffi") turns that into a RuntimeError."""
+    library = load(cache_dir)
+    if library is not None:
+        try:
+            library.init()
+        except RuntimeError as e:
+            warnings.warn(f"nimblejax: {e}; using the Python call path", RuntimeWarning, stacklevel=5)
+            library = None
+    if library is None and required:
+        raise RuntimeError("call_path='ffi': the XLA FFI handler could not be built or loaded "
+                           "(see the warning above); use call_path='auto' to fall back")
+    return library
