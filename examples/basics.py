@@ -15,6 +15,9 @@ import jax.numpy as jnp
 import nimblejax as nimble
 
 BACKEND = "cuda" if jax.default_backend() == "gpu" else "interpret"
+# On a GPU both sides multiply float32 matrices in TF32 (JAX's default precision), with
+# different kernels summing in different orders: agreement to ~1e-3, not 1e-6.
+TOL = 5e-3 if BACKEND == "cuda" else 1e-4
 
 
 def block(x, branches):
@@ -43,7 +46,7 @@ def main() -> None:
     want = jax.jit(block)(x, branches)
     err = float(jnp.max(jnp.abs(y - want)))
     print(f"max difference from jax.jit: {err:.1e}")
-    assert err < 1e-4, err
+    assert err < TOL, err
 
     if opts.timeline:
         from nimblejax.bench.timeline import draw_timeline

@@ -12,6 +12,9 @@ import jax.numpy as jnp
 import nimblejax as nimble
 
 BACKEND = "cuda" if jax.default_backend() == "gpu" else "interpret"
+# On a GPU both sides multiply float32 matrices in TF32 (JAX's default precision), with
+# different kernels summing in different orders: agreement to ~1e-3, not 1e-6.
+TOL = 5e-3 if BACKEND == "cuda" else 1e-4
 
 
 class Block(nn.Module):
@@ -50,7 +53,7 @@ def main() -> None:
     print(f"logits {logits.shape}, max difference from jax.jit {err:.1e}")
     print(f"plan: {report.num_tasks} tasks on {report.num_streams} streams, "
           f"{report.num_events} events")
-    assert err < 1e-4
+    assert err < TOL
 
 
 if __name__ == "__main__":

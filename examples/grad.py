@@ -11,6 +11,9 @@ import jax.numpy as jnp
 import nimblejax as nimble
 
 BACKEND = "cuda" if jax.default_backend() == "gpu" else "interpret"
+# On a GPU both sides multiply float32 matrices in TF32 (JAX's default precision), with
+# different kernels summing in different orders: agreement to ~1e-3, not 1e-6.
+TOL = 5e-3 if BACKEND == "cuda" else 1e-4
 
 
 def loss(params, x, y):
@@ -34,13 +37,13 @@ def main() -> None:
               for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)))
     print(f"loss {float(value):.4f} (jax.jit {float(want_value):.4f}), "
           f"max gradient difference {err:.1e}")
-    assert abs(float(value - want_value)) < 1e-4 and err < 1e-4
+    assert abs(float(value - want_value)) < TOL and err < TOL
 
     # Per-example losses: vmap over the batch, the batched function planned as a whole.
     per_example = jax.vmap(nimble_loss, in_axes=(None, 0, 0))(params, x[:, None], y[:, None])
     want = jax.vmap(loss, in_axes=(None, 0, 0))(params, x[:, None], y[:, None])
     print("per-example losses:", per_example[:4], "...")
-    assert float(jnp.max(jnp.abs(per_example - want))) < 1e-4
+    assert float(jnp.max(jnp.abs(per_example - want))) < TOL
 
 
 if __name__ == "__main__":

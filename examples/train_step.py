@@ -14,6 +14,9 @@ import optax
 import nimblejax as nimble
 
 BACKEND = "cuda" if jax.default_backend() == "gpu" else "interpret"
+# On a GPU both sides multiply float32 matrices in TF32 (JAX's default precision), with
+# different kernels summing in different orders: agreement to ~1e-3, not 1e-6.
+TOL = 5e-3 if BACKEND == "cuda" else 1e-4
 optimizer = optax.adam(1e-2)
 
 
@@ -53,7 +56,7 @@ def main() -> None:
               for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)))
     print(f"step 1: loss {float(first):.4f} (jax.jit {float(want_loss):.4f}), "
           f"max parameter difference {err:.1e}")
-    assert err < 1e-4
+    assert err < TOL
 
     for i in range(2, opts.steps + 1):
         params, opt_state, value = train(params, opt_state, x, y)
