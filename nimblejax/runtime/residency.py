@@ -35,7 +35,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import threading
 from types import ModuleType
 from typing import Any, Callable, Optional
@@ -43,7 +42,7 @@ from typing import Any, Callable, Optional
 import jax
 
 from nimblejax.arguments import is_array_like, signature
-from nimblejax.runtime.ffi import _first_lines, _warn_once
+from nimblejax.runtime.ffi import _first_lines, _warn_once, build_into
 from nimblejax.runtime.runner import HELD, PASSED
 from jax._src.array import ArrayImpl  # the concrete jax.Array type
 
@@ -249,26 +248,8 @@ def build(cache_dir: str, compiler: Optional[str] = None) -> Optional[pathlib.Pa
         _warn_once(f"nimblejax: no Python headers (Python.h in {include}; a python3-dev package) "
                    f"to build its residency check; {_FALLBACK}.")
         return None
-    try:
-        target = build_path(cache_dir)
-        if target.is_file():
-            return target
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{_MODULE}.", suffix=".tmp", dir=target.parent)
-        os.close(fd)
-    except OSError as exc:
-        _warn_once(f"nimblejax: cannot build its residency check in {cache_dir}: {exc}; {_FALLBACK}.")
-        return None
-    tmp = pathlib.Path(tmp_name)
-    try:
-        error = _compile(cc, tmp)
-        if error is None:
-            os.replace(tmp, target)
-            return target
-    finally:
-        tmp.unlink(missing_ok=True)
-    _warn_once(f"nimblejax: building its residency check failed: {error}\n{_FALLBACK}.")
-    return None
+    return build_into(build_path(cache_dir), lambda tmp: _compile(cc, tmp), "its residency check",
+                      _FALLBACK)
 
 
 def _compile(cc: str, output: pathlib.Path) -> Optional[str]:

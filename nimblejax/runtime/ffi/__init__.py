@@ -23,7 +23,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 __all__ = ["TARGET", "FfiLibrary", "build", "load", "load_initialized"]
 
@@ -132,25 +132,37 @@ def build(cache_dir: str | os.PathLike, compiler: str | None = None) -> pathlib.
         return None
     try:
         flags = _compile_flags()
-        out_dir = _build_dir(cache_dir, _source_bytes(), flags)
-        target = out_dir / _LIB_NAME
+        target = _build_dir(cache_dir, _source_bytes(), flags) / _LIB_NAME
+    except (ImportError, AttributeError) as exc:
+        _warn_once(f"nimblejax: cannot build its XLA FFI handler: {exc}; {_FALLBACK}.")
+        return None
+    return build_into(target, lambda tmp: _run_compiler(cxx, flags, tmp), "its XLA FFI handler", _FALLBACK)
+
+
+def build_into(target: pathlib.Path, compile_to: Callable[[pathlib.Path], str | None], what: str,
+               fallback: str) -> pathlib.Path | None:
+    """`target` if it is built already, else `compile_to(a temporary file)` (an error
+    text, or None) renamed into place: two processes building at once both succeed, and
+    no one loads a half-written file. None, after one warning naming `what` and the
+    `fallback`, when the build fails."""
+    try:
         if target.is_file():
             return target
-        out_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{_LIB_NAME}.", suffix=".tmp", dir=out_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
         os.close(fd)
-    except (OSError, ImportError, AttributeError) as exc:
-        _warn_once(f"nimblejax: cannot build its XLA FFI handler in {cache_dir}: {exc}; {_FALLBACK}.")
+    except OSError as exc:
+        _warn_once(f"nimblejax: cannot build {what} in {target.parent}: {exc}; {fallback}.")
         return None
     tmp = pathlib.Path(tmp_name)
     try:
-        error = _run_compiler(cxx, flags, tmp)
+        error = compile_to(tmp)
         if error is None:
             os.replace(tmp, target)
             return target
     finally:
         tmp.unlink(missing_ok=True)
-    _warn_once(f"nimblejax: building its XLA FFI handler failed: {error}\n{_FALLBACK}.")
+    _warn_once(f"nimblejax: building {what} failed: {error}\n{fallback}.")
     return None
 
 
