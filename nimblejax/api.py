@@ -228,6 +228,11 @@ class NimbleFunction:
             if self._entry is None:
                 backend = self._resolved_backend or self._resolve_backend()
                 self._path, self._entry = self._pick_path(backend)
+                if self.options.debug >= 3:  # one line per call (calllog.py)
+                    from nimblejax import calllog
+
+                    self._direct_ok = False
+                    self._entry = calllog.logged(self, self._entry, self._path)
         return self._entry
 
     def _pick_path(self, backend: str) -> tuple[str, Callable]:

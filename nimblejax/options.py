@@ -12,7 +12,7 @@ settings never share a stale plan.
 | cudnn        | (a file search)      | whether libcudnn is found   | the plan      |
 | eager        | NIMBLE_EAGER         | launch tasks one by one     | runtime       |
 | max_streams  | NIMBLE_MAX_STREAMS   | stream cap (None: no cap)   | the plan      |
-| debug        | NIMBLE_DEBUG         | 0 / 1 / 2 (below)           | checks        |
+| debug        | NIMBLE_DEBUG         | 0 / 1 / 2 / 3 (below)       | checks        |
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
 | residency    | NIMBLE_RESIDENCY     | "auto" / "c" / "python"     | runtime       |
 | small_gemm   | NIMBLE_SMALL_GEMM    | True / False (0 turns off)  | the plan      |
@@ -26,7 +26,8 @@ kernel instead of the library call (compiler/lowering/gemm_small.py says which, 
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
 after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
-(compiler/stages.py).
+(compiler/stages.py); 3 also prints one line per call: its path, plan cache hit or miss,
+and the leaves held, fed back or passed (nimblejax/calllog.py).
 
 `residency`: which implementation of the XLA call path's residency check runs
 (runtime/residency.py): "c" the C extension built on first use, "python" the pure-Python

@@ -118,3 +118,20 @@ def test_debug_2_marks_a_scatter_that_updates_its_operand_in_place(capsys):
 def test_format_bytes_is_binary():
     assert [printing.format_bytes(n) for n in (0, 1023, 1024, 1536, 3 << 20, 5 << 30, 1 << 42)] == [
         "0 B", "1023 B", "1.0 KiB", "1.5 KiB", "3.0 MiB", "5.0 GiB", "4096.0 GiB"]
+
+
+def test_debug_3_logs_one_line_per_call(capsys):
+    """NIMBLE_DEBUG=3: each call's path, plan cache and where its leaves came from."""
+    def layer(p, x):
+        return jnp.tanh(x @ p["w"] + p["b"])
+
+    r = np.random.default_rng(0)
+    p = {"w": jnp.asarray(r.normal(size=(8, 8)), jnp.float32), "b": jnp.asarray(r.normal(size=8), jnp.float32)}
+    f = nimble.jit(layer, backend="interpret", debug=3)
+    for _ in range(3):
+        f(p, jnp.asarray(r.normal(size=(2, 8)), jnp.float32))
+    lines = [s for s in capsys.readouterr().err.splitlines() if s.startswith("nimblejax: layer call")]
+    assert len(lines) == 3
+    assert "path=xla" in lines[0] and "plan cache miss" in lines[0] and "3 passed" in lines[0]
+    assert "new record: 2 held, 0 fed back, 1 passed" in lines[1]
+    assert "steady: 2 held, 0 fed back, 1 passed" in lines[2] and "plan cache hit" in lines[2]
