@@ -128,13 +128,16 @@ def library_impl(eqn: Any) -> Any:
     `impl` is written in JAX (equinox's unvmap_any, select_if_vmap, nonbatchable,
     maybe_set...): inlined, it needs no rule of its own. None for any other primitive:
     JAX's own (their impl, defined in jax, dispatches the primitive itself) and those
-    with effects."""
+    with effects, and any primitive nimble has a lowering rule for (a rule wins over the
+    implementation: a stand-in of a newer JAX's primitive, say)."""
+    from nimblejax.compiler.lowering.registry import RULES
     from nimblejax.compiler.unsupported import NOT_SUPPORTED
 
     impl = getattr(eqn.primitive, "impl", None)
     module = getattr(getattr(impl, "func", impl), "__module__", None) or "jax"
     if (impl is None or module.split(".")[0] in ("jax", "jaxlib", "nimblejax")
-            or eqn.primitive.name in NOT_SUPPORTED or getattr(eqn, "effects", None)):
+            or eqn.primitive.name in NOT_SUPPORTED or eqn.primitive.name in RULES
+            or getattr(eqn, "effects", None)):
         return None
     specs = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
              for v in eqn.invars]
