@@ -89,12 +89,13 @@ def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] =
     Usable as ``@nimble.jit`` or ``@nimble.jit(static_argnums=...)``. ``backend`` is
     ``"cuda"`` (default where a GPU is visible), ``"interpret"`` (the CPU plan
     interpreter) or ``"jax"`` (plain jax.jit). ``output`` picks the type of returned
-    arrays on the cuda backend: ``"jax"`` (default) or ``"cupy"``.
+    arrays: ``"jax"`` (default), ``"numpy"``, or ``"cupy"`` (cuda backend only).
 
     Compiler and runtime options (``max_streams``, ``eager``, ``conv``, ``gemm``,
-    ``debug``, ``call_path``, ``residency``; see nimblejax.options) come from the
-    environment when the function is decorated, overridden by ``options=Options(...)``
-    and then by keyword arguments: ``nimble.jit(f, max_streams=1)``.
+    ``debug``, ``call_path``, ``residency``, ``small_gemm``, ``fallback``; see
+    nimblejax.options) come from the environment when the function is decorated,
+    overridden by ``options=Options(...)`` and then by keyword arguments:
+    ``nimble.jit(f, max_streams=1)``.
     """
     kwargs = dict(static_argnums=static_argnums, static_argnames=static_argnames,
                   donate_argnums=donate_argnums, backend=backend, output=output,

@@ -4,11 +4,13 @@
 dispatch does the per-call work (flattening, the signature cache, donation, asynchronous
 dispatch, result arrays) and no nimble Python runs in a steady-state call.
 
-- abstract eval: the shapes of f's outputs (jax.eval_shape, cached per signature);
-- lowering: plan f for the operand shapes (once per signature) and emit
-  - on the cuda backend, an XLA FFI custom call to runtime/ffi/handler.cc: it copies the
-    operands into the plan's arena with one copy kernel, launches the captured graph on
-    XLA's stream, and copies the results out with one copy kernel;
+- abstract eval: the shapes of f's outputs (jax.eval_shape; the plan itself is made
+  once per signature, here, so that errors name the user's line);
+- lowering: emit the runner's computation for the operand shapes:
+  - on the cuda backend, an XLA FFI custom call to runtime/ffi/handler.cc
+    (runtime/ffi_runner.py): the captured graph launched on XLA's stream, reading and
+    writing XLA's buffers in place where only generated kernels touch them
+    (runtime/inplace.py) and copying the others into and out of the plan's arena;
   - on the interpret backend, a host callback into the CPU plan interpreter (the
     callback of `jax.pure_callback`, without its copy of the operands onto a JAX device);
 - batching (vmap): the same primitive over the batched function, planned as a whole;
