@@ -148,6 +148,7 @@ class NimbleFunction:
         self._has_statics = bool(self.static_argnums or self.static_argnames)
         self._direct_ok = True  # calls may go straight to the jitted operation (_call_xla)
         self._checked = False  # a call ran the residency check
+        self._warned: set = set()  # co-execution's warnings given so far (once each)
 
     def __call__(self, *args, **kwargs):
         try:
@@ -373,7 +374,7 @@ class NimbleFunction:
         """Co-execution (runtime/coexec.py) inside this jax.jit; warns once per message."""
         from nimblejax.runtime import coexec
 
-        return coexec.run(body, leaves, self.__dict__.setdefault("_warned", set()), _warn_at_user_line)
+        return coexec.run(body, leaves, self._warned, _warn_at_user_line)
 
     def _plan_flat(self, flat_fun: Callable, specs) -> Plan:
         return compile_function(flat_fun, specs, self.options)[0]
@@ -458,8 +459,7 @@ class NimbleFunction:
     def _trace(self, leaves, in_tree, statics):
         out_tree_box: list = []
         flat_fun = self._flat_fun(in_tree, statics, out_tree_box)
-        specs = [jax.ShapeDtypeStruct(*_signature(x)[:2], weak_type=_signature(x)[2]) for x in leaves]
-        plan, out_shapes = compile_function(flat_fun, specs, self.options)
+        plan, out_shapes = compile_function(flat_fun, [_spec(x) for x in leaves], self.options)
         return plan, out_tree_box[-1], out_shapes
 
     def _compile(self, key, leaves, in_tree, statics, backend) -> Compiled:
