@@ -329,11 +329,35 @@ def bench_gemms(name: str, batch: int) -> int:
     return len(gemms(fn, *args))
 
 
-def test_bert_qkv_merge_at_batch_32_not_at_batch_1():
-    # 12 layers of (Q, K, V, two attention einsums, attn_out, ffn_in, ffn_out): at
-    # 32x128 rows the three projections share one GEMM over concatenated weights.
-    assert bench_gemms("bert", 32) == 12 * 6
+def test_bert_qkv_projections_stay_three_gemms_at_batch_1_and_32():
+    # 12 layers of (Q, K, V, two attention einsums, attn_out, ffn_in, ffn_out). At batch
+    # 32 each projection is 4096x768x768, which fills the GPU and is compute bound: a
+    # merge would save nothing and the weight concatenate costs 14 MB of traffic a call.
+    # At batch 1 (128 rows) it saves a launch and two reads of x, about 5 MB: too little.
+    assert bench_gemms("bert", 32) == 12 * 8
     assert bench_gemms("bert", 1) == 12 * 8
+
+
+def test_saving_weighs_gemm_size_against_the_concatenate():
+    # The rule on BERT's Q/K/V shapes: nothing saved at batch 32 (filled, compute bound),
+    # a launch plus two reads of x at batch 1, both below the 18 MB concatenate.
+    from nimblejax.compiler.trace import make_graph
+
+    def shapes(rows):
+        spec = [jax.ShapeDtypeStruct((rows, 768), np.float32)] + \
+            [jax.ShapeDtypeStruct((768, 768), np.float32)] * 3
+        graph, _ = make_graph(lambda x, a, b, c: (x @ a, x @ b, x @ c), spec)
+        dots = [n for n in graph.nodes if n.name == "dot_general"]
+        return [md._concat_member(d, 0) for d in dots], graph.inputs[0]
+
+    for rows, saved in ((4096, 0), (128, md.LAUNCH_BYTES + 2 * 128 * 768 * 4)):
+        ms, x = shapes(rows)
+        assert md._saving(0, ms) == saved
+        cost = md.LAUNCH_BYTES + 2 * 3 * 768 * 768 * 4
+        assert not md._worth_concatenating(0, ms, 1, {}, {})
+        # Shared by enough merges (an unrolled loop's steps) it pays at batch 1 only.
+        assert md._worth_concatenating(0, ms, 4, {}, {}) == (saved * 4 >= cost) == (rows == 128)
+    assert md.fills_gpu(1, 4096, 768) and not md.fills_gpu(1, 128, 2304)
 
 
 def test_branchy_mlp_first_layers_stay_parallel_gemms():

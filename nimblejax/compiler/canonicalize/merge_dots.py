@@ -35,12 +35,21 @@ recomputed for the next round.
 Cost, measure-free. A tiled merge is always taken: it saves k-1 launches and k-1 reads
 of S and adds nothing. A concatenated one is taken when what it saves over every merge of
 the same operand tuple (the steps of a loop) is at least what the concatenate costs per
-call, one launch plus reading and writing the O_i. A merge saves k-1 reads of S, and one
-launch rather than k-1: the k dots are independent, so the multi-stream schedule runs
-them side by side, and what the merge removes is about one launch's latency (the fork and
-join) on the path. Launches count as LAUNCH_BYTES of traffic. So the Q/K/V projections
-of BERT-base merge from about 2,400 rows of x (batch*sequence) on, a branchy MLP's first
-layers (one x, eight weights) stay parallel GEMMs at any batch, and an LSTM's four gate
+call, one launch plus reading and writing the O_i. What a merge saves depends on how
+large the member GEMMs are (`_saving`):
+- one launch's latency on the path (the fork and join: the k dots are independent, so
+  the multi-stream schedule runs them side by side anyway), unless each member fills the
+  GPU alone (batch * ceil(m/128) * ceil(n/128) tiles >= GPU_SMS): a GEMM that occupies
+  every SM hides the next launch behind its own run;
+- k-1 reads of S, where a member is memory bound (2mnk flops per byte moved below the
+  ridge, RIDGE_FLOP_PER_BYTE): a compute-bound GEMM pays for its flops, not for reading S.
+Launches count as LAUNCH_BYTES of traffic. Measured on an H100 (BERT-base at batch 32,
+BENCHMARKS.md 2026-11-25): each Q/K/V GEMM is 4096x768x768 (192 tiles, 176 flop/byte),
+and the 12 per-call weight concatenates took 176 µs of 4772: there merging saves nothing
+and the rule keeps three GEMMs. At batch 1 (128x768x768: 6 tiles, 48 flop/byte) a merge
+saves a launch and two reads of x (about 5 MB) against 18 MB for concatenating the 7 MB
+of weights each call: three GEMMs, side by side, again. A branchy MLP's first layers (one
+x, eight 256x256 weights) stay parallel GEMMs at any batch, and an LSTM's four gate
 weights merge because all of its steps share the one concatenate.
 
 Order: a round takes the concatenated merges worth it (those over a concatenate made
@@ -65,6 +74,13 @@ from nimblejax.compiler.ir import Graph, Literal, Node, Var
 # A kernel launch, counted as memory traffic: on the H100 a launch inside a CUDA graph and
 # the ramp of a small kernel cost about 1.3 µs, the time to move 4 MiB at ~3.3 TB/s.
 LAUNCH_BYTES = 4 << 20
+# A GEMM tile (cuBLASLt's usual 128x128 output tile) and the SMs of an H100 (and H200):
+# a GEMM with at least one tile per SM keeps the whole GPU busy.
+GEMM_TILE = 128
+GPU_SMS = 132
+# H100 SXM: about 495 TFLOP/s dense TF32 (JAX's float32 default) over 3.35 TB/s of HBM3.
+# A GEMM doing fewer flops per byte it moves is bound by memory.
+RIDGE_FLOP_PER_BYTE = 148
 # As fusion.MAX_DUPLICATION: a value with more consumers may be written, not inlined.
 MAX_CONSUMERS = 4
 # As fusion.VIEW_PRIMS: alone (and without `dimensions`), views of a buffer, not kernels.
@@ -388,7 +404,37 @@ def _worth_concatenating(side: int, ms, sites: int, concats: dict, consts) -> bo
     already or folds at plan time."""
     if operands(ms) in concats or all(m.source in consts for m in ms):
         return True
-    shared = ms[0].dot.inputs[side]
-    saved = sites * (LAUNCH_BYTES + (len(ms) - 1) * shared.nbytes)
     cost = LAUNCH_BYTES + 2 * sum(m.source.nbytes for m in ms)
-    return saved >= cost
+    return sites * _saving(side, ms) >= cost
+
+
+def _saving(side: int, ms) -> int:
+    """What one merge of the members saves, in bytes of traffic (module docstring): a
+    launch unless every member fills the GPU, k-1 reads of the shared operand S where
+    the members are memory bound."""
+    shared = ms[0].dot.inputs[side]
+    sizes = [_gemm_sizes(m.dot) for m in ms]
+    launch = 0 if all(fills_gpu(b, m, n) for b, m, n, _ in sizes) else LAUNCH_BYTES
+    reads = sum(shared.nbytes for m, s in zip(ms[1:], sizes[1:])
+                if not compute_bound(*s, m.dot))
+    return launch + reads
+
+
+def fills_gpu(batch: int, m: int, n: int) -> bool:
+    """Whether a GEMM has an output tile for every SM."""
+    return batch * -(-m // GEMM_TILE) * -(-n // GEMM_TILE) >= GPU_SMS
+
+
+def compute_bound(batch: int, m: int, n: int, k: int, dot: Node) -> bool:
+    """Whether a GEMM does at least RIDGE_FLOP_PER_BYTE flops per byte it reads and
+    writes (each operand once)."""
+    moved = sum(v.nbytes for v in (*dot.inputs, *dot.outputs))
+    return 2 * batch * m * n * k >= RIDGE_FLOP_PER_BYTE * moved
+
+
+def _gemm_sizes(dot: Node) -> tuple[int, int, int, int]:
+    """(batch, m, n, k) of a dot_general in any layout."""
+    lc, rc, lb, rb, lf, rf = dot_dims(dot)
+    lhs, rhs = dot.inputs
+    size = lambda x, axes: int(np.prod([x.shape[a] for a in axes], dtype=np.int64))  # noqa: E731
+    return size(lhs, lb), size(lhs, lf), size(rhs, rf), size(lhs, lc)
