@@ -7,6 +7,7 @@ Fusion (fusion.py) asks `find_epilogues` which nodes after each library GEMM
 cuBLASLt applies them (C = act(alpha * A @ B + R + bias)):
 
     dot_general → × or ÷ a scalar literal (alpha) → + bias and / or + residual → activation
+                → transpose
 
 - bias: a vector of n values added to every row of the GEMM's row-major (batch, m, n)
   output. It is found back through the reshapes and broadcast_in_dims that give it the
@@ -19,7 +20,15 @@ cuBLASLt applies them (C = act(alpha * A @ B + R + bias)):
 - activation: relu (max(x, 0)) or gelu_tanh (jax.nn.gelu(approximate=True)'s
   equations). The erf GELU (approximate=False; BERT's) is not cuBLASLt's GELU: it stays
   a kernel, after a GEMM that adds the bias.
-Reshapes of the output (views) may sit between the steps. A value inside the chain must
+- transpose: one that permutes only the result's batch, row and column axes so that the
+  GEMM can write into its buffer with a leading dimension and one batch stride
+  (canonicalize/dot.py: output_layout): the GEMM writes the transposed value, and no
+  transpose kernel runs (BERT at batch 1: the attention's p·v, written (S, H, D) for
+  the next dense layer). Where only the rows have unit stride there, the GEMM computes
+  C^T = op(B)^T op(A)^T (operands swapped), so no bias may come before it (cuBLASLt's
+  bias would run along the other axis then). No residual may come before it (cuBLASLt
+  reads R with the layout it writes), no reshape, and nothing follows it.
+Reshapes of the output (views) may sit between the other steps. A value inside the chain must
 have its next step as its only use and not be a graph output: it is never written.
 """
 from __future__ import annotations
@@ -30,9 +39,10 @@ from typing import Mapping, Optional
 
 import numpy as np
 
+from nimblejax.compiler.canonicalize.dot import MatrixLayout, output_layout
 from nimblejax.compiler.ir import Atom, Graph, Literal, Node, Var
 from nimblejax.compiler.kinds import RuleKind
-from nimblejax.compiler.lowering.gemm import gemm_sizes, is_library_gemm
+from nimblejax.compiler.lowering.gemm import gemm_sizes, is_library_gemm, with_layout
 from nimblejax.compiler.lowering.registry import rule_for
 from nimblejax.compiler.lowering.task import Epilogue, GemmCall
 
@@ -57,6 +67,7 @@ class EpilogueMatch:
     residual: Optional[Var] = None
     activation: str = "none"
     bias_add: Optional[Node] = None
+    out_layout: Optional[MatrixLayout] = None  # written through a transpose
 
     @property
     def path_edges(self) -> list[tuple[Var, Node]]:
@@ -72,13 +83,23 @@ class EpilogueMatch:
 
     @property
     def label(self) -> str:
-        return self.epilogue.label(self.alpha)
+        return "+".join(filter(None, (self.epilogue.label(self.alpha),
+                                      "transposed" * (self.out_layout is not None))))
 
     def apply(self, call: GemmCall) -> GemmCall:
         """The dot's GemmCall with this epilogue, writing the chain's last value."""
-        return replace(call, alpha=self.alpha, beta=1.0 if self.residual is not None else 0.0,
+        call = replace(call, alpha=self.alpha, beta=1.0 if self.residual is not None else 0.0,
                        epilogue=self.epilogue, c=self.output, bias=self.bias,
                        residual=self.residual)
+        layout = self.out_layout
+        if layout is None:
+            return call
+        if layout.trans:  # C^T = op(B)^T op(A)^T: the operands swapped, C^T row-major
+            call = replace(call, m=call.n, n=call.m, a=call.b, b=call.a,
+                           trans_a=not call.trans_b, trans_b=not call.trans_a,
+                           lda=call.ldb, ldb=call.lda, stride_a=call.stride_b,
+                           stride_b=call.stride_a)
+        return with_layout(call, "c", replace(layout, trans=False))
 
 
 @dataclass
@@ -131,11 +152,12 @@ class _Chain:
         self.residual: Optional[Var] = None
         self.bias_path: tuple[Node, ...] = ()
         self.bias_add: Optional[Node] = None
+        self.out_layout: Optional[MatrixLayout] = None
 
     def match(self) -> Optional[EpilogueMatch]:
         cur = written = self.dot.outputs[0]  # cur may be a view of `written`, not taken yet
         views: list[Node] = []  # reshapes since the last step: taken only if a step follows
-        while self.activation == "none":
+        while self.out_layout is None:  # nothing follows the transpose
             users = self.ctx.consumers.get(cur, [])
             if cur in self.ctx.outputs or not users:
                 break
@@ -144,7 +166,7 @@ class _Chain:
                 views.append(users[0])
                 cur = users[0].outputs[0]
                 continue
-            step = self._step(cur, users)
+            step = self._step(cur, users, bool(views))
             if step is None:
                 break
             self.taken += views + list(step)
@@ -153,18 +175,23 @@ class _Chain:
         if not self.taken:
             return None
         return EpilogueMatch(self.dot, tuple(self.taken), self.bias_path, written, self.alpha,
-                             self.bias, self.residual, self.activation, self.bias_add)
+                             self.bias, self.residual, self.activation, self.bias_add,
+                             self.out_layout)
 
-    def _step(self, cur: Var, users: list[Node]) -> Optional[tuple[Node, ...]]:
+    def _step(self, cur: Var, users: list[Node], viewed: bool) -> Optional[tuple[Node, ...]]:
         """The nodes of the next step after cur, recorded, or None."""
         if len(users) > 1:  # only an activation reads its input several times
-            gelu = _gelu_tanh(cur, self.ctx)
+            gelu = _gelu_tanh(cur, self.ctx) if self.activation == "none" else None
             if gelu is not None:
                 self.activation = "gelu_tanh"
             return gelu
         user, ctx = users[0], self.ctx
         if not (ctx.free(user) and ctx.only_use(cur, user)):
             return None
+        if self.activation != "none":  # only the transpose follows the activation
+            layout = None if viewed or user.name != "transpose" else self._written_through(user)
+            self.out_layout = layout
+            return None if layout is None else (user,)
         other = _other_operand(user, cur)
         scale = _scale(user, cur) if self.bias is None and self.residual is None else None
         if scale is not None:
@@ -176,9 +203,20 @@ class _Chain:
             self.residual = other
         elif _is_relu(user, cur):
             self.activation = "relu"
+        elif user.name == "transpose" and not viewed and (layout := self._written_through(user)):
+            self.out_layout = layout
         else:
             return None
         return (user,)
+
+    def _written_through(self, transpose: Node) -> Optional[MatrixLayout]:
+        """How the GEMM writes into `transpose`'s output, if it can (module docstring)."""
+        if self.residual is not None or any(n.name in VIEWS for n in self.taken):
+            return None
+        layout = output_layout(self.dot, tuple(int(p) for p in transpose.params["permutation"]))
+        if layout is None or (layout.trans and self.bias is not None):
+            return None
+        return layout
 
 
 def _other_operand(node: Node, cur: Var) -> Optional[Atom]:

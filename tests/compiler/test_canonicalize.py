@@ -14,7 +14,7 @@ from jax import lax
 from tests.helpers.graphs import evaluate, names, trace
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize, registry
 from nimblejax.compiler.canonicalize import conv_path as conv_mod
-from nimblejax.compiler.canonicalize.dot import gemm_layout
+from nimblejax.compiler.canonicalize.dot import gemm_layout, operand_layouts
 from nimblejax.options import Options
 
 NHWC = ("NHWC", "HWIO", "NHWC")
@@ -99,7 +99,22 @@ def test_dot_operands_are_laid_out_for_gemm():
     assert any(gemm_layout(n) is None for n in trace(fn, *args).nodes if n.name == "dot_general")
     new = check(fn, args)
     dots = [n for n in new.nodes if n.name == "dot_general"]
+    # A float GEMM reads both operands where they are, with strides: a (5, 3, 4) as three
+    # (4 x 5) matrices stored transposed (ld 12, batch stride 4), b as (6 x 5) ones.
+    assert dots and "transpose" not in names(new)
+    assert all(None not in operand_layouts(n) for n in dots)
+
+
+def test_integer_dot_operands_are_made_contiguous():
+    # The generated integer kernel reads contiguous operands in the canonical order.
+    rng = np.random.default_rng(4)
+    fn = lambda a, b: jnp.einsum("kbm,bnk->bmn", a, b)  # noqa: E731
+    args = [rng.integers(-9, 9, (5, 3, 4)).astype(np.int32),
+            rng.integers(-9, 9, (3, 6, 5)).astype(np.int32)]
+    new = check(fn, args)
+    dots = [n for n in new.nodes if n.name == "dot_general"]
     assert dots and all(gemm_layout(n) is not None for n in dots)
+    assert names(new).count("transpose") == 2
 
 
 def test_long_reduction_with_few_outputs_is_split_in_two():
@@ -158,8 +173,9 @@ def test_a_second_rewrite_for_one_primitive_is_refused():
 
 def test_the_dot_layout_runs_in_the_sweep_after_merge_dots_only():
     rng = np.random.default_rng(8)
-    fn = lambda a, b: jnp.einsum("kbm,bnk->bmn", a, b, precision="highest")  # noqa: E731
-    graph = trace(fn, rand(rng, 5, 3, 4), rand(rng, 3, 6, 5))
+    # a's free axes (0 and 2) are not one run of strides: a is transposed.
+    fn = lambda a, b: jnp.einsum("akb,kn->abn", a, b, precision="highest")  # noqa: E731
+    graph = trace(fn, rand(rng, 5, 3, 4), rand(rng, 3, 6))
     first = registry.sweep(graph.nodes, Options(), after_merge=False)
     assert first == list(graph.nodes)  # nothing of the first sweep applies
     second = registry.sweep(graph.nodes, Options(), after_merge=True)

@@ -66,7 +66,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from nimblejax.compiler.canonicalize.dot import dot_dims, gemm_layout
+from nimblejax.compiler.canonicalize.dot import dot_dims, operand_transposes
 from nimblejax.compiler.canonicalize.merge_rewrite import (Member, Merge, apply_merge,
                                                            free_axes, operands, plain_slice)
 from nimblejax.compiler.ir import Graph, Literal, Node, Var
@@ -230,14 +230,10 @@ def _inlined_everywhere(y: Var, consumers, outputs) -> bool:
 
 def _transposed_in_place(dot: Node, y: Var) -> bool:
     """canonicalize_dot will transpose every operand of `dot` that is y, keeping its
-    innermost axis (so the transpose is an elementwise kernel that can read a slice)."""
-    if gemm_layout(dot) is not None:
-        return False
-    lc, rc, lb, rb, lf, rf = dot_dims(dot)
-    perms = (lb + lf + lc, rb + rc + rf)
-    for k, a in enumerate(dot.inputs):
-        perm = perms[k]
-        if a is y and (perm == tuple(range(len(perm))) or _moves_innermost(perm)):
+    innermost axis (so the transpose is an elementwise kernel that can read a slice); an
+    operand it reads in place (contiguous or strided) is read from memory."""
+    for a, perm in zip(dot.inputs, operand_transposes(dot)):
+        if a is y and (perm is None or _moves_innermost(perm)):
             return False
     return True
 

@@ -1,14 +1,18 @@
 """dot_general → a cuBLAS GEMM record (float types), the small-M kernel (an RNN's
 recurrent GEMM: gemm_small.py says when and why) or a generated kernel (ints).
 
-Operands were put in a GEMM-ready layout before fusion (compiler/canonicalize/dot.py).
+Operands were put in a GEMM-ready layout before fusion (compiler/canonicalize/dot.py):
+contiguous for the generated kernels, read in place with a leading dimension and batch
+stride (GemmCall's lda, stride_a, ...) for library GEMMs.
 `small_gemm` is Options.small_gemm (NIMBLE_SMALL_GEMM=0 turns the small-M kernel off).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Union
 
-from nimblejax.compiler.canonicalize.dot import compute_mode, dot_dims, gemm_layout
+from nimblejax.compiler.canonicalize.dot import (MatrixLayout, compute_mode, dot_dims, dot_sizes,
+                                                gemm_layout, operand_layouts)
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
@@ -21,11 +25,8 @@ GEMM_DTYPES = frozenset({"float32", "float16", "bfloat16"})
 
 
 def gemm_sizes(node: Node) -> tuple[int, int, int, int]:
-    """(batch, m, n, k) of a canonicalized dot_general."""
-    lc, rc, lb, rb, lf, rf = dot_dims(node)
-    lhs, rhs = node.inputs
-    size = lambda x, ds: _prod(x.shape[d] for d in ds)  # noqa: E731
-    return size(lhs, lb), size(lhs, lf), size(rhs, rf), size(lhs, lc)
+    """(batch, m, n, k) of a dot_general."""
+    return dot_sizes(node)
 
 
 def is_float_gemm(node: Node) -> bool:
@@ -51,21 +52,47 @@ def is_library_gemm(node: Node, small_gemm: bool = True) -> bool:
 
 @register("dot_general", kind=RuleKind.GEMM)
 def dot_general(node: Node, small_gemm: bool = True) -> Union[GemmCall, Kernel]:
+    if is_library_gemm(node, small_gemm):
+        return library_gemm(node)
     layout = gemm_layout(node)
     if layout is None:
         raise AssertionError("dot_general must be canonicalized before lowering")
     lhs, rhs = node.inputs
-    out = node.outputs[0]
     batch, m, n, k = gemm_sizes(node)
     ta, tb = layout
     if small_gemm and is_small_m_gemm(node):
-        return small_m_matmul(out, lhs, rhs, m, n, k, ta)
-    if is_library_gemm(node, small_gemm):
-        dtype, out_dtype = dtypes.name(lhs.dtype), dtypes.name(out.dtype)
-        compute = compute_mode(node) if dtype == "float32" else "f32_from_half"
-        return GemmCall(batch, m, n, k, ta, tb, dtype, compute,
-                        out_dtype=out_dtype if out_dtype != dtype else None, a=lhs, b=rhs, c=out)
+        return small_m_matmul(node.outputs[0], lhs, rhs, m, n, k, ta)
     return naive_matmul(node, batch, m, n, k, ta, tb)
+
+
+def library_gemm(node: Node) -> GemmCall:
+    """A GemmCall reading both operands in place: contiguous where canonicalize_dot left
+    them in a GEMM-ready order, else with their strides (MatrixLayout)."""
+    lhs, rhs = node.inputs
+    out = node.outputs[0]
+    batch, m, n, k = gemm_sizes(node)
+    dtype, out_dtype = dtypes.name(lhs.dtype), dtypes.name(out.dtype)
+    compute = compute_mode(node) if dtype == "float32" else "f32_from_half"
+    call = GemmCall(batch, m, n, k, False, False, dtype, compute,
+                    out_dtype=out_dtype if out_dtype != dtype else None, a=lhs, b=rhs, c=out)
+    contiguous = gemm_layout(node)
+    if contiguous is not None:
+        return replace(call, trans_a=contiguous[0], trans_b=contiguous[1])
+    la, lb = operand_layouts(node)
+    if la is None or lb is None:
+        raise AssertionError("dot_general must be canonicalized before lowering")
+    call = replace(call, trans_a=la.trans, trans_b=lb.trans)
+    return with_layout(with_layout(call, "a", la), "b", lb)
+
+
+def with_layout(call: GemmCall, which: str, layout: MatrixLayout) -> GemmCall:
+    """`call` reading (writing) operand `which` with the layout's leading dimension and
+    batch stride, each left None where it is the contiguous one (so a contiguous call
+    is the same record as before: names and the algorithm cache do not change)."""
+    rows, cols = call.stored(which)
+    ld = None if layout.ld == cols else layout.ld
+    stride = None if call.batch == 1 or layout.stride == rows * cols else layout.stride
+    return replace(call, **{f"ld{which}": ld, f"stride_{which}": stride})
 
 
 def naive_matmul(node: Node, batch: int, m: int, n: int, k: int, ta: bool, tb: bool) -> Kernel:

@@ -1,7 +1,7 @@
 """Tasks: the unit of GPU work a plan is made of."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from nimblejax.compiler.ir import Node, Var
@@ -39,6 +39,7 @@ GEMM_DTYPES = ("float32", "float16", "bfloat16")
 GEMM_COMPUTE = {"float32": ("f32", "tf32"), "float16": ("f32_from_half",),
                 "bfloat16": ("f32_from_half",)}
 _INT32_MAX = 2**31 - 1
+_LAYOUT_FIELDS = ("lda", "ldb", "ldc", "stride_a", "stride_b", "stride_c")
 # Activations cuBLASLt applies in a GEMM's epilogue. Its GELU is the tanh approximation
 # (jax.nn.gelu(approximate=True)); the erf form is not among them.
 GEMM_ACTIVATIONS = ("none", "relu", "gelu_tanh")
@@ -79,7 +80,12 @@ class GemmCall:
     """Row-major batched GEMM: C[b] (m x n) = op(A[b]) @ op(B[b]).
 
     A[b] is stored row-major as (m, k), or (k, m) when trans_a; B[b] as (k, n), or
-    (n, k) when trans_b; C[b] is contiguous (m, n); batch entries are contiguous.
+    (n, k) when trans_b; C[b] as (m, n). Each is read (written) with a leading dimension
+    (elements from one stored row to the next) and a batch stride (elements from one
+    batch entry to the next): `lda`/`stride_a` and so on, None for a contiguous batch
+    of contiguous matrices. Strides let a GEMM read an operand, or write its result,
+    through a transpose that only permutes batch, row and column axes (BERT's attention
+    heads at batch 1: compiler/canonicalize/dot.py, compiler/epilogue.py).
     compute: 'f32' (full float32) or 'tf32' (XLA's default for float32 dots) for
     float32, 'f32_from_half' for float16/bfloat16. out_dtype: C's dtype when it
     differs from the inputs' (bf16 x bf16 -> f32). epilogue: what is added and applied
@@ -105,8 +111,30 @@ class GemmCall:
     c: Optional[Var] = field(default=None, compare=False, repr=False)
     bias: Optional[Var] = field(default=None, compare=False, repr=False)
     residual: Optional[Var] = field(default=None, compare=False, repr=False)
+    lda: Optional[int] = None
+    ldb: Optional[int] = None
+    ldc: Optional[int] = None
+    stride_a: Optional[int] = None
+    stride_b: Optional[int] = None
+    stride_c: Optional[int] = None
 
     def __post_init__(self) -> None:
+        self._check_problem()
+        self._check_layouts()
+
+    def _check_layouts(self) -> None:
+        for which in "abc":
+            rows, cols = self.stored(which)
+            ld, stride = getattr(self, f"ld{which}"), getattr(self, f"stride_{which}")
+            if ld is not None and not cols <= ld <= _INT32_MAX:
+                raise ValueError(f"GemmCall.ld{which}={ld} must be at least the stored row "
+                                 f"length {cols}")
+            if stride is not None and not 0 <= stride < 2**62:
+                raise ValueError(f"GemmCall.stride_{which}={stride} must be >= 0")
+        if self.residual is not None and (self.ldc is not None or self.stride_c is not None):
+            raise ValueError("GemmCall: a residual is read with C's contiguous layout only")
+
+    def _check_problem(self) -> None:
         for name in ("batch", "m", "n", "k"):
             if not 1 <= getattr(self, name) <= _INT32_MAX:
                 raise ValueError(f"GemmCall.{name}={getattr(self, name)} must be in [1, 2**31)")
@@ -127,8 +155,38 @@ class GemmCall:
 
     @property
     def label(self) -> str:
-        """The epilogue for reports: 'scale+bias+gelu_tanh', '' for a plain GEMM."""
-        return self.epilogue.label(self.alpha)
+        """The epilogue for reports: 'scale+bias+gelu_tanh', '' for a plain GEMM;
+        '+strided' where an operand or the result is read or written with strides."""
+        return "+".join(filter(None, (self.epilogue.label(self.alpha),
+                                      "strided" * self.strided)))
+
+    def __repr__(self) -> str:
+        """As the dataclass's, without the layout fields left contiguous (None)."""
+        shown = (f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.repr
+                 and not (f.name in _LAYOUT_FIELDS and getattr(self, f.name) is None))
+        return f"GemmCall({', '.join(shown)})"
+
+    @property
+    def strided(self) -> bool:
+        return any(getattr(self, f) is not None for f in _LAYOUT_FIELDS)
+
+    def stored(self, which: str) -> tuple[int, int]:
+        """(rows, cols) of operand 'a', 'b' or 'c' as stored row-major."""
+        return {"a": (self.k, self.m) if self.trans_a else (self.m, self.k),
+                "b": (self.n, self.k) if self.trans_b else (self.k, self.n),
+                "c": (self.m, self.n)}[which]
+
+    def layout(self, which: str) -> tuple[int, int]:
+        """(leading dimension, batch stride) of operand 'a', 'b' or 'c', in elements."""
+        rows, cols = self.stored(which)
+        ld, stride = getattr(self, f"ld{which}"), getattr(self, f"stride_{which}")
+        return (cols if ld is None else ld), (rows * cols if stride is None else stride)
+
+    def extent(self, which: str) -> int:
+        """Elements from the first to one past the last that operand `which` touches."""
+        rows, cols = self.stored(which)
+        ld, stride = self.layout(which)
+        return (self.batch - 1) * stride + (rows - 1) * ld + cols
 
     @property
     def a_shape(self) -> tuple[int, int, int]:

@@ -276,22 +276,23 @@ def column_major_gemm(call: GemmCall) -> ColumnMajorGemm:
     A row-major (r x c) buffer is, read column-major, its transpose (c x r,
     ld = c). So C's buffer is C^T (n x m, ldc = n), and we hand cuBLAS our B
     buffer as its first operand and our A buffer as its second, with the
-    original transpose flags and m/n swapped.
+    original transpose flags and m/n swapped. A row-major leading dimension (a
+    stored row's distance to the next) is the column-major one of the transpose:
+    the call's lda/ldb/ldc and batch strides carry over unchanged (GemmCall.layout).
     """
-    m, n, k = call.m, call.n, call.k
+    (lda, stride_a), (ldb, stride_b), (ldc, stride_c) = (call.layout(w) for w in "abc")
     return ColumnMajorGemm(
         trans_first=CUBLAS_OP_T if call.trans_b else CUBLAS_OP_N,
         trans_second=CUBLAS_OP_T if call.trans_a else CUBLAS_OP_N,
-        m=n,
-        n=m,
-        k=k,
-        # Leading dim = row length of the row-major stored matrix.
-        ld_first=k if call.trans_b else n,
-        ld_second=m if call.trans_a else k,
-        ldc=n,
-        stride_first=k * n,
-        stride_second=m * k,
-        stride_c=m * n,
+        m=call.n,
+        n=call.m,
+        k=call.k,
+        ld_first=ldb,
+        ld_second=lda,
+        ldc=ldc,
+        stride_first=stride_b,
+        stride_second=stride_a,
+        stride_c=stride_c,
     )
 
 
@@ -300,8 +301,8 @@ def gemm_strided_batched(
 ) -> None:
     """Enqueue C = alpha * op(A) @ op(B) + beta * C on the handle's stream.
 
-    Pointers are device addresses of contiguous row-major buffers shaped
-    call.a_shape / b_shape / c_shape. Capture-safe when the handle was
+    Pointers are device addresses of row-major buffers laid out as the call's
+    lda/ldb/ldc and batch strides say (contiguous by default). Capture-safe when the handle was
     configured before capture started.
     """
     cm = column_major_gemm(call)
