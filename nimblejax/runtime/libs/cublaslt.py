@@ -3,7 +3,8 @@
 `LtGemm` computes what `cublas.gemm_strided_batched` does, via cublasLtMatmul,
 plus the GemmCall's epilogue. Once per (GemmCall, workspace size) it takes up to
 8 candidates from cublasLtMatmulAlgoGetHeuristic (asked with the epilogue) and,
-given device buffers, times each outside any capture and keeps the fastest.
+given device buffers (for their stream and workspace), times each outside any capture
+on fresh operands filled with random values of their dtypes, and keeps the fastest.
 `run` only enqueues cublasLtMatmul with the frozen algorithm, descriptors and
 host scalars: it can be graph-captured.
 
@@ -133,6 +134,25 @@ def epilogue_code(epilogue: Epilogue) -> int:
     return code or CUBLASLT_EPILOGUE_DEFAULT
 
 
+def random_values(cupy, elements: int, dtype: str):
+    """`elements` pseudo-random values in [-1, 1) of a GEMM dtype (a uint16 array
+    holding the bits where the dtype is bfloat16, which CuPy lacks): a hash of each
+    element's index, computed by CuPy's elementwise kernels on the current stream (so
+    ordered before the timed launches on that stream; cuRAND's stream is its own)."""
+    h = cupy.arange(max(int(elements), 1), dtype=cupy.uint32)
+    for mul in (0x9E3779B1, 0x45D9F3B):  # an integer hash (multiply, xor-shift)
+        h = h * cupy.uint32(mul)
+        h ^= h >> cupy.uint32(16)
+    x = (h >> cupy.uint32(8)).astype(cupy.float32) * cupy.float32(2.0 ** -23) - cupy.float32(1.0)
+    if dtype == "float32":
+        return x
+    if dtype == "float16":
+        return x.astype(cupy.float16)
+    if dtype == "bfloat16":  # the upper half of a float32 is a bfloat16 (truncated)
+        return (x.view(cupy.uint32) >> cupy.uint32(16)).astype(cupy.uint16)
+    raise ValueError(f"no random fill for GEMM dtype {dtype!r}")
+
+
 def fastest(times_us: list[float | None]) -> int:
     """Index of the smallest time; None marks a candidate that failed."""
     valid = [(t, i) for i, t in enumerate(times_us) if t is not None]
@@ -195,10 +215,11 @@ class LtHandle:
 
 @dataclass(frozen=True)
 class GemmBuffers:
-    """Device buffers to time candidate algorithms on: C gets overwritten (many
-    times: with beta != 0 its contents are garbage afterwards). Timing runs on a
-    private stream ordered after the work already queued on `stream`; the
-    workspace must hold the LtGemm's workspace_bytes."""
+    """The buffers a GEMM will run on, given when its algorithm is chosen: the timing
+    runs on a private stream ordered after the work already queued on `stream`, with
+    this workspace (it must hold the LtGemm's workspace_bytes), on fresh operands
+    filled with random values (`LtGemm._filled`): the buffers given here are neither
+    read nor written."""
 
     a: int
     b: int
@@ -333,11 +354,36 @@ class LtGemm:
         ready.record(cupy.cuda.ExternalStream(buf.stream))
         stream.wait_event(ready)
         start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        held: list = []  # the filled operands, alive until the stream is done with them
         try:
-            return [self._time_one(cupy, handle, r.algo, buf, stream, start, end)
+            filled = self._filled(cupy, buf, stream, held)
+            return [self._time_one(cupy, handle, r.algo, filled, stream, start, end)
                     for r in results]
         finally:
             stream.synchronize()
+
+    def _filled(self, cupy, buf: GemmBuffers, stream, held: list) -> GemmBuffers:
+        """`buf` with the operands the GEMM reads moved to fresh buffers of pseudo-random
+        values of their dtypes (in [-1, 1), as XLA's autotuner fills its buffers), made
+        on `stream`. So candidates are timed on realistic values, never on uninitialized
+        memory (`compute-sanitizer --tool initcheck` stays clean), and the plan's own
+        buffers (which may hold its inputs or constants already) are left untouched."""
+        call = self.call
+        out = call.out_dtype or call.dtype
+        sizes = {"a": (call.extent("a"), call.dtype), "b": (call.extent("b"), call.dtype),
+                 "c": (call.extent("c"), out)}
+        if self.has_bias:
+            sizes["bias"] = (call.n, out)
+        if self.has_residual:
+            sizes["residual"] = (call.extent("c"), out)
+        fresh = {}
+        with stream:
+            for name, (elements, dtype) in sizes.items():
+                # C is only read where beta != 0 without a residual; filled anyway, as
+                # cheap as allocating it.
+                held.append(random_values(cupy, elements, dtype))
+                fresh[name] = held[-1].data.ptr
+        return dataclasses.replace(buf, **fresh)
 
     def _time_one(self, cupy, handle, algo, buf, stream, start, end) -> float | None:
         """Mean µs of one candidate, None if cuBLASLt refuses it or it does not

@@ -1,0 +1,129 @@
+"""cuBLASLt's algorithm timing on filled operands (runtime/libs/cublaslt.py: LtGemm._filled):
+candidates run on fresh buffers of pseudo-random values of the operands' dtypes, never
+on the plan's (possibly uninitialized) buffers, which are neither read nor written.
+CPU tests check the values and which buffers are filled; `gpu` tests run it."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from nimblejax.compiler.lowering.task import Epilogue, GemmCall
+from nimblejax.runtime.libs import cublaslt
+
+WORKSPACE_BYTES = 4 << 20
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_random_values_fill_every_element_in_range(dtype):
+    x = cublaslt.random_values(np, 4099, dtype)  # numpy has CuPy's array API used here
+    if dtype == "bfloat16":
+        assert x.dtype == np.uint16
+        x = (x.astype(np.uint32) << 16).view(np.float32)
+    values = x.astype(np.float64)
+    assert values.shape == (4099,) and np.all(np.isfinite(values))
+    assert values.min() >= -1.0 and values.max() < 1.0
+    # Spread over the range, not a constant or a short cycle.
+    assert abs(values.mean()) < 0.05 and 0.5 < values.std() < 0.65
+    assert len(np.unique(values)) > (2000 if dtype == "float32" else 200)
+    with pytest.raises(ValueError, match="int8"):
+        cublaslt.random_values(np, 4, "int8")
+
+
+@dataclass
+class _Fake:
+    """A device array as _filled sees it: its pointer, and what was asked for."""
+
+    elements: int
+    dtype: str
+    ptr: int
+
+    @property
+    def data(self):
+        return self
+
+
+def test_filled_moves_every_operand_read_to_fresh_buffers(monkeypatch):
+    made: list[_Fake] = []
+
+    def fake_random(cupy, elements, dtype):
+        made.append(_Fake(elements, dtype, 0x1000 * (len(made) + 1)))
+        return made[-1]
+
+    monkeypatch.setattr(cublaslt, "random_values", fake_random)
+    # Strided A (BERT's heads at batch 1), a bias and a residual, bf16 in, f32 out.
+    call = GemmCall(12, 128, 64, 128, False, False, "bfloat16", "f32_from_half",
+                    out_dtype="float32", beta=1.0, lda=768, stride_a=64,
+                    epilogue=Epilogue(bias=True, residual=True))
+    gemm = object.__new__(cublaslt.LtGemm)  # no library: _filled reads only these
+    gemm.call, gemm.has_bias, gemm.has_residual = call, True, True
+    buf = cublaslt.GemmBuffers(1, 2, 3, 0x77, stream=0x88, bias=4, residual=5)
+    held: list = []
+    filled = gemm._filled(None, buf, contextlib.nullcontext(), held)
+    assert held == made
+    want = {"a": (11 * 64 + 127 * 768 + 128, "bfloat16"), "b": (12 * 128 * 64, "bfloat16"),
+            "c": (12 * 128 * 64, "float32"), "bias": (64, "float32"),
+            "residual": (12 * 128 * 64, "float32")}
+    got = {name: next((m.elements, m.dtype) for m in made if m.ptr == getattr(filled, name))
+           for name in want}
+    assert got == want
+    assert (filled.workspace, filled.stream) == (0x77, 0x88)  # the plan's workspace
+    assert not {1, 2, 3, 4, 5} & {filled.a, filled.b, filled.c, filled.bias, filled.residual}
+
+
+# ---- GPU ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpu():
+    cupy = pytest.importorskip("cupy")
+    handle = cublaslt.LtHandle()
+    yield cupy, handle, cupy.empty(WORKSPACE_BYTES, dtype=cupy.uint8)
+    handle.destroy()
+
+
+@pytest.mark.gpu
+def test_timing_leaves_the_plans_buffers_untouched(gpu, monkeypatch):
+    cupy, handle, workspace = gpu
+    monkeypatch.setattr(cublaslt, "_ALGO_CACHE", {})
+    call = GemmCall(2, 64, 48, 32, False, True, "float32", "tf32", alpha=0.5, beta=1.0)
+    rng = np.random.default_rng(0)
+    a, b, c = (cupy.asarray(rng.standard_normal(n).astype(np.float32))
+               for n in (2 * 64 * 32, 2 * 48 * 32, 2 * 64 * 48))
+    before = [cupy.asnumpy(x) for x in (a, b, c)]
+    cupy.cuda.Device().synchronize()
+    buffers = cublaslt.GemmBuffers(a.data.ptr, b.data.ptr, c.data.ptr, workspace.data.ptr)
+    gemm = cublaslt.LtGemm(handle, call, WORKSPACE_BYTES, buffers=buffers)
+    try:
+        assert gemm.timings_us is not None and any(t is not None for t in gemm.timings_us)
+        cupy.cuda.Device().synchronize()
+        for x, old in zip((a, b, c), before):  # beta = 1 reads C: it was not the timed C
+            np.testing.assert_array_equal(cupy.asnumpy(x), old)
+    finally:
+        gemm.close()
+
+
+@pytest.mark.gpu
+def test_strided_heads_gemm_after_timing_matches_numpy(gpu, monkeypatch):
+    # q·kᵀ over 4 heads of a (1, 16, 4, 8) q and k, read in place (ld 32, stride 8).
+    cupy, handle, workspace = gpu
+    monkeypatch.setattr(cublaslt, "_ALGO_CACHE", {})
+    call = GemmCall(4, 16, 16, 8, False, True, "float32", "f32", lda=32, stride_a=8,
+                    ldb=32, stride_b=8)
+    rng = np.random.default_rng(1)
+    q, k = (rng.standard_normal((16, 4, 8)).astype(np.float32) for _ in range(2))
+    q_dev, k_dev = cupy.asarray(q), cupy.asarray(k)
+    c_dev = cupy.full(4 * 16 * 16, np.nan, dtype=cupy.float32)
+    cupy.cuda.Device().synchronize()
+    buffers = cublaslt.GemmBuffers(q_dev.data.ptr, k_dev.data.ptr, c_dev.data.ptr,
+                                   workspace.data.ptr)
+    gemm = cublaslt.LtGemm(handle, call, WORKSPACE_BYTES, buffers=buffers)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    try:
+        gemm.run(handle, q_dev.data.ptr, k_dev.data.ptr, c_dev.data.ptr, workspace.data.ptr,
+                 WORKSPACE_BYTES, stream.ptr)
+        stream.synchronize()
+    finally:
+        gemm.close()
+    want = np.einsum("qhd,khd->hqk", q.astype(np.float64), k.astype(np.float64))
+    np.testing.assert_allclose(cupy.asnumpy(c_dev).reshape(4, 16, 16), want, rtol=1e-4, atol=1e-4)
