@@ -166,7 +166,7 @@ class _Chain:
                 views.append(users[0])
                 cur = users[0].outputs[0]
                 continue
-            step = self._step(cur, users, bool(views))
+            step = self._step(cur, users, views)
             if step is None:
                 break
             self.taken += views + list(step)
@@ -178,8 +178,12 @@ class _Chain:
                              self.bias, self.residual, self.activation, self.bias_add,
                              self.out_layout)
 
-    def _step(self, cur: Var, users: list[Node], viewed: bool) -> Optional[tuple[Node, ...]]:
-        """The nodes of the next step after cur, recorded, or None."""
+    def _step(self, cur: Var, users: list[Node], views: list[Node]) -> Optional[tuple[Node, ...]]:
+        """The nodes of the next step after cur, recorded, or None. `views`: the
+        reshapes between the last step and cur."""
+        transpose = self._transpose_step(cur, views)
+        if transpose is not None:
+            return transpose
         if len(users) > 1:  # only an activation reads its input several times
             gelu = _gelu_tanh(cur, self.ctx) if self.activation == "none" else None
             if gelu is not None:
@@ -189,9 +193,7 @@ class _Chain:
         if not (ctx.free(user) and ctx.only_use(cur, user)):
             return None
         if self.activation != "none":  # only the transpose follows the activation
-            layout = None if viewed or user.name != "transpose" else self._written_through(user)
-            self.out_layout = layout
-            return None if layout is None else (user,)
+            return None
         other = _other_operand(user, cur)
         scale = _scale(user, cur) if self.bias is None and self.residual is None else None
         if scale is not None:
@@ -203,20 +205,48 @@ class _Chain:
             self.residual = other
         elif _is_relu(user, cur):
             self.activation = "relu"
-        elif user.name == "transpose" and not viewed and (layout := self._written_through(user)):
-            self.out_layout = layout
         else:
             return None
         return (user,)
 
-    def _written_through(self, transpose: Node) -> Optional[MatrixLayout]:
-        """How the GEMM writes into `transpose`'s output, if it can (module docstring)."""
-        if self.residual is not None or any(n.name in VIEWS for n in self.taken):
+    def _transpose_step(self, cur: Var, views: list[Node]) -> Optional[tuple[Node, ...]]:
+        """A transpose the GEMM writes through (module docstring), reached from cur
+        through views that only put in or take out axes of size 1, recorded: those views
+        and the transpose; or None."""
+        ctx, nodes, v = self.ctx, [], cur
+        while True:
+            users = ctx.consumers.get(v, [])
+            if len(users) != 1 or not (ctx.free(users[0]) and ctx.only_use(v, users[0])):
+                return None
+            if users[0].name == "transpose":
+                break
+            if not _unit_view(users[0]):
+                return None
+            nodes.append(users[0])
+            v = users[0].outputs[0]
+        transpose = users[0]
+        if self.residual is not None or not all(_unit_view(n) for n in views):
             return None
-        layout = output_layout(self.dot, tuple(int(p) for p in transpose.params["permutation"]))
+        perm = tuple(int(p) for p in transpose.params["permutation"])
+        layout = output_layout(self.dot, perm, v.shape)  # checks the views keep every axis
         if layout is None or (layout.trans and self.bias is not None):
             return None
-        return layout
+        self.out_layout = layout
+        return (*nodes, transpose)
+
+
+def _unit_view(node: Node) -> bool:
+    """A reshape, squeeze or broadcast_in_dim that only puts in or takes out axes of
+    size 1: the same values in the same order."""
+    if node.name not in ("reshape", "squeeze", "broadcast_in_dim", "expand_dims") or \
+            len(node.inputs) != 1 or not isinstance(node.inputs[0], Var):
+        return False
+    if node.name == "reshape" and node.params.get("dimensions") is not None:
+        return False
+    x, y = node.inputs[0], node.outputs[0]
+    if node.name == "broadcast_in_dim" and x.size != y.size:
+        return False
+    return [d for d in x.shape if d != 1] == [d for d in y.shape if d != 1]
 
 
 def _other_operand(node: Node, cur: Var) -> Optional[Atom]:

@@ -10,9 +10,11 @@ forms lowering expects, each rewrite registered for its primitives beside it
 - independent dots sharing an operand → one dot and free slices of its result
   (merge_dots.py: a pass over the whole graph, not a rewrite of one node), once the
   rewrites above have made their dots and slices;
-- dot_general → operands transposed into a GEMM-ready layout (dot.py), in a second
-  sweep after merge_dots, so that merged dots get their layout too and merge_dots sees
-  the dots as the user wrote them.
+- dot_general → operands transposed into a GEMM-ready layout or read in place with
+  strides (dot.py), in a second sweep after merge_dots, so that merged dots get their
+  layout too and merge_dots sees the dots as the user wrote them; before it, explicit
+  transposes feeding a dot are folded into it where the GEMM can read their input in
+  place (dot.fold_operand_transposes).
 
 (Random-number primitives and PRNG key arrays are expanded earlier, while tracing:
 compiler/prng.py.)
@@ -37,6 +39,7 @@ REWRITTEN = frozenset(name for name, rule in REWRITES.items() if rule.replaces)
 def canonicalize(graph: Graph, options: Options) -> Graph:
     first = sweep(graph.nodes, options, after_merge=False)
     merged = merge_dots(Graph(graph.inputs, graph.outputs, tuple(first), graph.consts))
+    merged = dot.fold_operand_transposes(merged)
     last = sweep(merged.nodes, options, after_merge=True)
     from nimblejax.compiler.trace import drop_dead_code
 

@@ -16,21 +16,24 @@ take (lowering/gemm_small.py, batch 1 and a few rows) keep contiguous operands i
 canonical order (batch, free, contracting) for the lhs and (batch, contracting, free)
 for the rhs. Each operand keeps its layout when it is one of the two GEMM-ready orders.
 
+A dot reading an explicit transpose reads the transpose's input in place instead, where
+it can (`fold_operand_transposes`, a pass over the graph after merge_dots).
 A dot's result can be written the same way through a transpose that reads it
 (`output_layout`: compiler/epilogue.py takes that transpose into the GEMM).
 `compute_mode` is the math a float32 dot runs in, following its precision as XLA does.
 """
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import jax
 from jax import lax
 
 from nimblejax.compiler.canonicalize.registry import rewrites
-from nimblejax.compiler.ir import Node, Var
+from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler import dtypes
 from nimblejax.options import Options
 
@@ -131,15 +134,23 @@ def operand_layouts(node: Node) -> tuple[Optional[MatrixLayout], Optional[Matrix
             matrix_layout(rhs.shape, contiguous_strides(rhs.shape), rb, rc, rf))
 
 
-def output_layout(node: Node, perm: Perm) -> Optional[MatrixLayout]:
+def output_layout(node: Node, perm: Perm, shape: Optional[Sequence[int]] = None
+                  ) -> Optional[MatrixLayout]:
     """How a GEMM writes `node`'s (batch, m, n) result into the buffer of
-    transpose(result, perm), or None; `trans` means it writes C^T (swapped operands)."""
+    transpose(value, perm), or None; `trans` means it writes C^T (swapped operands).
+    `value` is the result itself, or of `shape`: the result with axes of size 1 put in
+    or taken out (jnp.matmul's squeeze and broadcast of a batch of one)."""
     lc, rc, lb, rb, lf, rf = dot_dims(node)
     y = node.outputs[0]
-    z = contiguous_strides(tuple(y.shape[p] for p in perm))
-    strides = [0] * y.ndim
+    shape = tuple(y.shape if shape is None else shape)
+    if [d for d in shape if d != 1] != [d for d in y.shape if d != 1]:
+        return None
+    z = contiguous_strides(tuple(shape[p] for p in perm))
+    at = [0] * len(shape)
     for j, p in enumerate(perm):
-        strides[p] = z[j]
+        at[p] = z[j]
+    wide = iter(at[a] for a in range(len(shape)) if shape[a] != 1)
+    strides = [0 if d == 1 else next(wide) for d in y.shape]  # size 1: any stride does
     nb, nm = len(lb), len(lf)
     return matrix_layout(y.shape, strides, range(nb), range(nb, nb + nm), range(nb + nm, y.ndim))
 
@@ -179,6 +190,126 @@ def _strided_gemm(node: Node) -> bool:
     if not is_float_gemm(node):
         return False
     return not takes_small_m(*dot_sizes(node), False, dtypes.name(node.inputs[0].dtype))
+
+
+def fold_operand_transposes(graph: Graph) -> Graph:
+    """Dots that read an explicit transpose (`q.transpose(0, 2, 1, 3) @ k`), perhaps
+    squeezed (jnp.matmul drops a batch of one), read its input instead, with the
+    transpose composed into their dimension numbers, where a GEMM reads that input in
+    place and the dot is the transpose's only reader (the transpose is then dead code).
+    A squeeze becomes one of the input (a view). The transpose must keep the operand's
+    free axes in their order (the result's axis order would change otherwise)."""
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    consumers = graph.consumers()
+    outputs = {a for a in graph.outputs if isinstance(a, Var)}
+    nodes = []
+    for node in graph.nodes:
+        if node.name == "dot_general" and _strided_gemm(node):
+            for side in (0, 1):  # through a chain of transposes: `k.T` of a transposed k
+                while (fold := _fold_transpose(node, side, producer, consumers, outputs)) is not None:
+                    folded, dead, made = fold
+                    nodes.extend(made)
+                    producer.update((v, n) for n in made for v in n.outputs)
+                    _replace_readers(consumers, (node, *dead), (*made, folded))
+                    node = folded
+        nodes.append(node)
+    return replace(graph, nodes=tuple(nodes))
+
+
+def _replace_readers(consumers: dict, gone: tuple[Node, ...], made: tuple[Node, ...]) -> None:
+    """Keep `consumers` true after the nodes `gone` were replaced by `made`."""
+    touched = {a for n in gone + made for a in n.inputs if isinstance(a, Var)}
+    for v in touched:
+        users = [u for u in consumers.get(v, []) if all(u is not g for g in gone)]
+        consumers[v] = users + [n for n in made for a in n.inputs if a is v]
+
+
+def _fold_transpose(node: Node, side: int, producer, consumers, outputs):
+    """(the dot reading the transpose's input, the nodes left dead, the nodes made), or
+    None where operand `side` is not such a transpose or the GEMM could not read it."""
+    view = _transposed_view(node.inputs[side], node, producer, consumers, outputs)
+    if view is None:
+        return None
+    src, perm, dead, made = view
+    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+    cont, batch = ((lc, rc)[side], (lb, rb)[side])
+    free = [a for a in range(len(perm)) if a not in cont and a not in batch]
+    if any(perm[a] > perm[b] for a, b in zip(free, free[1:])):
+        return None
+    cs, bs = [list(d) for d in ((lc, rc), (lb, rb))]
+    cs[side], bs[side] = (tuple(perm[int(a)] for a in cont), tuple(perm[int(a)] for a in batch))
+    inputs = list(node.inputs)
+    inputs[side] = src
+    params = dict(node.params, dimension_numbers=(tuple(cs), tuple(bs)))
+    folded = Node(node.primitive, tuple(inputs), node.outputs, params, node.source)
+    return (folded, dead, made) if operand_layouts(folded)[side] is not None else None
+
+
+def _transposed_view(x: Var, reader: Node, producer, consumers, outputs):
+    """(src, perm, dead, made) when x is transpose(src0, ...), perhaps with axes of size
+    1 dropped after it (a squeeze, or a reshape that only drops them), read by `reader`
+    alone: x's axis j is src's axis perm[j]; `made` holds a reshape of src0 (src: a view,
+    where a squeeze is a kernel) dropping those axes, `dead` the nodes the reader no
+    longer needs. A squeeze of anything else becomes such a reshape too (perm the
+    identity)."""
+    def only_for(v: Var, user: Node) -> bool:
+        return v not in outputs and consumers.get(v) == [user] and user.inputs.count(v) == 1
+
+    p = producer.get(x)
+    if p is None or not only_for(x, reader):
+        return None
+    dropped: tuple[int, ...] = ()
+    dead = [p]
+    if p.name in ("squeeze", "reshape") and isinstance(p.inputs[0], Var) and only_for(p.inputs[0], p):
+        dropped = _dropped_unit_axes(p.inputs[0].shape, x.shape, p)
+        if dropped is None:
+            return None
+        if p.name == "squeeze" and producer.get(p.inputs[0], p).name != "transpose":
+            made = _reshape(p.inputs[0], tuple(x.shape), reader.source)
+            return made.outputs[0], tuple(range(x.ndim)), tuple(dead), (made,)
+        p = producer.get(p.inputs[0])
+        dead.append(p)
+    if p is None or p.name != "transpose" or not isinstance(p.inputs[0], Var):
+        return None
+    src, perm = p.inputs[0], tuple(int(a) for a in p.params["permutation"])
+    if not dropped:
+        return src, perm, tuple(dead), ()
+    gone = sorted(perm[d] for d in dropped)  # src's axes of size 1 that are dropped
+    kept = [perm[i] for i in range(len(perm)) if i not in dropped]
+    made = _reshape(src, tuple(d for a, d in enumerate(src.shape) if a not in gone),
+                    reader.source)
+    renumber = {a: a - sum(g < a for g in gone) for a in kept}
+    return made.outputs[0], tuple(renumber[a] for a in kept), tuple(dead), (made,)
+
+
+def _dropped_unit_axes(shape, new, node: Node) -> Optional[tuple[int, ...]]:
+    """The axes of size 1 of `shape` that leave `new` (the rest, in order), else None."""
+    if node.name == "squeeze":
+        return tuple(sorted(int(d) % len(shape) for d in node.params["dimensions"]))
+    if node.params.get("dimensions") is not None:
+        return None
+    dropped, j = [], 0
+    for i, d in enumerate(shape):
+        if j < len(new) and new[j] == d:
+            j += 1
+        elif d == 1:
+            dropped.append(i)
+        else:
+            return None
+    return tuple(dropped) if j == len(new) and dropped else None
+
+
+def _reshape(x: Var, shape: tuple[int, ...], source: str) -> Node:
+    """A reshape node of x, with this JAX's params for lax.reshape."""
+    prim, params = _reshape_eqn(tuple(x.shape), shape, str(x.dtype))
+    return Node(prim, (x,), (Var(shape, x.dtype, x.weak_type),), dict(params), source)
+
+
+@functools.lru_cache(maxsize=256)
+def _reshape_eqn(shape: tuple[int, ...], new: tuple[int, ...], dtype: str):
+    jaxpr = jax.make_jaxpr(lambda v: lax.reshape(v, new))(jax.ShapeDtypeStruct(shape, dtype))
+    (eqn,) = jaxpr.jaxpr.eqns
+    return eqn.primitive, tuple(eqn.params.items())
 
 
 @rewrites("dot_general", after_merge=True)

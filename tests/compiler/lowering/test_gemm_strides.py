@@ -291,3 +291,35 @@ def test_full_size_bert_batch_1_matches_jax_on_gpu():
     got = nimble.jit(fn, backend="cuda")(params, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(fn)(params, x)),
                                rtol=3e-2, atol=3e-2)
+
+
+def handwritten_attention(x, wq, wk, wv):
+    # Explicit head transposes, as attention is often written without einsum.
+    b, s, d = x.shape
+    q, k, v = ((x @ w).reshape(b, s, 4, d // 4).transpose(0, 2, 1, 3) for w in (wq, wk, wv))
+    p = jax.nn.softmax(q @ k.swapaxes(-1, -2) / 2.0, axis=-1)
+    return jnp.tanh((p @ v).transpose(0, 2, 1, 3).reshape(b, s, d))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("batch", [1, 2])
+def test_explicit_head_transposes_fold_into_the_gemms_at_batch_1(batch, backend):
+    rng = np.random.default_rng(7 + batch)
+    args = (rand(rng, batch, 16, 32),) + tuple(rand(rng, 32, 32) * 0.2 for _ in range(3))
+    plan = check(handwritten_attention, args, backend)
+    # Batch 1: q, k (through two transposes) and v are read in place, the output written
+    # through its transpose. Batch 2: (b, h) has two strides; q, k, v and the output
+    # are transposed, each keeping its innermost axis.
+    assert transposes(plan) == (0 if batch == 1 else 4)
+    if batch == 1:  # jnp.matmul's squeezes of the batch of one became views, too
+        assert [t.name.split("_")[1] for t in plan.tasks if t.kind == "kernel"] == ["row", "fused"]
+
+
+def test_a_transpose_read_by_another_node_is_not_folded():
+    rng = np.random.default_rng(9)
+    fn = lambda a, b: (a.T @ b, jnp.tanh(a.T))  # noqa: E731
+    plan = check(fn, (rand(rng, 6, 5), rand(rng, 6, 4)))
+    assert transposes(plan) == 1
+    fn = lambda a, b: a.T @ b  # noqa: E731
+    plan = check(fn, (rand(rng, 6, 5), rand(rng, 6, 4)))
+    assert transposes(plan) == 0 and gemm_calls(plan)[0].trans_a
