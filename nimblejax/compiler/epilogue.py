@@ -27,9 +27,10 @@ cuBLASLt applies them (C = act(alpha * A @ B + R + bias)):
   the next dense layer). Where only the rows have unit stride there, the GEMM computes
   C^T = op(B)^T op(A)^T (operands swapped), so no bias may come before it (cuBLASLt's
   bias would run along the other axis then). No residual may come before it (cuBLASLt
-  reads R with the layout it writes), no reshape, and nothing follows it.
-Reshapes of the output (views) may sit between the other steps. A value inside the chain must
-have its next step as its only use and not be a graph output: it is never written.
+  reads R with the layout it writes), only views that put in or take out axes of size 1
+  (jnp.matmul's squeeze and broadcast of a batch of one), and nothing follows it.
+Reshapes of the output (views) may sit between the other steps. A value inside the chain
+must have its next step as its only use and not be a graph output: it is never written.
 """
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ innermost axis innermost where there is one (a cheap, coalesced transpose). A ba
 two axes that are not one run (heads of (B, S, H, D) for B > 1: strides S*H*D and D)
 has no single batch stride, so such an operand is transposed.
 
-Library GEMMs only: integer dots (a generated kernel) and dots the small-M kernel may
-take (lowering/gemm_small.py, batch 1 and a few rows) keep contiguous operands in the
-canonical order (batch, free, contracting) for the lhs and (batch, contracting, free)
-for the rhs. Each operand keeps its layout when it is one of the two GEMM-ready orders.
+That is for library GEMMs only: integer dots (a generated kernel) and dots the small-M
+kernel may take (lowering/gemm_small.py, batch 1 and a few rows) get contiguous operands,
+both in the canonical order (batch, free, contracting) for the lhs and (batch,
+contracting, free) for the rhs unless both are in a GEMM-ready order already.
 
 A dot reading an explicit transpose reads the transpose's input in place instead, where
 it can (`fold_operand_transposes`, a pass over the graph after merge_dots).
@@ -162,7 +162,6 @@ def operand_transposes(node: Node) -> tuple[Optional[Perm], Optional[Perm]]:
     if gemm_layout(node) is not None:
         return None, None
     lc, rc, lb, rb, lf, rf = dot_dims(node)
-    lhs, rhs = node.inputs
     if not _strided_gemm(node):  # contiguous, in the canonical order
         return (_unless_identity(lb + lf + lc), _unless_identity(rb + rc + rf))
     in_place = operand_layouts(node)
