@@ -16,6 +16,7 @@ settings never share a stale plan.
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
 | residency    | NIMBLE_RESIDENCY     | "auto" / "c" / "python"     | runtime       |
 | small_gemm   | NIMBLE_SMALL_GEMM    | True / False (0 turns off)  | the plan      |
+| horizontal   | NIMBLE_HORIZONTAL    | True / False (0 turns off)  | the plan      |
 | fallback     | NIMBLE_FALLBACK      | "xla" / "error"             | unsupported   |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
@@ -23,6 +24,9 @@ activation as kernels (compiler/epilogue.py).
 
 `small_gemm`: small-M float GEMMs (an RNN's recurrent `h @ W_hh`) run as a generated
 kernel instead of the library call (compiler/lowering/gemm_small.py says which, and why).
+
+`horizontal`: independent small elementwise kernels of one level are packed into one
+launch (compiler/fusion_horizontal.py says which, and why).
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
 after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
@@ -61,7 +65,7 @@ FALLBACKS = ("xla", "error")
 _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
         "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
         "residency": "NIMBLE_RESIDENCY", "small_gemm": "NIMBLE_SMALL_GEMM",
-        "fallback": "NIMBLE_FALLBACK"}
+        "horizontal": "NIMBLE_HORIZONTAL", "fallback": "NIMBLE_FALLBACK"}
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class Options:
     call_path: str = "auto"
     residency: str = "auto"
     small_gemm: bool = True
+    horizontal: bool = True
     fallback: str = "xla"
 
     def __post_init__(self) -> None:
@@ -86,6 +91,10 @@ class Options:
             raise ValueError(f"small_gemm must be True or False, got {self.small_gemm!r} "
                              f"(environment variable NIMBLE_SMALL_GEMM=0/1 or "
                              f"nimble.jit(..., small_gemm=...))")
+        if not isinstance(self.horizontal, bool):
+            raise ValueError(f"horizontal must be True or False, got {self.horizontal!r} "
+                             f"(environment variable NIMBLE_HORIZONTAL=0/1 or "
+                             f"nimble.jit(..., horizontal=...))")
         _check_choice("fallback", self.fallback, FALLBACKS)
         if self.max_streams is not None and (not isinstance(self.max_streams, int)
                                              or isinstance(self.max_streams, bool)
@@ -126,6 +135,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "call_path": env.get(_ENV["call_path"], "auto"),
         "residency": env.get(_ENV["residency"], "auto"),
         "small_gemm": _flag(env.get(_ENV["small_gemm"], "1")),
+        "horizontal": _flag(env.get(_ENV["horizontal"], "1")),
         "fallback": env.get(_ENV["fallback"], "xla"),
     }
     if base is not None:

@@ -49,6 +49,8 @@ class Group:
     # A GEMM group's epilogue: its nodes follow the root (the dot), and it writes the
     # epilogue's last value instead of the root's.
     epilogue: EpilogueMatch | None = None
+    # A HORIZONTAL group's member groups (fusion_horizontal.py), each with its outputs.
+    members: tuple["Group", ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", GroupKind(self.kind))  # a string is checked
@@ -59,6 +61,8 @@ class Group:
 
     @property
     def outputs(self) -> tuple[Var, ...]:
+        if self.members:
+            return tuple(v for g in self.members for v in g.outputs)
         return (self.epilogue.output,) if self.epilogue is not None else self.root.outputs
 
 

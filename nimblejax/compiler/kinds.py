@@ -26,6 +26,7 @@ class GroupKind(StrEnum):
     GEMM = "gemm"
     CUDNN = "cudnn"
     VIEW = "view"            # reshapes of a row-major buffer: the same bytes
+    HORIZONTAL = "horizontal"  # independent FUSED groups in one launch (fusion_horizontal.py)
 
 
 class TaskKind(StrEnum):

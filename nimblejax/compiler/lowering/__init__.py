@@ -9,6 +9,7 @@ from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_in
 from nimblejax.compiler.lowering.codegen import elementwise_kernel, reduction_kernel
 from nimblejax.compiler.kinds import GroupKind, TaskKind
 from nimblejax.compiler.lowering.registry import RULES, rule_for
+from nimblejax.compiler.lowering.horizontal import horizontal_kernel
 from nimblejax.compiler.lowering.rows import row_kernel
 from nimblejax.compiler.lowering.task import ConvCall, GemmCall, Kernel, Task
 from nimblejax.compiler.lowering.transpose import transpose_kernel
@@ -30,6 +31,8 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
         fused = {**inlined, group.output: root}
         # A group that permutes its input's innermost axis: a tiled kernel, coalesced.
         kernel = transpose_kernel(group.output, fused) or elementwise_kernel(group.output, fused)
+    elif group.kind is GroupKind.HORIZONTAL:
+        kernel = horizontal_kernel(group.members)
     elif group.kind is GroupKind.REDUCTION:
         reducer = rule_for(root).fn(root.inputs[0].dtype)
         kernel = reduction_kernel(root, inlined, reducer.combine, reducer.init, reducer.acc_type)
