@@ -11,7 +11,7 @@ settings never share a stale plan.
 | conv         | NIMBLE_CONV          | "auto" / "cudnn" / "im2col" | the plan      |
 | cudnn        | (a file search)      | whether libcudnn is found   | the plan      |
 | eager        | NIMBLE_EAGER         | launch tasks one by one     | runtime       |
-| max_streams  | NIMBLE_MAX_STREAMS   | stream cap (None: no cap)   | the plan      |
+| max_streams  | NIMBLE_MAX_STREAMS   | stream cap (None: 64)       | the plan      |
 | debug        | NIMBLE_DEBUG         | 0 / 1 / 2 / 3 (below)       | checks        |
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
 | residency    | NIMBLE_RESIDENCY     | "auto" / "c" / "python"     | runtime       |
@@ -20,6 +20,9 @@ settings never share a stale plan.
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
+
+`max_streams`: None means the compiler's own cap, `STREAM_CAP` (64) in
+compiler/streams/schedule.py, which says why.
 
 `small_gemm`: small-M float GEMMs (an RNN's recurrent `h @ W_hh`) run as a generated
 kernel instead of the library call (compiler/lowering/gemm_small.py says which, and why).
