@@ -17,6 +17,7 @@ settings never share a stale plan.
 | residency    | NIMBLE_RESIDENCY     | "auto" / "c" / "python"     | runtime       |
 | small_gemm   | NIMBLE_SMALL_GEMM    | True / False (0 turns off)  | the plan      |
 | fallback     | NIMBLE_FALLBACK      | "xla" / "error"             | unsupported   |
+| loops        | NIMBLE_LOOPS         | "unroll" / "graph"          | the plan      |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
@@ -42,6 +43,12 @@ runs it with co-execution (runtime/coexec.py): nimble plans the regions it suppo
 rest stays with XLA inside the same jax.jit, with one warning naming the primitives;
 "error" raises UnsupportedPrimitiveError naming the primitive and the user's line.
 
+`loops`: "unroll" (default) unrolls scans and counter loops and turns cond into a select
+where it can, and leaves a `while` with a run-time trip count to co-execution (XLA runs
+it); "graph" keeps such a while as a WHILE task and costly conds as SWITCH tasks, whose
+bodies are plans of their own (compiler/loops.py). The CPU interpreter runs them; on the
+GPU they need CUDA conditional nodes (runtime/conditional.py).
+
 Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
 convolution: `use_cudnn` in compiler/canonicalize/conv_path.py.
 
@@ -61,10 +68,11 @@ CONV_PATHS = ("auto", "cudnn", "im2col")
 CALL_PATHS = ("auto", "ffi", "python")
 RESIDENCY_CHECKS = ("auto", "c", "python")
 FALLBACKS = ("xla", "error")
+LOOPS = ("unroll", "graph")
 _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
         "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
         "residency": "NIMBLE_RESIDENCY", "small_gemm": "NIMBLE_SMALL_GEMM",
-        "fallback": "NIMBLE_FALLBACK"}
+        "fallback": "NIMBLE_FALLBACK", "loops": "NIMBLE_LOOPS"}
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,7 @@ class Options:
     residency: str = "auto"
     small_gemm: bool = True
     fallback: str = "xla"
+    loops: str = "unroll"
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
@@ -90,6 +99,7 @@ class Options:
                              f"(environment variable NIMBLE_SMALL_GEMM=0/1 or "
                              f"nimble.jit(..., small_gemm=...))")
         _check_choice("fallback", self.fallback, FALLBACKS)
+        _check_choice("loops", self.loops, LOOPS)
         if self.max_streams is not None and (not isinstance(self.max_streams, int)
                                              or isinstance(self.max_streams, bool)
                                              or self.max_streams < 1):
@@ -130,6 +140,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "residency": env.get(_ENV["residency"], "auto"),
         "small_gemm": _flag(env.get(_ENV["small_gemm"], "1")),
         "fallback": env.get(_ENV["fallback"], "xla"),
+        "loops": env.get(_ENV["loops"], "unroll"),
     }
     if base is not None:
         default = Options()
