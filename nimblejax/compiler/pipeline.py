@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 
-from nimblejax.compiler import printing
+from nimblejax.compiler import control, printing
 from nimblejax.compiler.buffers import Buffers, analyze_buffers
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize
 from nimblejax.compiler.fusion import Group, fuse
@@ -131,7 +131,7 @@ def compile_function(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct],
                      kept: Optional[list[Stage]] = None) -> tuple[Plan, Any]:
     """Trace `fun` (flat arguments → flat outputs) at `specs` and plan it. Value ids are
     numbered from 0 for each plan. Each stage is appended to `kept` when given."""
-    with fresh_ids():
+    with fresh_ids(), control.planning(options):  # loops: compiler/control.py
         graph, out_shapes = make_graph(fun, specs)
         _after(TRACE, Program(graph, graph.control), options, kept)
         return build_plan(graph, options, kept), out_shapes
