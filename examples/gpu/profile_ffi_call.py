@@ -105,9 +105,9 @@ def training_rows() -> None:
     time, its copy kernels and the kernel nodes it re-points."""
     import benchmark_runtime as br
 
-    print("\n| training case | jax.jit looped µs | nimble looped µs | FFI handler µs | copy kernels "
-          "| nodes set | path |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| training case | jax.jit looped µs | nimble looped µs | FFI handler µs | of which: "
+          "setting nodes / copy launches / graph launch µs | copy kernels | nodes set | path |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, fn, arg_sets, feed, donate in br.cases(np.random.default_rng(0)):
         if feed is None:
             continue
@@ -115,7 +115,8 @@ def training_rows() -> None:
         f = nimble.jit(fn, backend="cuda", donate_argnums=donate)
         lj = looped_us(j, br._fresh_copies(arg_sets, donate), feed)
         looped_us(f, br._fresh_copies(arg_sets, donate), feed, calls=20, repeats=1)
-        before = {k: 0 for k in ("calls", "copy_launches", "nodes_set", "handler_ns")}
+        before = {k: 0 for k in ("calls", "copy_launches", "nodes_set", "handler_ns",
+                                 "set_nodes_ns", "copy_launch_ns", "graph_launch_ns")}
         runners = [r for r in f._runners.values() if hasattr(r, "stats")]
         def total():
             out = dict(before)
@@ -129,7 +130,8 @@ def training_rows() -> None:
         a = total()
         calls = max(a["calls"] - b["calls"], 1)
         per = {k: (a[k] - b[k]) / calls for k in a}
-        print(f"| {name} | {lj:.1f} | {ln:.1f} | {per['handler_ns'] / 1e3:.1f} | {per['copy_launches']:.1f} "
+        parts = " / ".join(f"{per[k] / 1e3:.1f}" for k in ("set_nodes_ns", "copy_launch_ns", "graph_launch_ns"))
+        print(f"| {name} | {lj:.1f} | {ln:.1f} | {per['handler_ns'] / 1e3:.1f} | {parts} | {per['copy_launches']:.1f} "
               f"| {per['nodes_set']:.1f} | {f.call_path} |", flush=True)
 
 

@@ -38,8 +38,9 @@ struct Arena {
   CUstream last_stream = nullptr;  // stream of the previous call, if any
   nimble_patch::Patches patches;   // buffers read and written in place, not copied
   // Counters for tests and profiles: calls, copy kernels launched, kernel nodes set,
-  // nanoseconds spent in the handler (host time, from lookup to the last enqueue).
-  unsigned long long stats[4] = {0, 0, 0, 0};
+  // host nanoseconds in the handler (from lookup to the last enqueue), and of those in
+  // setting kernel nodes, launching copy kernels and launching the graph.
+  unsigned long long stats[7] = {0, 0, 0, 0, 0, 0, 0};
   std::mutex mu;
   ~Arena() {
     // Safe with work pending: the driver releases the event once it is done.
@@ -195,16 +196,26 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
   }
   int failed = -1;
   arena.stats[2] += patches.dirty.size();
+  auto lap = std::chrono::steady_clock::now();
+  auto split = [&](int k) {  // adds the time since the last split to counter k
+    auto now = std::chrono::steady_clock::now();
+    arena.stats[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - lap).count();
+    lap = now;
+  };
   CUresult rc = patches.Flush(arena.graph, &failed);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuGraphExecKernelNodeSetParams", rc));
+  split(4);
   ffi::Error err = CopyBatched(arena, stream, in.dst, in.src, in.bytes);
   if (err.failure()) return err;
+  split(5);
   rc = g_drv.GraphLaunch(arena.graph, stream);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuGraphLaunch", rc));
+  split(6);
   err = CopyBatched(arena, stream, out.dst, out.src, out.bytes);
   if (err.failure()) return err;
+  split(5);
   rc = g_drv.EventRecord(arena.event, stream);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuEventRecord", rc));
@@ -399,7 +410,8 @@ NIMBLE_EXPORT int nimble_ffi_set_inplace(long long plan_id, int device, int n_no
 }
 
 // The counters of plan `plan_id`'s arena on `device` (calls, copy kernels launched,
-// kernel nodes re-pointed, handler nanoseconds), shared by its views; 0 or -1.
+// kernel nodes re-pointed, handler nanoseconds and three parts of them), shared by its
+// views; 0 or -1.
 NIMBLE_EXPORT int nimble_ffi_stats(long long plan_id, int device, unsigned long long* out) {
   std::shared_ptr<Plan> plan;
   {
@@ -409,7 +421,7 @@ NIMBLE_EXPORT int nimble_ffi_stats(long long plan_id, int device, unsigned long 
   }
   if (!plan) return -1;
   std::lock_guard<std::mutex> lock(plan->arena->mu);
-  for (int i = 0; i < 4; ++i) out[i] = plan->arena->stats[i];
+  for (int i = 0; i < 7; ++i) out[i] = plan->arena->stats[i];
   return 0;
 }
 
