@@ -18,7 +18,7 @@ settings never share a stale plan.
 | small_gemm   | NIMBLE_SMALL_GEMM    | True / False (0 turns off)  | the plan      |
 | horizontal   | NIMBLE_HORIZONTAL    | True / False (0 turns off)  | the plan      |
 | fallback     | NIMBLE_FALLBACK      | "xla" / "error"             | unsupported   |
-| loops        | NIMBLE_LOOPS         | "unroll" / "graph"          | the plan      |
+| loops        | NIMBLE_LOOPS         | "graph" / "unroll"          | the plan      |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
@@ -47,10 +47,10 @@ runs it with co-execution (runtime/coexec.py): nimble plans the regions it suppo
 rest stays with XLA inside the same jax.jit, with one warning naming the primitives;
 "error" raises UnsupportedPrimitiveError naming the primitive and the user's line.
 
-`loops`: "unroll" (default) unrolls scans and counter loops and turns cond into a select
-where it can, and leaves a `while` with a run-time trip count to co-execution (XLA runs
-it); "graph" keeps such a while as a WHILE task and costly conds as SWITCH tasks, whose
-bodies are plans of their own (compiler/loops.py). The CPU interpreter runs them; on the
+`loops`: "graph" (default) keeps a `while` with a run-time trip count, and a scan too
+long to unroll, as a WHILE task and costly conds as SWITCH tasks, whose bodies are plans
+of their own (compiler/loops.py); "unroll" unrolls scans and counter loops and turns
+cond into a select where it can, and leaves the rest to co-execution (XLA runs it). The CPU interpreter runs them; on the
 GPU they need CUDA conditional nodes (runtime/conditional.py).
 
 Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
@@ -92,7 +92,7 @@ class Options:
     small_gemm: bool = True
     horizontal: bool = True
     fallback: str = "xla"
-    loops: str = "unroll"
+    loops: str = "graph"
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
@@ -150,7 +150,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "small_gemm": _flag(env.get(_ENV["small_gemm"], "1")),
         "horizontal": _flag(env.get(_ENV["horizontal"], "1")),
         "fallback": env.get(_ENV["fallback"], "xla"),
-        "loops": env.get(_ENV["loops"], "unroll"),
+        "loops": env.get(_ENV["loops"], "graph"),
     }
     if base is not None:
         default = Options()

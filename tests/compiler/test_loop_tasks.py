@@ -140,19 +140,26 @@ def test_swapped_passed_constant_and_reshaped_carries(n):
         assert passed or step.storage.get(out, out) not in step.graph.inputs
 
 
-def test_default_loops_unroll_keeps_co_execution_for_a_run_time_while():
+def test_loops_unroll_keeps_co_execution_for_a_run_time_while():
     x, n = rand(np.random.default_rng(4), 5, 3), np.int32(3)
     with pytest.raises(NotImplementedError, match="'while'.*not static"):
-        nimble.jit(doubling, backend="interpret", fallback="error")(x, n)
-    np.testing.assert_allclose(nimble.jit(doubling, backend="interpret")(x, n),
+        nimble.jit(doubling, backend="interpret", fallback="error", loops="unroll")(x, n)
+    np.testing.assert_allclose(nimble.jit(doubling, backend="interpret", loops="unroll")(x, n),
+                               jax.jit(doubling)(x, n), rtol=1e-5, atol=1e-5)
+
+
+def test_loops_graph_is_the_default():
+    assert nimble.jit(doubling).options.loops == "graph"
+    x, n = rand(np.random.default_rng(4), 5, 3), np.int32(3)
+    np.testing.assert_allclose(nimble.jit(doubling, backend="interpret", fallback="error")(x, n),
                                jax.jit(doubling)(x, n), rtol=1e-5, atol=1e-5)
 
 
 def test_loops_option_is_checked_and_read_from_the_environment(monkeypatch):
     with pytest.raises(ValueError, match="loops"):
         nimble.jit(doubling, loops="sometimes")
-    monkeypatch.setenv("NIMBLE_LOOPS", "graph")
-    assert nimble.jit(doubling).options.loops == "graph"
+    monkeypatch.setenv("NIMBLE_LOOPS", "unroll")
+    assert nimble.jit(doubling).options.loops == "unroll"
 
 
 def test_step_plan_keeps_the_stream_cap_of_the_options():
