@@ -117,11 +117,12 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
                     continue
             gid = None if read or node in ep.copies else row_output_target(
                 node, users, consumers, owner, roots, rows, row_outputs, order)
-            d = 1 + max((depth[u] for u in users if gid in owner.get(u, ())), default=0)
-            if gid is not None and d <= MAX_INLINE_DEPTH:  # its row kernel writes it too
-                owner[node], depth[node] = frozenset([gid]), d
-                row_outputs.setdefault(gid, []).append(node)
-                continue
+            if gid is not None:  # its row kernel writes it too
+                d = 1 + max(depth[u] for u in users if gid in owner.get(u, ()))
+                if d <= MAX_INLINE_DEPTH:
+                    owner[node], depth[node] = frozenset([gid]), d
+                    row_outputs.setdefault(gid, []).append(node)
+                    continue
         elif rule_for(node).kind is RuleKind.REDUCTION:
             gid = row_target(node, consumers, outputs, owner, roots, rows, row_outputs)
             if gid is not None:  # one reduction of its consumers' row kernel

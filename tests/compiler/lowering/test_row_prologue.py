@@ -274,6 +274,16 @@ def test_pre_ln_encoder_writes_its_residual_stream_from_the_layer_norms(gemm, wr
     check_numbers(fn, *args, gemm=gemm)
 
 
+def test_explain_shows_the_prologue_and_both_outputs():
+    args = ln_args(2048, 512)
+    report = nimble.explain(ln_and_residual, *args)
+    (line,) = [ln for ln in str(report).splitlines() if "nimble_row_" in ln]
+    assert "nimble_row_add_layernorm_f32_" in line
+    written = line.split("<-")[0]
+    assert written.count("f32[2048, 512]@") == 2, line  # the LayerNorm and the sum
+    assert report.num_tasks == 1
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_interpreter_matches_jax(name):
     fn, make = CASES[name]
