@@ -301,6 +301,56 @@ def test_two_outputs_per_row_kernel_where_the_value_is_an_output():
         assert len(row.outputs) == n, name
 
 
+# ---- random programs ------------------------------------------------------------------------
+PROLOGUES = {
+    "add": lambda x, y: x + y,
+    "scale_add": lambda x, y: x * 0.5 + y,
+    "sub_tanh": lambda x, y: jnp.tanh(x - y),
+    "bias_row": lambda x, y: x + y[0],  # a broadcast row (a bias)
+}
+NORMS = {
+    "softmax": lambda h, g: jax.nn.softmax(h, axis=-1),
+    "log_softmax": lambda h, g: jax.nn.log_softmax(h, axis=-1),
+    "layer_norm": lambda h, g: layer_norm(h, g, -g),
+    "rms_norm": lambda h, g: h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + 1e-6) * g,
+    "logsumexp": lambda h, g: jax.nn.logsumexp(h, axis=-1),
+}
+READERS = {  # what else reads the prologue's value h
+    "none": lambda h, w: (),
+    "output": lambda h, w: (h,),
+    "gemm": lambda h, w: (h @ w,),
+    "elementwise": lambda h, w: (jnp.exp(-h * h),),
+    "feeds_back": None,  # h + cumsum(h) is the row input: no cycle allowed
+}
+
+
+def random_program(k: int):
+    rng = np.random.default_rng(1000 + k)
+    pro, norm, reader = (sorted(d)[rng.integers(len(d))] for d in (PROLOGUES, NORMS, READERS))
+    rows, n = [(7, 33), (16, 64), (40, 128), (5, 300)][rng.integers(4)]
+
+    def f(x, y, g, w):
+        h = PROLOGUES[pro](x, y)
+        if reader == "feeds_back":
+            return NORMS[norm](h + jnp.cumsum(h, axis=-1), g), h
+        return (NORMS[norm](h, g), *READERS[reader](h, w))
+    args = (rand(rng, rows, n, scale=2.0), rand(rng, rows, n), rand(rng, n), rand(rng, n, 8, scale=0.3))
+    return f, args, (pro, norm, reader)
+
+
+@pytest.mark.parametrize("k", range(24))
+def test_random_programs_match_jax(k):
+    fn, args, (pro, norm, reader) = random_program(k)
+    plan = plan_of(fn, *args)
+    (row,) = row_groups(plan)
+    if reader in ("output", "gemm"):  # a value written anyway: the row kernel writes it
+        assert len(row.outputs) == 2, (pro, norm, reader)
+    if reader == "feeds_back":
+        assert not row.row_outputs
+    check_numbers(fn, *args)
+    check_emulated(fn, *args)
+
+
 # ---- the kernels themselves, run on the CPU ---------------------------------------------------
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_emulated_kernels_match_jax(name):
@@ -323,8 +373,11 @@ def sources() -> dict[str, str]:
         for t in plan_of(fn, *make()).tasks:
             if t.name.startswith("nimble_row_"):
                 found[t.name] = t.kernel.source
-    for t in plan_of(ln_and_residual, *ln_args(2, 12000)).tasks:
-        found[t.name] = t.kernel.source
+    programs = [(ln_and_residual, ln_args(2, 12000))] + [random_program(k)[:2] for k in range(24)]
+    for fn, args in programs:
+        for t in plan_of(fn, *args).tasks:
+            if t.name.startswith("nimble_row_"):
+                found[t.name] = t.kernel.source
     return found
 
 
