@@ -53,7 +53,7 @@ MIN_ROWS = 128
 SMALL_WORK = 1 << 18  # elements of the longest pass, all rows together
 # Values a row kernel writes besides its result (row_output_target).
 MAX_ROW_OUTPUTS = 4
-# Nodes the cycle check (_reaches) visits before it gives up and refuses.
+# Steps the cycle check (_comes_back) takes before it gives up and refuses.
 MAX_REACH = 1 << 14
 
 
@@ -213,10 +213,10 @@ def row_output_target(node: Node, users: list[Node], consumers: Mapping[Var, lis
     or is a graph output), or None. `users`: its readers, all placed; `order`: each
     node's position in the graph.
 
-    The group must read the value itself, and no other reader may be a step on the way
-    to the group: the group would wait for a kernel that waits for it (pre-LN's `h`
-    feeds the next block's LayerNorm through this block's attention: only this block's
-    LayerNorm, the first reader, may write it)."""
+    The group must read the value itself, and no other kernel that reads it may be a
+    step on the way to the group: the group would wait for a kernel that waits for it
+    (pre-LN's `h` feeds the next block's LayerNorm through this block's attention: only
+    this block's LayerNorm, the first reader, may write it)."""
     out = node.outputs[0]
     if node.name not in SAME_INDEX or len(node.outputs) != 1 or out.size == 0:
         return None
@@ -224,30 +224,31 @@ def row_output_target(node: Node, users: list[Node], consumers: Mapping[Var, lis
     for gid in sorted(candidates, reverse=True):  # the one rooted earliest first
         if out.size % rows[gid] or len(written.get(gid, ())) >= MAX_ROW_OUTPUTS:
             continue
-        others = [u for u in users if gid not in owner.get(u, ())]
-        if not _reaches(others, gid, consumers, owner, order, order[roots[gid]]):
+        if not _comes_back(out, gid, consumers, owner, order, order[roots[gid]]):
             return gid
     return None
 
 
-def _reaches(starts: list[Node], gid: int, consumers, owner, order: Mapping[Node, int],
-             last: int) -> bool:
-    """Whether a node of group `gid` reads, directly or not, what `starts` compute. Only
-    nodes up to position `last` (the group's root) can be its; past MAX_REACH nodes the
-    answer is yes (refusing is always safe)."""
-    seen = set(starts)
-    todo = list(starts)
+def _comes_back(value: Var, gid: int, consumers, owner, order: Mapping[Node, int],
+                last: int) -> bool:
+    """Whether a path of readers from `value` leaves group `gid` (a node of another
+    group: that kernel reads `value`, or computes from what does) and then reaches the
+    group again. Only nodes up to position `last` (the group's root) can be the group's;
+    past MAX_REACH steps the answer is yes (refusing is always safe)."""
+    seen: set[tuple[Node, bool]] = set()
+    todo = [(u, False) for u in consumers.get(value, [])]
     while todo:
-        n = todo.pop()
-        if gid in owner.get(n, ()):
+        n, left = todo.pop()
+        inside = gid in owner.get(n, ())
+        if left and inside:
             return True
+        if (n, left or not inside) in seen:
+            continue
+        seen.add((n, left or not inside))
         if len(seen) > MAX_REACH:
             return True
-        for v in n.outputs:
-            for u in consumers.get(v, []):
-                if u not in seen and order[u] <= last:
-                    seen.add(u)
-                    todo.append(u)
+        todo += [(u, left or not inside) for v in n.outputs for u in consumers.get(v, [])
+                 if order[u] <= last]
     return False
 
 

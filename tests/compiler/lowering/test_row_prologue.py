@@ -207,6 +207,21 @@ def test_no_cycle_when_another_reader_feeds_the_row_group():
     check_numbers(f, *args)
 
 
+def test_no_cycle_through_a_reader_recomputed_in_the_row_group_and_elsewhere():
+    """u = 2h is recomputed in the LayerNorm's kernel and in tanh(u)'s, whose GEMM the
+    LayerNorm reads: writing h from the LayerNorm would make tanh(u)'s kernel wait for it
+    (a flax encoder's Adam step had this shape: the forward LayerNorm's mean)."""
+    def f(x, y, g, b, w):
+        h = x + y
+        u = h * 2.0
+        return layer_norm(u + jnp.tanh(u) @ w, g, b), h
+    args = ln_args(16, 48) + (rand(r, 48, 48, scale=0.2),)
+    plan = plan_of(f, *args)
+    (row,) = row_groups(plan)
+    assert not row.row_outputs
+    check_numbers(f, *args)
+
+
 def test_a_reduction_above_a_written_value_does_not_join():
     """z = x - max(x) is written (an output) by the softmax's kernel in its first pass;
     the max it depends on must then be a kernel of its own, not one of the passes."""
