@@ -40,7 +40,7 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
         reducer = rule_for(root).fn(root.inputs[0].dtype)
         kernel = reduction_kernel(root, inlined, reducer.combine, reducer.init, reducer.acc_type)
     elif group.kind is GroupKind.ROW:
-        kernel = row_kernel(root, group.nodes)
+        kernel = row_kernel(root, group.nodes, group.row_outputs)
     elif group.kind is GroupKind.CUDNN:
         call = rule_for(root).fn(root)
         name = f"cudnn_conv_{call.x.shape[1]}x{call.x.shape[2]}x{call.x.shape[3]}_k{call.w.shape[1]}"
