@@ -38,7 +38,9 @@ class Report:
         p = self.plan
         lines = [f"nimblejax plan: {len(p.graph.nodes)} equations → {self.num_tasks} tasks "
                  f"(+{len(p.views)} views)"]
-        lines += [self.task_line(t) for t in p.tasks]
+        for t in p.tasks:
+            lines.append(self.task_line(t))
+            lines += _nested(t)
         if p.control:  # loops and conds flattened at trace time (compiler/control.py)
             lines.append("control flow:")
             lines += [f"  {d}" for d in p.control]
@@ -48,6 +50,20 @@ class Report:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+
+def _nested(task) -> list[str]:
+    """A WHILE or SWITCH task's sub-plans (compiler/loops.py), indented under its line."""
+    if task.control is None:
+        return []
+    plans = getattr(task.control, "branches", None)
+    named = ([(f"branch {k}", b) for k, b in enumerate(plans)] if plans is not None
+             else [("step (body, then the condition on the next carry)", task.control.step)])
+    lines = [f"      {task.control}"]
+    for name, plan in named:
+        lines.append(f"      {name}:")
+        lines += [f"        {line}" for line in str(Report(plan)).splitlines()]
+    return lines
 
 
 class CoexecReport:

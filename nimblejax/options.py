@@ -11,18 +11,26 @@ settings never share a stale plan.
 | conv         | NIMBLE_CONV          | "auto" / "cudnn" / "im2col" | the plan      |
 | cudnn        | (a file search)      | whether libcudnn is found   | the plan      |
 | eager        | NIMBLE_EAGER         | launch tasks one by one     | runtime       |
-| max_streams  | NIMBLE_MAX_STREAMS   | stream cap (None: no cap)   | the plan      |
+| max_streams  | NIMBLE_MAX_STREAMS   | stream cap (None: 64)       | the plan      |
 | debug        | NIMBLE_DEBUG         | 0 / 1 / 2 / 3 (below)       | checks        |
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
 | residency    | NIMBLE_RESIDENCY     | "auto" / "c" / "python"     | runtime       |
 | small_gemm   | NIMBLE_SMALL_GEMM    | True / False (0 turns off)  | the plan      |
+| horizontal   | NIMBLE_HORIZONTAL    | True / False (0 turns off)  | the plan      |
 | fallback     | NIMBLE_FALLBACK      | "xla" / "error"             | unsupported   |
+| loops        | NIMBLE_LOOPS         | "graph" / "unroll"          | the plan      |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
 
+`max_streams`: None means the compiler's own cap, `STREAM_CAP` (64) in
+compiler/streams/schedule.py, which says why.
+
 `small_gemm`: small-M float GEMMs (an RNN's recurrent `h @ W_hh`) run as a generated
 kernel instead of the library call (compiler/lowering/gemm_small.py says which, and why).
+
+`horizontal`: independent small elementwise kernels of one level are packed into one
+launch (compiler/fusion_horizontal.py says which, and why).
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
 after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
@@ -38,6 +46,12 @@ decide alike; "python" is for debugging and for machines without a C compiler.
 runs it with co-execution (runtime/coexec.py): nimble plans the regions it supports, the
 rest stays with XLA inside the same jax.jit, with one warning naming the primitives;
 "error" raises UnsupportedPrimitiveError naming the primitive and the user's line.
+
+`loops`: "graph" (default) keeps a `while` with a run-time trip count, and a scan too
+long to unroll, as a WHILE task and costly conds as SWITCH tasks, whose bodies are plans
+of their own (compiler/loops.py); "unroll" unrolls scans and counter loops and turns
+cond into a select where it can, and leaves the rest to co-execution (XLA runs it). The CPU interpreter runs them; on the
+GPU they need CUDA conditional nodes (runtime/conditional.py).
 
 Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
 convolution: `use_cudnn` in compiler/canonicalize/conv_path.py.
@@ -58,10 +72,11 @@ CONV_PATHS = ("auto", "cudnn", "im2col")
 CALL_PATHS = ("auto", "ffi", "python")
 RESIDENCY_CHECKS = ("auto", "c", "python")
 FALLBACKS = ("xla", "error")
+LOOPS = ("unroll", "graph")
 _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
         "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
         "residency": "NIMBLE_RESIDENCY", "small_gemm": "NIMBLE_SMALL_GEMM",
-        "fallback": "NIMBLE_FALLBACK"}
+        "horizontal": "NIMBLE_HORIZONTAL", "fallback": "NIMBLE_FALLBACK", "loops": "NIMBLE_LOOPS"}
 
 
 @dataclass(frozen=True)
@@ -75,7 +90,9 @@ class Options:
     call_path: str = "auto"
     residency: str = "auto"
     small_gemm: bool = True
+    horizontal: bool = True
     fallback: str = "xla"
+    loops: str = "graph"
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
@@ -86,7 +103,12 @@ class Options:
             raise ValueError(f"small_gemm must be True or False, got {self.small_gemm!r} "
                              f"(environment variable NIMBLE_SMALL_GEMM=0/1 or "
                              f"nimble.jit(..., small_gemm=...))")
+        if not isinstance(self.horizontal, bool):
+            raise ValueError(f"horizontal must be True or False, got {self.horizontal!r} "
+                             f"(environment variable NIMBLE_HORIZONTAL=0/1 or "
+                             f"nimble.jit(..., horizontal=...))")
         _check_choice("fallback", self.fallback, FALLBACKS)
+        _check_choice("loops", self.loops, LOOPS)
         if self.max_streams is not None and (not isinstance(self.max_streams, int)
                                              or isinstance(self.max_streams, bool)
                                              or self.max_streams < 1):
@@ -126,7 +148,9 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "call_path": env.get(_ENV["call_path"], "auto"),
         "residency": env.get(_ENV["residency"], "auto"),
         "small_gemm": _flag(env.get(_ENV["small_gemm"], "1")),
+        "horizontal": _flag(env.get(_ENV["horizontal"], "1")),
         "fallback": env.get(_ENV["fallback"], "xla"),
+        "loops": env.get(_ENV["loops"], "graph"),
     }
     if base is not None:
         default = Options()

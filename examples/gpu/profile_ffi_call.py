@@ -41,14 +41,42 @@ def frames_per_call(f, args, calls=10) -> dict:
     return {k: v / calls for k, v in sorted(seen.items(), key=lambda kv: -kv[1])[:6]}
 
 
+def handler_counters(f) -> "tuple[int, int] | None":
+    """(calls, host ns) the FFI handler counted over f's arenas so far; None without one."""
+    from nimblejax.runtime.ffi_runner import FfiRunner
+
+    calls = ns = 0
+    found = False
+    for runner in f._runners.values():
+        if isinstance(runner, FfiRunner):
+            for ordinal in runner.exes:
+                s = runner.stats(ordinal)
+                calls, ns, found = calls + s["calls"], ns + s["handler_ns"], True
+    return (calls, ns) if found else None
+
+
+def wrapper_alone_us(f, xs) -> float:
+    """nimble's Python per steady-state call with the jitted call replaced by one that
+    returns the last results: flatten, the residency check, unflatten."""
+    record = f._resident
+    if record is None or f._entry == f._op_jit_fn:
+        return 0.0
+    fn, outs = record.fn, record.outs
+    record.fn = lambda *a: outs
+    try:
+        return looped_us(f, xs)
+    finally:
+        record.fn = fn
+
+
 def main() -> None:
     require_gpu(__file__)
     rng = np.random.default_rng(0)
     from nimblejax.bench.timing import nimble_gpu_us
 
     print("| leaves | jax.jit looped µs | nimble looped µs | of which the jitted call µs "
-          "| so nimble's Python µs | nimble GPU µs (graph) |")
-    print("|---|---|---|---|---|---|")
+          "| so nimble's Python µs | the wrapper alone µs | the FFI handler µs | nimble GPU µs (graph) |")
+    print("|---|---|---|---|---|---|---|---|")
     for n in (0, 1, 8, 32, 96):
         params = [jnp.asarray(rng.standard_normal(64), jnp.float32) for _ in range(n)]
         xs = [(params, jnp.asarray(rng.standard_normal(64), jnp.float32)) for _ in range(16)]
@@ -60,12 +88,51 @@ def main() -> None:
             passed = [[jax.tree_util.tree_leaves(a)[i] for i in f._resident.passed] for a in xs]
         else:  # few leaves or nothing resident: f is its jitted operation (api.py)
             inner, passed = f._op_jit_fn, [list(a) for a in xs]
-        lj, ln = looped_us(j, xs), looped_us(f, xs)
+        lj, before = looped_us(j, xs), handler_counters(f)
+        ln = looped_us(f, xs)
+        after = handler_counters(f)
         li = looped_us(inner, [tuple(p) for p in passed])
-        print(f"| {n} | {lj:.1f} | {ln:.1f} | {li:.1f} | {ln - li:.1f} | {nimble_gpu_us(f):.1f} |",
-              flush=True)
+        handler = ((after[1] - before[1]) / 1e3 / max(after[0] - before[0], 1)) if after else float("nan")
+        print(f"| {n} | {lj:.1f} | {ln:.1f} | {li:.1f} | {ln - li:.1f} | {wrapper_alone_us(f, xs):.1f} "
+              f"| {handler:.1f} | {nimble_gpu_us(f):.1f} |", flush=True)
+    training_rows()
     print("Python frames per steady-state call (nimble, 96 leaves):", frames_per_call(f, xs[0]))
     print("Python frames per steady-state call (jax.jit, 96 leaves):", frames_per_call(j, xs[0]))
+
+
+def training_rows() -> None:
+    """The fed-back training cases of benchmark_runtime.py: per call, the handler's host
+    time, its copy kernels and the kernel nodes it re-points."""
+    import benchmark_runtime as br
+
+    print("\n| training case | jax.jit looped µs | nimble looped µs | FFI handler µs | of which: "
+          "setting nodes / copy launches / graph launch µs | copy kernels | nodes set | path |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, fn, arg_sets, feed, donate in br.cases(np.random.default_rng(0)):
+        if feed is None:
+            continue
+        j = jax.jit(fn, donate_argnums=donate)
+        f = nimble.jit(fn, backend="cuda", donate_argnums=donate)
+        lj = looped_us(j, br._fresh_copies(arg_sets, donate), feed)
+        looped_us(f, br._fresh_copies(arg_sets, donate), feed, calls=20, repeats=1)
+        before = {k: 0 for k in ("calls", "copy_launches", "nodes_set", "handler_ns",
+                                 "set_nodes_ns", "copy_launch_ns", "graph_launch_ns")}
+        runners = [r for r in f._runners.values() if hasattr(r, "stats")]
+        def total():
+            out = dict(before)
+            for r in runners:
+                for ordinal in r.exes:
+                    for k, v in r.stats(ordinal).items():
+                        out[k] += v
+            return out
+        b = total()
+        ln = looped_us(f, br._fresh_copies(arg_sets, donate), feed)
+        a = total()
+        calls = max(a["calls"] - b["calls"], 1)
+        per = {k: (a[k] - b[k]) / calls for k in a}
+        parts = " / ".join(f"{per[k] / 1e3:.1f}" for k in ("set_nodes_ns", "copy_launch_ns", "graph_launch_ns"))
+        print(f"| {name} | {lj:.1f} | {ln:.1f} | {per['handler_ns'] / 1e3:.1f} | {parts} | {per['copy_launches']:.1f} "
+              f"| {per['nodes_set']:.1f} | {f.call_path} |", flush=True)
 
 
 if __name__ == "__main__":

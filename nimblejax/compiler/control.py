@@ -13,13 +13,20 @@ Called from `GraphBuilder.inline` (trace.py) for each control-flow equation:
 - `cond` (`lax.cond`, `lax.switch`) whose branches have no side effects becomes a
   `select_n` over all branches' outputs, the index clamped into range as lax.switch does.
 
-Anything else (a dynamic trip count, a loop too large to unroll, side effects) raises
-UnsupportedPrimitiveError naming the primitive, the reason, the user's line and
-`backend="jax"`. Each decision, and why, is recorded in a `ControlDecision` that the
-plan keeps and `nimble.explain` prints.
+With `Options.loops="graph"` (read here through `planning`), a `while` that cannot be
+unrolled (its trip count is not static, or it is too large) becomes a WHILE task and a
+cond/switch whose branches hold BRANCH_TASK_MIN_EQNS equations or more a SWITCH task,
+their bodies plans of their own (compiler/loops.py).
+
+Anything else (a dynamic trip count or a loop too large to unroll under "unroll", side
+effects) raises UnsupportedPrimitiveError naming the primitive, the reason, the user's
+line and `backend="jax"`. Each decision, and why, is recorded in a `ControlDecision`
+that the plan keeps and `nimble.explain` prints.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -31,9 +38,11 @@ from jax import lax
 from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.ir import Atom, Literal, Node, Var
 from nimblejax.compiler.jaxprs import open_jaxpr
+from nimblejax.compiler import loops
 
 if TYPE_CHECKING:
     from nimblejax.compiler.trace import GraphBuilder
+    from nimblejax.options import Options
 
 PRIMITIVES = frozenset({"scan", "while", "cond"})
 
@@ -47,13 +56,36 @@ UNROLL_MAX_EQNS = 8192
 CONCAT_CHUNK = 32
 
 
+# The options of the plan being traced (pipeline.compile_function sets them): whether
+# loops and branches may stay loops and branches, and how their sub-plans are planned.
+# None (co-execution's classification, a bare trace): unroll or refuse.
+_PLANNING: contextvars.ContextVar[Optional["Options"]] = contextvars.ContextVar(
+    "nimble_planning", default=None)
+
+
+@contextlib.contextmanager
+def planning(options: "Options"):
+    """Trace under `options` (its `loops` setting decides what becomes a task)."""
+    token = _PLANNING.set(options)
+    try:
+        yield
+    finally:
+        _PLANNING.reset(token)
+
+
+def _graph_options() -> Optional["Options"]:
+    """The options when loops may stay loops (`loops="graph"`), else None."""
+    options = _PLANNING.get()
+    return options if options is not None and options.loops == "graph" else None
+
+
 @dataclass(frozen=True)
 class ControlDecision:
     """What was done with one control-flow equation, and why."""
 
     primitive: str
     source: str
-    choice: str  # "unrolled" | "select"
+    choice: str  # "unrolled" | "select" | "while task" | "switch task"
     reason: str
 
     def __str__(self) -> str:
@@ -118,11 +150,16 @@ def _scan(builder, eqn, ins, src) -> list[Atom]:
     p = eqn.params
     body, body_consts = open_jaxpr(p["jaxpr"])
     trips, size = int(p["length"]), body_size(body)
+    nc, nk = _scan_counts(p)
+    if _graph_options() is not None and not _fits(trips, size) and not _effectful(body):
+        _decide(builder, "scan", src, "while task", f"{_why(trips, size)}: run as a while loop "
+                f"over one body plan, xs read and ys written at a counter")
+        jaxpr, consts = open_jaxpr(loops.scan_as_while(eqn, nc, nk))
+        return builder.inline(jaxpr, [builder.const(c) for c in consts] + list(ins), src)
     if not _fits(trips, size) or _effectful(body):
         why = "the body has side effects" if _effectful(body) else _why(trips, size)
         raise _refuse("scan", src, why)
     _decide(builder, "scan", src, "unrolled", _why(trips, size))
-    nc, nk = _scan_counts(p)
     consts = [builder.const(c) for c in body_consts] + list(ins[:nc])
     carry, xs = list(ins[nc: nc + nk]), list(ins[nc + nk:])
     slices = [_emit(builder, _unstack_fn(trips), [x], src) for x in xs]
@@ -190,6 +227,14 @@ def _while(builder, eqn, ins, src) -> list[Atom]:
     body, body_jconsts = open_jaxpr(p["body_jaxpr"])
     size = body_size(body)
     trips = static_trip_count(builder, eqn, ins)
+    options = _graph_options()
+    if options is not None and not _effectful(body) and not (trips is not None and _fits(trips, size)):
+        why = "the trip count is not static" if trips is None else _why(trips, size)
+        outs = loops.while_node(builder, eqn, ins, src, options)
+        step = builder.nodes[-1].params["call"].step
+        _decide(builder, "while", src, "while task",
+                f"{why}; a step plan of {len(step.tasks)} tasks, run until its condition fails")
+        return outs
     if trips is None or not _fits(trips, size) or _effectful(body):
         why = ("the trip count is not static" if trips is None else
                "the body has side effects" if _effectful(body) else _why(trips, size))
@@ -289,11 +334,19 @@ def _cond(builder, eqn, ins, src) -> list[Atom]:
     branches = [open_jaxpr(b) for b in eqn.params["branches"]]
     if any(_effectful(j) for j, _ in branches):
         raise _refuse("cond", src, "a branch has side effects")
+    size = sum(body_size(j) for j, _ in branches)
+    options = _graph_options()
+    if options is not None and len(branches) > 1 and size >= loops.BRANCH_TASK_MIN_EQNS:
+        _decide(builder, "cond", src, "switch task",
+                f"{len(branches)} branches of {size} equations ≥ BRANCH_TASK_MIN_EQNS "
+                f"({loops.BRANCH_TASK_MIN_EQNS}): only the taken one runs")
+        return loops.switch_node(builder, eqn, ins, src, options)
     index, ops = ins[0], list(ins[1:])
     outs = [builder.inline(j, [builder.const(c) for c in consts] + ops, src)
             for j, consts in branches]
     _decide(builder, "cond", src, "select",
-            f"{len(branches)} side-effect-free branches, all evaluated, then select_n")
+            f"{len(branches)} side-effect-free branches of {size} equations, all evaluated, "
+            f"then select_n")
     if len(branches) == 1:
         return outs[0]
     which = _emit(builder, _clamp_fn(len(branches)), [index], src)[0]

@@ -13,7 +13,9 @@ plan writes updates that buffer in place (`_in_place`). A library GEMM's group a
 takes the bias add, residual add, scale and activation after it that cuBLASLt computes in
 its epilogue (compiler/epilogue.py); other groups treat those nodes as opaque readers.
 A reduction over the trailing axes whose readers are all in one group joins that group
-instead, which then becomes one row kernel (fusion_rows.py: softmax, LayerNorm). This is
+instead, which then becomes one row kernel (fusion_rows.py: softmax, LayerNorm); an
+elementwise value that group reads and that would root a kernel of its own (read outside
+too: pre-LN's residual stream) is written by the row kernel as another output. This is
 XLA's loop/input fusion with producer duplication, kept deliberately simple.
 """
 from __future__ import annotations
@@ -22,7 +24,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from nimblejax.compiler.epilogue import EpilogueMatch, find_epilogues
-from nimblejax.compiler.fusion_rows import row_exits, row_target
+from nimblejax.compiler.fusion_rows import (in_dependency_order, row_exits, row_output_target,
+                                            row_target)
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind
 from nimblejax.compiler.lowering.registry import rule_for
@@ -49,6 +52,11 @@ class Group:
     # A GEMM group's epilogue: its nodes follow the root (the dot), and it writes the
     # epilogue's last value instead of the root's.
     epilogue: EpilogueMatch | None = None
+    # A row group's values written besides its root's (fusion_rows.row_output_target):
+    # prologue values read outside the group.
+    row_outputs: tuple[Var, ...] = ()
+    # A HORIZONTAL group's member groups (fusion_horizontal.py), each with its outputs.
+    members: tuple["Group", ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", GroupKind(self.kind))  # a string is checked
@@ -59,7 +67,11 @@ class Group:
 
     @property
     def outputs(self) -> tuple[Var, ...]:
-        return (self.epilogue.output,) if self.epilogue is not None else self.root.outputs
+        if self.members:
+            return tuple(v for g in self.members for v in g.outputs)
+        if self.epilogue is not None:
+            return (self.epilogue.output,)
+        return self.root.outputs + self.row_outputs
 
 
 def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> list[Group]:
@@ -74,6 +86,8 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
     written = _worth_writing(graph, consumers)
     depth: dict[Node, int] = {}  # inlined nodes between a node and its kernel's root
     rows: dict[int, int] = {}  # row groups (fusion_rows.py) → their row count
+    row_outputs: dict[int, list[Node]] = {}  # row group → nodes it also writes
+    order = {n: i for i, n in enumerate(graph.nodes)}
     exits = row_exits(graph.nodes, consumers, outputs)  # they root their row group
 
     def new_group(node: Node) -> None:
@@ -105,8 +119,16 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
                     owner[node] = groups
                     depth[node] = d
                     continue
+            gid = None if read or node in ep.copies else row_output_target(
+                node, users, consumers, owner, roots, rows, row_outputs, order)
+            if gid is not None:  # its row kernel writes it too
+                d = 1 + max(depth[u] for u in users if gid in owner.get(u, ()))
+                if d <= MAX_INLINE_DEPTH:
+                    owner[node], depth[node] = frozenset([gid]), d
+                    row_outputs.setdefault(gid, []).append(node)
+                    continue
         elif rule_for(node).kind is RuleKind.REDUCTION:
-            gid = row_target(node, consumers, outputs, owner, roots, rows)
+            gid = row_target(node, consumers, outputs, owner, roots, rows, row_outputs)
             if gid is not None:  # one reduction of its consumers' row kernel
                 owner[node], depth[node], rows[gid] = frozenset([gid]), 0, node.outputs[0].size
                 continue
@@ -117,13 +139,15 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
         copied = frozenset(g for dot in ep.copies.get(node, ()) for g in owner[dot])
         for gid in owner.get(node, frozenset()) | copied:
             members[gid].append(node)
-    groups = [_make_group(roots[gid], members[gid], ep.matches.get(roots[gid]), gid in rows)
+    groups = [_make_group(roots[gid], members[gid], ep.matches.get(roots[gid]), gid in rows,
+                          tuple(n.outputs[0] for n in reversed(row_outputs.get(gid, ()))))
               for gid in sorted(roots, reverse=True)]
     groups = _in_place(groups, consumers, outputs)
-    order = {n: i for i, n in enumerate(graph.nodes)}
     # By the node that writes each group's output (its last): the root, or an epilogue's
     # last node, after every value the epilogue reads.
-    return sorted(groups, key=lambda g: order[g.nodes[-1]])
+    groups = sorted(groups, key=lambda g: order[g.nodes[-1]])
+    # A row group writing a prologue value may come after a reader of that value.
+    return in_dependency_order(groups) if row_outputs else groups
 
 
 class _Epilogues:
@@ -237,7 +261,7 @@ def _strided_into_kernel(node: Node, groups, roots) -> bool:
 
 
 def _make_group(root: Node, nodes: list[Node], epilogue: EpilogueMatch | None = None,
-                row: bool = False) -> Group:
+                row: bool = False, row_outputs: tuple[Var, ...] = ()) -> Group:
     produced = {v for n in nodes for v in n.outputs}
     inputs: list[Var] = []
     for n in nodes:
@@ -253,4 +277,4 @@ def _make_group(root: Node, nodes: list[Node], epilogue: EpilogueMatch | None = 
     if kind is GroupKind.FUSED and all(n.name in VIEW_PRIMS and n.params.get("dimensions") is None
                                for n in nodes):
         kind = GroupKind.VIEW
-    return Group(kind, root, tuple(nodes), tuple(inputs), epilogue=epilogue)
+    return Group(kind, root, tuple(nodes), tuple(inputs), epilogue=epilogue, row_outputs=row_outputs)

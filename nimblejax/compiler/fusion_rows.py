@@ -15,9 +15,20 @@ row: `row_target` checks that, operation by operation (`_keeps_rows`).
 R rows has size R * m). Reshapes keep offsets; an elementwise step keeps rows where its
 operand's leading axes equal its output's and number R in all; a broadcast where it maps
 those leading axes in place.
+
+The elementwise producers of a row kernel's input (`LN(x + attn)`'s residual add, the
+scale and mask add before a softmax) are inlined into it by fusion.py's ordinary rule,
+which needs no rows: the kernel computes them from their inputs at any index. Where
+such a value is also read outside the group (pre-LN transformers keep the residual
+stream `h = x + attn` for the next block), it would root an elementwise kernel of its
+own, which writes it for the row kernel to read back. Instead the row kernel writes it
+too, as another output (`row_output_target`): one kernel and one write where there were
+two and a write and read. Such a value depends on none of its group's reductions (the
+kernel writes it in the first pass over the row).
 """
 from __future__ import annotations
 
+import heapq
 import math
 from typing import Mapping
 
@@ -40,6 +51,10 @@ RESHAPES = frozenset({"reshape", "squeeze"})
 # little work that the launches saved are what counts.
 MIN_ROWS = 128
 SMALL_WORK = 1 << 18  # elements of the longest pass, all rows together
+# Values a row kernel writes besides its result (row_output_target).
+MAX_ROW_OUTPUTS = 4
+# Steps the cycle check (_comes_back) takes before it gives up and refuses.
+MAX_REACH = 1 << 14
 
 
 def is_row_reduction(node: Node) -> bool:
@@ -52,12 +67,14 @@ def is_row_reduction(node: Node) -> bool:
 
 
 def row_target(node: Node, consumers: Mapping[Var, list[Node]], outputs, owner,
-               roots: Mapping[int, Node], rows: Mapping[int, int]) -> int | None:
+               roots: Mapping[int, Node], rows: Mapping[int, int],
+               written: Mapping[int, list[Node]] | None = None) -> int | None:
     """The group that reduction `node` joins as one of a row kernel's reductions, or None.
 
     `owner` maps each node already placed (all of node's consumers are: the walk is
     backwards) to its groups, `roots` each group to its root, `rows` each row group so far
-    to its row count."""
+    to its row count, `written` each row group to the nodes whose values it also writes
+    (row_output_target)."""
     if not is_row_reduction(node):
         return None
     out = node.outputs[0]
@@ -74,6 +91,8 @@ def row_target(node: Node, consumers: Mapping[Var, list[Node]], outputs, owner,
     below = _below(out, consumers, root, n_rows)
     if below is None or root not in below or all(n.name in RESHAPES for n in below):
         return None  # (a reduction read only through reshapes: its reader is a view)
+    if written and any(n in below for n in written.get(gid, ())):
+        return None  # a value the kernel writes in its first pass may not depend on it
     if _too_few_rows(n_rows, max(node.inputs[0].size, root.outputs[0].size) // n_rows):
         return None
     return gid
@@ -184,3 +203,76 @@ def _row_axes(shape: tuple[int, ...], n_rows: int) -> int | None:
         if math.prod(shape[:q]) == n_rows:
             return q
     return None
+
+
+def row_output_target(node: Node, users: list[Node], consumers: Mapping[Var, list[Node]], owner,
+                      roots: Mapping[int, Node], rows: Mapping[int, int],
+                      written: Mapping[int, list[Node]], order: Mapping[Node, int]) -> int | None:
+    """The row group that writes elementwise `node`'s value as another output, where the
+    node would otherwise root a kernel of its own (its value is read outside the group,
+    or is a graph output), or None. `users`: its readers, all placed; `order`: each
+    node's position in the graph.
+
+    The group must read the value itself, and no other kernel that reads it may be a
+    step on the way to the group: the group would wait for a kernel that waits for it
+    (pre-LN's `h` feeds the next block's LayerNorm through this block's attention: only
+    this block's LayerNorm, the first reader, may write it)."""
+    out = node.outputs[0]
+    if node.name not in SAME_INDEX or len(node.outputs) != 1 or out.size == 0:
+        return None
+    candidates = {g for u in users for g in owner.get(u, ()) if g in rows}
+    for gid in sorted(candidates, reverse=True):  # the one rooted earliest first
+        if out.size % rows[gid] or len(written.get(gid, ())) >= MAX_ROW_OUTPUTS:
+            continue
+        if not _comes_back(out, gid, consumers, owner, order, order[roots[gid]]):
+            return gid
+    return None
+
+
+def _comes_back(value: Var, gid: int, consumers, owner, order: Mapping[Node, int],
+                last: int) -> bool:
+    """Whether a path of readers from `value` leaves group `gid` (a node of another
+    group: that kernel reads `value`, or computes from what does) and then reaches the
+    group again. Only nodes up to position `last` (the group's root) can be the group's;
+    past MAX_REACH steps the answer is yes (refusing is always safe)."""
+    seen: set[tuple[Node, bool]] = set()
+    todo = [(u, False) for u in consumers.get(value, [])]
+    while todo:
+        n, left = todo.pop()
+        inside = gid in owner.get(n, ())
+        if left and inside:
+            return True
+        if (n, left or not inside) in seen:
+            continue
+        seen.add((n, left or not inside))
+        if len(seen) > MAX_REACH:
+            return True
+        todo += [(u, left or not inside) for v in n.outputs for u in consumers.get(v, [])
+                 if order[u] <= last]
+    return False
+
+
+def in_dependency_order(groups: list) -> list:
+    """`groups` (sorted by their last node) reordered so that each comes after the groups
+    whose outputs it reads, otherwise in the same order. A row group that writes a value
+    of its prologue (row_output_target) may have a reader whose last node comes before
+    the row group's root; every other group already is in order, and stays so."""
+    made = {v: i for i, g in enumerate(groups) for v in g.outputs}
+    needs = [{made[v] for v in g.inputs if v in made and made[v] != i} for i, g in enumerate(groups)]
+    readers: dict[int, list[int]] = {}
+    for i, deps in enumerate(needs):
+        for d in deps:
+            readers.setdefault(d, []).append(i)
+    waiting = [len(d) for d in needs]
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    ordered = []
+    while ready:
+        i = heapq.heappop(ready)
+        ordered.append(groups[i])
+        for r in readers.get(i, ()):
+            waiting[r] -= 1
+            if waiting[r] == 0:
+                heapq.heappush(ready, r)
+    assert len(ordered) == len(groups), "fusion made a cycle of groups"
+    return ordered

@@ -26,6 +26,7 @@ class GroupKind(StrEnum):
     GEMM = "gemm"
     CUDNN = "cudnn"
     VIEW = "view"            # reshapes of a row-major buffer: the same bytes
+    HORIZONTAL = "horizontal"  # independent FUSED groups in one launch (fusion_horizontal.py)
 
 
 class TaskKind(StrEnum):
@@ -35,3 +36,5 @@ class TaskKind(StrEnum):
     GEMM = "gemm"      # a cuBLASLt / cuBLAS call
     CUDNN = "cudnn"    # a cuDNN convolution
     VIEW = "view"      # no work: its output shares its input's bytes
+    WHILE = "while"    # a loop: its step is a plan of its own (compiler/loops.py)
+    SWITCH = "switch"  # a cond/switch: one plan per branch (compiler/loops.py)

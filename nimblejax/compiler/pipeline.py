@@ -23,10 +23,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 
-from nimblejax.compiler import printing
+from nimblejax.compiler import control, printing
 from nimblejax.compiler.buffers import Buffers, analyze_buffers
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize
 from nimblejax.compiler.fusion import Group, fuse
+from nimblejax.compiler.fusion_horizontal import pack_horizontal
 from nimblejax.compiler.ir import Graph, fresh_ids
 from nimblejax.compiler.lowering import lower
 from nimblejax.compiler.lowering.registry import check_supported
@@ -77,6 +78,8 @@ def _fuse(p: Program, options: Options) -> Program:
     # Plain cuBLAS has no epilogues: there a bias or activation stays a kernel. Neither
     # has the small-M kernel (lowering/gemm_small.py), which the library call is not.
     groups = fuse(p.graph, gemm_epilogues=options.gemm != "cublas", small_gemm=options.small_gemm)
+    if options.horizontal:
+        groups = pack_horizontal(groups)
     return dataclasses.replace(p, groups=tuple(groups))
 
 
@@ -128,7 +131,7 @@ def compile_function(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct],
                      kept: Optional[list[Stage]] = None) -> tuple[Plan, Any]:
     """Trace `fun` (flat arguments → flat outputs) at `specs` and plan it. Value ids are
     numbered from 0 for each plan. Each stage is appended to `kept` when given."""
-    with fresh_ids():
+    with fresh_ids(), control.planning(options):  # loops: compiler/control.py
         graph, out_shapes = make_graph(fun, specs)
         _after(TRACE, Program(graph, graph.control), options, kept)
         return build_plan(graph, options, kept), out_shapes

@@ -106,6 +106,8 @@ def launch_text(task: Task) -> str:
         return repr(task.gemm)
     if task.kind is TaskKind.CUDNN:
         return repr(task.conv)
+    if task.control is not None:  # WHILE / SWITCH (compiler/loops.py)
+        return str(task.control)
     return "no launch: shares its input's bytes"
 
 

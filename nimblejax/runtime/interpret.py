@@ -20,6 +20,7 @@ from typing import Callable, Optional, Sequence
 import jax
 import numpy as np
 
+from nimblejax.compiler import loops
 from nimblejax.compiler.ir import Literal, Var
 from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.pipeline import Plan
@@ -95,23 +96,35 @@ def own_device() -> bool:
 
 def run(plan: Plan, args: Sequence, seed: Optional[int] = 0) -> list[np.ndarray]:
     """Execute `plan` on flat `args`; `seed=None` runs in launch order."""
-    cpu = device()
+    arena = loaded(plan, args)
+    rng = random.Random(seed) if seed is not None else None
+    with jax.default_device(device()):
+        run_tasks(plan, arena, rng)
+    return [_output(plan, arena, a, args) for a in plan.graph.outputs]
+
+
+def loaded(plan: Plan, args: Sequence) -> Arena:
+    """A fresh arena (NaN bytes) holding the plan's inputs and constants."""
     arena = Arena(plan)
-    graph = plan.graph
-    for var, arg in zip(graph.inputs, args):
+    for var, arg in zip(plan.graph.inputs, args):
         if var in plan.memory.offsets:
             arena.write(var, np.asarray(arg))
-    for var, value in graph.consts.items():
+    for var, value in plan.graph.consts.items():
         if var in plan.memory.offsets:
             arena.write(var, value)
-    rng = random.Random(seed) if seed is not None else None
-    with jax.default_device(cpu):
-        for task in interleaving(plan.schedule, rng):
-            execute(task, arena)
-    return [_output(plan, arena, a, args) for a in graph.outputs]
+    return arena
 
 
-def execute(task: Task, arena: Arena) -> None:
+def run_tasks(plan: Plan, arena: Arena, rng: Optional[random.Random]) -> None:
+    """Every task of `plan` once, in an interleaving its streams and events allow."""
+    for task in interleaving(plan.schedule, rng):
+        execute(task, arena, rng)
+
+
+def execute(task: Task, arena: Arena, rng: Optional[random.Random] = None) -> None:
+    if task.control is not None:  # a WHILE or SWITCH task: its sub-plans (loops.py)
+        run_control(task, arena, rng)
+        return
     env: dict[Var, object] = {v: arena.read(v) for v in task.inputs}
     for eqn in task.eqns:
         vals = [a.value if isinstance(a, Literal) else env[a] for a in eqn.inputs]
@@ -120,6 +133,42 @@ def execute(task: Task, arena: Arena) -> None:
         env.update(zip(eqn.outputs, outs))
     for v in task.outputs:
         arena.write(v, np.asarray(env[v]))
+
+
+# ---- WHILE and SWITCH tasks (compiler/loops.py) --------------------------------------
+def run_control(task: Task, arena: Arena, rng: Optional[random.Random]) -> None:
+    """A WHILE task runs its step plan until the step's condition fails, a SWITCH task
+    the branch plan its index picks, each in an arena of its own and its own
+    interleavings; the results are written where the enclosing plan reads them."""
+    node = task.eqns[0]
+    operands = loops.node_operands(node, arena.read)
+    if isinstance(task.control, loops.LoopCall):
+        outs = run_loop(task.control, bool(operands[0]), operands[1:], rng)
+    else:
+        branches = task.control.branches
+        plan = branches[loops.branch_index(operands[0], len(branches))]
+        sub = loaded(plan, operands[1:])
+        run_tasks(plan, sub, rng)
+        outs = [_output(plan, sub, a, operands[1:]) for a in plan.graph.outputs]
+    for var, value in zip(node.outputs, outs):
+        arena.write(var, value)
+
+
+def run_loop(call: "loops.LoopCall", pred: bool, operands: Sequence,
+             rng: Optional[random.Random]) -> list[np.ndarray]:
+    """The loop as the GPU runs it: the carry in the step plan's own input slots, each
+    next carry copied into its slot, one carry after another, after each step."""
+    step = call.step
+    arena = loaded(step, operands)
+    slots = step.graph.inputs[call.nconsts:]
+    while pred:
+        run_tasks(step, arena, rng)
+        nxt, flag = step.graph.outputs[:-1], step.graph.outputs[-1]
+        pred = bool(arena.read(flag))
+        for slot, out, passed in zip(slots, nxt, call.passed):
+            if not passed:
+                arena.write(slot, arena.read(out))
+    return [arena.read(slot) for slot in slots]
 
 
 def _output(plan: Plan, arena: Arena, atom, args) -> np.ndarray:

@@ -47,12 +47,21 @@ class Launchers:
         self.handles, self.workspaces = retry_after_freeing(self._gemm_workspaces)
         self.convs, self.cudnn_handles, self.cudnn_workspaces = retry_after_freeing(self._cudnn_convs)
         self.lt_handle, self.lt = self._lt_gemms()
+        # WHILE / SWITCH tasks (compiler/loops.py): CUDA conditional nodes.
+        control = [t for t in plan.tasks if t.control is not None]
+        self.control = None
+        if control:
+            from nimblejax.runtime.conditional import ControlLaunchers
+
+            self.control = ControlLaunchers(control, self.address, gemm)
 
     def _addresses(self, task: Task) -> tuple:
         """The device addresses a task runs on (kernel params, or a library call's operands:
         None for a GEMM epilogue operand it does not have)."""
         if task.kind == "kernel":
             return tuple(np.uint64(self.address(v)) for v in task.kernel.params)
+        if task.control is not None:  # runtime/conditional.py holds its addresses
+            return ()
         call = task.gemm if task.kind == "gemm" else task.conv
         return tuple(None if v is None else self.address(v) for v in call.operands)
 
@@ -118,7 +127,9 @@ class Launchers:
     def launch(self, task: Task, s: int) -> None:
         """Enqueue `task` on stream `s` (capture-safe)."""
         stream = self.streams[s]
-        if task.kind == "kernel":
+        if task.control is not None:
+            self.control.launch(task, stream)
+        elif task.kind == "kernel":
             try:
                 for k in task.kernel.launches:  # all take the same arguments
                     self.functions[k.name](k.grid, k.block, self.args[task], stream=stream)
@@ -148,6 +159,8 @@ class Launchers:
             self.lt_handle = None
         _close_all(self.cudnn_handles.values(), lambda h: h.destroy())
         self.cudnn_handles = {}
+        if self.control is not None:
+            self.control.close()
 
 
 def _no_epilogues(gemm_tasks: list[Task]) -> None:

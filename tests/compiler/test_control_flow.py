@@ -146,7 +146,7 @@ def test_while_with_dynamic_trip_count_names_primitive_line_and_way_out():
 
     a = np.abs(rand(np.random.default_rng(7), 5)) + 1.0
     with pytest.raises(NotImplementedError) as err:
-        nimble.jit(newton_sqrt, backend="interpret", fallback="error")(a)
+        nimble.jit(newton_sqrt, backend="interpret", fallback="error", loops="unroll")(a)
     msg = str(err.value)
     assert "'while'" in msg and "test_control_flow.py:" in msg and 'backend="jax"' in msg
     assert "not static" in msg
@@ -159,7 +159,8 @@ def test_fori_loop_with_a_traced_bound_is_dynamic():
         return lax.fori_loop(0, n, lambda i, x: x * 2.0, x)
 
     with pytest.raises(NotImplementedError, match="'while'.*not static"):
-        nimble.jit(f, backend="interpret", fallback="error")(np.ones(3, np.float32), np.int32(4))
+        nimble.jit(f, backend="interpret", fallback="error", loops="unroll")(np.ones(3, np.float32),
+                                                                            np.int32(4))
 
 
 def test_loop_too_large_to_unroll_is_refused_with_the_reason(monkeypatch):
@@ -169,7 +170,7 @@ def test_loop_too_large_to_unroll_is_refused_with_the_reason(monkeypatch):
         return lax.scan(lambda c, _: (jnp.sin(c) * 2.0 + 1.0, None), x, None, length=30)[0]
 
     with pytest.raises(NotImplementedError, match="'scan'.*30 iterations.*> UNROLL_MAX_EQNS"):
-        nimble.jit(f, backend="interpret", fallback="error")(np.ones(3, np.float32))
+        nimble.jit(f, backend="interpret", fallback="error", loops="unroll")(np.ones(3, np.float32))
 
 
 # ---- cond / switch --------------------------------------------------------------

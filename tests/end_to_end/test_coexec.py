@@ -120,7 +120,7 @@ def test_fallback_error_keeps_the_clear_error(monkeypatch):
 
 def test_while_with_a_run_time_trip_count_is_xlas_loop_around_a_nimble_body():
     a, m = args_newton()
-    f = nimble.jit(newton_sqrt, backend="interpret")
+    f = nimble.jit(newton_sqrt, backend="interpret", loops="unroll")
     got, want = f(a, m), jax.jit(newton_sqrt)(a, m)
     close(got, want)
     assert int(got[1]) == int(want[1]) > 2
@@ -232,7 +232,7 @@ def test_scan_too_large_to_unroll_keeps_xlas_loop_around_a_nimble_body(monkeypat
 
     r = np.random.default_rng(7)
     args = rand(r, 4, 8), rand(r, 30, 4, 8), rand(r, 8, 8) * 0.5
-    g = nimble.jit(f, backend="interpret")
+    g = nimble.jit(f, backend="interpret", loops="unroll")
     close(g(*args), jax.jit(f)(*args))
     (loop,) = [e for e in _eqns(jax.make_jaxpr(g)(*args)) if e.primitive.name == "scan"]
     assert "nimble_call" in primitives(loop.params["jaxpr"])
@@ -265,7 +265,7 @@ def test_tiny_regions_are_left_to_xla():
 
 def test_explain_lists_regions_and_what_went_to_xla():
     a, m = args_newton()
-    text = str(nimble.explain(nimble.jit(newton_sqrt, backend="interpret"), a, m))
+    text = str(nimble.explain(nimble.jit(newton_sqrt, backend="interpret", loops="unroll"), a, m))
     assert "co-execution" in text and "xla while (" in text and "not static" in text
     assert re.search(r"region while\d+\.1/r\d+: \d+ equations, \d+ in, \d+ out → \d+ tasks", text), text
     text = str(nimble.explain(cholesky_middle, *args_cholesky()))

@@ -252,6 +252,13 @@ rec("select_and_scatter_add", jax.grad(lambda x: jnp.sum(lax.reduce_window(
 # nimble_cudnn_conv is emitted by the cuDNN rewrite (where cuDNN is installed, or with
 # NIMBLE_CONV=cudnn; test_conv_paths_match_jax forces both paths).
 rec("nimble_cudnn_conv", lambda x, w: conv(x, w, (2, 2)), f32(1, 7, 6, 2), f32(3, 3, 2, 3), label="internal")
+# nimble_while / nimble_switch are nimblejax's WHILE and SWITCH tasks, made only under
+# loops="graph" (tests/compiler/test_loop_tasks.py runs them); under the default these
+# records run through co-execution and a select.
+rec("nimble_while", lambda x, n: lax.fori_loop(0, n, lambda i, x: jnp.sin(x) + x, x), f32(7),
+    lambda r: jnp.int32(3), label="internal")
+rec("nimble_switch", lambda i, x: lax.switch(i, [jnp.sin, jnp.cos], x), lambda r: jnp.int32(1),
+    f32(5), label="internal")
 # Long reductions with few outputs are split in two stages (lowering/split.py).
 rec("reduce_sum", lambda x: jnp.sum(x * x, axis=(0, 1, 2)), f32(16, 32, 32, 8), label="split-column")
 rec("reduce_max", lambda x: jnp.max(x, axis=-1), f32(3, 40000), label="split-row")

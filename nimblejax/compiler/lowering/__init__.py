@@ -6,9 +6,11 @@ from typing import TYPE_CHECKING
 from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_indexing,  # noqa: F401
                                          rules_kernels, rules_reduce, rules_sort, rules_special,
                                          rules_window)  # (registration)
+from nimblejax.compiler import loops
 from nimblejax.compiler.lowering.codegen import elementwise_kernel, reduction_kernel
 from nimblejax.compiler.kinds import GroupKind, TaskKind
 from nimblejax.compiler.lowering.registry import RULES, rule_for
+from nimblejax.compiler.lowering.horizontal import horizontal_kernel
 from nimblejax.compiler.lowering.rows import row_kernel
 from nimblejax.compiler.lowering.task import ConvCall, GemmCall, Kernel, Task
 from nimblejax.compiler.lowering.transpose import transpose_kernel
@@ -24,17 +26,21 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
     (Options.small_gemm; lowering/gemm_small.py)."""
     root = group.root
     inlined = {n.outputs[0]: n for n in group.nodes if n is not root}
+    if root.name in loops.PRIMITIVES:  # a loop or branch kept as one (compiler/loops.py)
+        return loops.control_task(group)
     if group.kind is GroupKind.VIEW:
         return Task(f"view_{root.name}", TaskKind.VIEW, group.inputs, group.outputs, group.nodes)
     if group.kind is GroupKind.FUSED:
         fused = {**inlined, group.output: root}
         # A group that permutes its input's innermost axis: a tiled kernel, coalesced.
         kernel = transpose_kernel(group.output, fused) or elementwise_kernel(group.output, fused)
+    elif group.kind is GroupKind.HORIZONTAL:
+        kernel = horizontal_kernel(group.members)
     elif group.kind is GroupKind.REDUCTION:
         reducer = rule_for(root).fn(root.inputs[0].dtype)
         kernel = reduction_kernel(root, inlined, reducer.combine, reducer.init, reducer.acc_type)
     elif group.kind is GroupKind.ROW:
-        kernel = row_kernel(root, group.nodes)
+        kernel = row_kernel(root, group.nodes, group.row_outputs)
     elif group.kind is GroupKind.CUDNN:
         call = rule_for(root).fn(root)
         name = f"cudnn_conv_{call.x.shape[1]}x{call.x.shape[2]}x{call.x.shape[3]}_k{call.w.shape[1]}"

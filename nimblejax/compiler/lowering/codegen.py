@@ -76,6 +76,10 @@ class KernelBuilder:
             return dtypes.literal(atom.value, atom.dtype)
         if atom.ndim == 0:
             idx = ()
+        elif 1 in atom.shape and len(idx) == atom.ndim:
+            # An operand broadcast along its size-1 axes without a broadcast_in_dim
+            # (newer JAX lets `add` take f32[16,64] and f32[1,64]) reads index 0 there.
+            idx = tuple("0" if n == 1 else i for n, i in zip(atom.shape, idx))
         key = (atom.id, idx)
         if key in self.memo:
             return self.memo[key]

@@ -9,6 +9,12 @@ from global memory (the row was just read: L1 or L2), then a butterfly of warp
 shuffles and, for a block, its
 warps' partials through shared memory, so every thread of the row ends with the value in
 a register; a last pass writes the outputs. Halves accumulate in float (as XLA does).
+
+A value of the row's prologue that is read outside the group too (fusion_rows.py:
+pre-LN's residual sum) is written in the first pass over rows of its length that comes
+after the reductions it reads (the pass computes it anyway), else in a pass of its own.
+The kernel's name shows the prologue's operations before the pattern:
+nimble_row_add_layernorm_f32 for LN(x + y).
 """
 from __future__ import annotations
 
@@ -18,7 +24,7 @@ from typing import Mapping
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.ir import Atom, Node, Var
 from nimblejax.compiler.kinds import RuleKind
-from nimblejax.compiler.lowering.codegen import BLOCK, Index, KernelBuilder
+from nimblejax.compiler.lowering.codegen import BLOCK, INDEX_ONLY, Index, KernelBuilder
 from nimblejax.compiler.lowering.registry import rule_for
 from nimblejax.compiler.lowering.task import Kernel
 
@@ -106,8 +112,9 @@ def threads_per_row(n_rows: int, longest: int) -> int:
     return per_row
 
 
-def row_kernel(root: Node, nodes: tuple[Node, ...]) -> Kernel:
-    """One kernel for a row group: `nodes` in topological order, `root` last."""
+def row_kernel(root: Node, nodes: tuple[Node, ...], extra: tuple[Var, ...] = ()) -> Kernel:
+    """One kernel for a row group: `nodes` in topological order, `root` last; `extra`:
+    values of the group it writes besides the root's."""
     reductions = [n for n in nodes if rule_for(n).kind is RuleKind.REDUCTION]
     out = root.outputs[0]
     n_rows = reductions[0].outputs[0].size
@@ -129,20 +136,83 @@ def row_kernel(root: Node, nodes: tuple[Node, ...]) -> Kernel:
     else:
         b.emit("const long long o = row;")
     b.declarations = len(b.lines)
+    passes = _extra_passes(nodes, reductions, extra, n_rows, per_out)
     for k, reduction in enumerate(reductions):
-        b.known[reduction.outputs[0]] = _reduce_row(b, reduction, k, per_row)
+        b.known[reduction.outputs[0]] = _reduce_row(b, reduction, k, per_row,
+                                                    passes.get(k, ()), n_rows if ragged else 0)
     if ragged:
         b.open(f"if (row < {n_rows})")
-    _write_row(b, root, per_out, per_row)
+    for v in passes.get(None, ()):  # a length no pass has: a pass of its own
+        _write_pass(b, v, v.size // n_rows, per_row)
+    _write_row(b, root, per_out, per_row, passes.get(len(reductions), ()))
     while b.depth > 1:
         b.close()
-    b.ops = _name_ops(reductions, b.ops, per_out < longest)
+    b.ops = _name_ops(reductions, b.ops, per_out < longest, _prologue_ops(root, nodes, reductions))
     return b.finish("row", out, -(-n_rows // rows_per_block), block)
 
 
-def _reduce_row(b: RowBuilder, reduction: Node, k: int, per_row: int) -> str:
-    """One pass over row `o` reducing `reduction`'s operand; the result's C name, which every
-    thread of the row holds."""
+def _extra_passes(nodes: tuple[Node, ...], reductions: list[Node], extra: tuple[Var, ...],
+                  n_rows: int, per_out: int) -> dict[int | None, list[Var]]:
+    """Where each extra output is written: pass k (k < len(reductions): reduction k's; k =
+    len(reductions): the last, the root's), the first of the value's length per row after
+    every reduction it reads, or None: a pass of its own."""
+    made = {v: n for n in nodes for v in n.outputs}
+    position = {r.outputs[0]: k for k, r in enumerate(reductions)}
+    lengths = [r.inputs[0].size // n_rows for r in reductions] + [per_out]
+    passes: dict[int | None, list[Var]] = {}
+    for v in extra:
+        after = 1 + max((position[u] for u in _reads(v, made, position)), default=-1)
+        k = next((k for k in range(after, len(lengths)) if lengths[k] == v.size // n_rows), None)
+        passes.setdefault(k, []).append(v)
+    return passes
+
+
+def _reads(v: Var, made: Mapping[Var, Node], stop) -> set[Var]:
+    """The values in `stop` that v is computed from within the group (not through them)."""
+    found, seen, todo = set(), {v}, [v]
+    while todo:
+        n = made.get(todo.pop())
+        for a in n.inputs if n is not None else ():
+            if isinstance(a, Var) and a not in seen:
+                seen.add(a)
+                (found.add if a in stop else todo.append)(a)
+    return found
+
+
+def _store_extra(b: RowBuilder, extra: list[Var], idx: Index, shape: tuple[int, ...], flat: str,
+                 guard: str = "") -> None:
+    """Store each value of `extra` at row-major offset `flat` (idx in `shape` where the
+    value has that shape), computed before `guard` (the pass's own element index: its
+    registers)."""
+    values = [(v, b.value(v, idx if tuple(v.shape) == shape else b.index_vars(flat, v.shape)))
+              for v in extra]
+    if guard:
+        b.open(f"if ({guard})")
+    for v, value in values:
+        b.store(v, flat, value)
+    if guard:
+        b.close()
+
+
+def _write_pass(b: RowBuilder, v: Var, length: int, per_row: int) -> None:
+    """A pass that only writes v, a value of `length` per row no other pass has."""
+    slots, b.slots = b.slots, 0  # (its loop is not the other passes' j loop)
+    scopes = b.open_pass(length, per_row)
+    flat = b.tmp(f"const {_itype(v)}", f"({_itype(v)})o * {length} + c")
+    _store_extra(b, [v], b.index_vars(flat, v.shape), tuple(v.shape), flat)
+    b.close_pass(scopes)
+    b.slots = slots
+
+
+def _itype(v: Var) -> str:
+    return "long long" if v.size >= 2 ** 31 else "int"
+
+
+def _reduce_row(b: RowBuilder, reduction: Node, k: int, per_row: int, extra=(),
+                ragged_rows: int = 0) -> str:
+    """One pass over row `o` reducing `reduction`'s operand, also writing the `extra`
+    values of its length (for rows < `ragged_rows` where that is not 0: a thread past
+    the last row redoes it); the result's C name, which every thread of the row holds."""
     reducer = rule_for(reduction).fn(reduction.inputs[0].dtype)
     x, out = reduction.inputs[0], reduction.outputs[0]
     acc, acc_type, combine = f"acc{k}", reducer.acc_type, reducer.combine
@@ -155,6 +225,10 @@ def _reduce_row(b: RowBuilder, reduction: Node, k: int, per_row: int) -> str:
     b.element = (idx, tuple(x.shape), b.depth)
     v = b.value(x, idx)
     b.emit(f"{acc} = {combine.format(a=acc, b=v)};")
+    if extra:
+        flat = b.tmp(f"const {_itype(x)}", f"({_itype(x)})o * {length} + c")
+        _store_extra(b, list(extra), idx, tuple(x.shape), flat,
+                     f"row < {ragged_rows}" if ragged_rows else "")
     b.close_pass(scopes)
     if per_row > 1:  # butterfly: lanes exchange within their aligned group of per_row
         b.emit(f"for (int off = {min(per_row, 32) // 2}; off > 0; off >>= 1) {{ {acc_type} other = "
@@ -172,15 +246,18 @@ def _reduce_row(b: RowBuilder, reduction: Node, k: int, per_row: int) -> str:
     return b.tmp(ctype, dtypes.round_to(out.dtype, value) if dtypes.is_float(out.dtype) else value)
 
 
-def _write_row(b: RowBuilder, root: Node, per_out: int, per_row: int) -> None:
-    """The last pass: row `o`'s `per_out` elements of the root, at offsets o * per_out + c."""
+def _write_row(b: RowBuilder, root: Node, per_out: int, per_row: int, extra=()) -> None:
+    """The last pass: row `o`'s `per_out` elements of the root, at offsets o * per_out + c,
+    and of the `extra` values of that length."""
     out = root.outputs[0]
     if per_out == 1:
         b.open("if (lane == 0)")
         b.store(out, "o", b.value(out, b.index_vars("o", out.shape)))
+        for v in extra:
+            b.store(v, "o", b.value(v, b.index_vars("o", v.shape)))
         b.close()
         return
-    itype = "long long" if out.size >= 2 ** 31 else "int"
+    itype = _itype(out)
     scopes = b.open_pass(per_out, per_row)
     flat = b.tmp(f"const {itype}", f"({itype})o * {per_out} + c")
     q = _lead_axes(out.shape, out.size // per_out)
@@ -191,6 +268,8 @@ def _write_row(b: RowBuilder, root: Node, per_out: int, per_row: int) -> None:
     else:
         idx = b.index_vars(flat, out.shape)
     b.store(out, flat, b.value(out, idx))
+    if extra:
+        _store_extra(b, list(extra), idx, tuple(out.shape), flat)
     b.close_pass(scopes)
 
 
@@ -210,15 +289,47 @@ def _lead_axes(shape: tuple[int, ...], n_rows: int) -> int | None:
     return None
 
 
-def _name_ops(reductions: list[Node], ops: list[str], reduces_rows: bool) -> list[str]:
-    """What the kernel's name shows: the pattern where it is a known one (softmax,
-    log_softmax, logsumexp, layer_norm, rms_norm), else its reductions and operations."""
-    reduced = [s.name.removeprefix("reduce_") for s in reductions]
-    seen = set(ops)
+def _name_ops(reductions: list[Node], ops: list[str], reduces_rows: bool,
+              prologue: list[str] = ()) -> list[str]:
+    """What the kernel's name shows: the `prologue`'s operations and the pattern where it
+    is a known one (softmax, log_softmax, logsumexp, layer_norm, rms_norm), else its
+    reductions and operations."""
+    pattern = _pattern([s.name.removeprefix("reduce_") for s in reductions], set(ops), reduces_rows)
+    return [*prologue, pattern] if pattern else [s.name.removeprefix("reduce_") for s in reductions] + ops
+
+
+def _pattern(reduced: list[str], seen: set[str], reduces_rows: bool) -> str | None:
     if reduced == ["max", "sum"] and "exp" in seen:
         if reduces_rows:  # one output per row
-            return ["logsumexp"]
-        return ["softmax"] if "div" in seen else ["logsoftmax"] if "log" in seen else reduced + ops
+            return "logsumexp"
+        return "softmax" if "div" in seen else "logsoftmax" if "log" in seen else None
     if set(reduced) == {"sum"} and ("rsqrt" in seen or "sqrt" in seen) and not reduces_rows:
-        return ["layernorm"] if len(reduced) == 2 else ["rmsnorm"] if len(reduced) == 1 else reduced + ops
-    return reduced + ops
+        return "layernorm" if len(reduced) == 2 else "rmsnorm" if len(reduced) == 1 else None
+    return None
+
+
+def _prologue_ops(root: Node, nodes: tuple[Node, ...], reductions: list[Node]) -> list[str]:
+    """The operations every pass over the row computes before its reductions come in: the
+    row input's producers (the residual add of LN(x + y)), in graph order, less moves."""
+    made = {v: n for n in nodes for v in n.outputs}
+    stop = {r.outputs[0] for r in reductions}
+    tops = [r.inputs[0] for r in reductions]
+    if root.outputs[0].size > reductions[0].outputs[0].size:  # the last pass reads the row
+        tops.append(root.outputs[0])
+    common = None
+    for top in tops:
+        computed = {made[v] for v in _computed(top, made, stop)}
+        common = computed if common is None else common & computed
+    return [n.name for n in nodes if n in (common or ()) and n.name not in INDEX_ONLY]
+
+
+def _computed(v: Var, made: Mapping[Var, Node], stop) -> set[Var]:
+    """The group's values that computing v computes (v included), not through `stop`."""
+    seen, todo = set(), [v]
+    while todo:
+        a = todo.pop()
+        if a in seen or a in stop or a not in made:
+            continue
+        seen.add(a)
+        todo.extend(x for x in made[a].inputs if isinstance(x, Var))
+    return seen

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Optional
+from typing import Any, Optional
 
 from nimblejax.compiler.ir import Node, Var
 from nimblejax.compiler.kinds import TaskKind
@@ -247,6 +247,8 @@ class Task:
     # is the last reader of its operand updates it in place); the plan gives them one
     # buffer.
     aliases: tuple[tuple[Var, Var], ...] = ()
+    # A WHILE or SWITCH task's sub-plans: a LoopCall or SwitchCall (compiler/loops.py).
+    control: Optional[Any] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", TaskKind(self.kind))  # a string is checked

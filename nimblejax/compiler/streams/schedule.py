@@ -18,6 +18,16 @@ from nimblejax.compiler.streams.assign import assign_streams
 
 Task = Hashable
 
+# The most streams a plan uses when Options.max_streams is not given. Nimble's matching
+# gives one stream per chain, and an unrolled loop has a chain per iteration for the work
+# off its carry's path (an RNN scan of T=256 steps: 258 chains). Beyond some number,
+# more streams buy nothing: an H100 (compute capability 9.0) keeps at most 128 grids
+# resident and has 32 hardware work queues, while each extra stream that runs a GEMM
+# holds a cuBLAS workspace of its own (runtime/launch.py: 4 MiB a side stream). 64 keeps
+# every plan of the measured model suite as it was (the most: Inception-v3 at batch 32,
+# 54 streams, BENCHMARKS.md run E) and packs longer unrolls (assign.py `_pack`).
+STREAM_CAP = 64
+
 
 @dataclass(frozen=True)
 class Schedule:
@@ -89,7 +99,8 @@ class Schedule:
 
 
 def make_schedule(dag: nx.DiGraph, max_streams: int | None = None) -> Schedule:
-    a = assign_streams(dag, max_streams)
+    """Nimble's assignment of `dag` on at most `max_streams` streams (None: STREAM_CAP)."""
+    a = assign_streams(dag, STREAM_CAP if max_streams is None else max_streams)
     return Schedule.from_parts(a.order, a.stream, a.syncs)
 
 

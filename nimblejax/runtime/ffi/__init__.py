@@ -32,7 +32,7 @@ TARGET = "nimble_plan"
 
 _SOURCE = pathlib.Path(__file__).with_name("handler.cc")
 # Headers handler.cc includes from its own folder: part of the build's cache key.
-_HEADERS = ("copy_kernel.h", "graph_patch.h")
+_HEADERS = ("driver.h", "copy_kernel.h", "graph_patch.h")
 _LIB_NAME = "libnimble_ffi.so"
 # -fvisibility=hidden: only the symbols handler.cc marks for export are
 # visible, so the FFI header templates cannot clash with jaxlib's copies.
@@ -335,11 +335,13 @@ class FfiLibrary:
 
     def stats(self, plan_id: int, device: int = 0) -> dict:
         """Counters of a plan's arena on ``device``: calls, copy kernels launched, kernel
-        nodes re-pointed (shared with its views)."""
-        out = (ctypes.c_ulonglong * 3)()
+        nodes re-pointed, host nanoseconds in the handler and, of those, in setting kernel
+        nodes, launching copy kernels and launching the graph (shared with its views)."""
+        out = (ctypes.c_ulonglong * 7)()
         if self._lib.nimble_ffi_stats(int(plan_id), int(device), out) != 0:
             raise KeyError(f"plan {plan_id} is not registered for device {device}")
-        return {"calls": out[0], "copy_launches": out[1], "nodes_set": out[2]}
+        return {"calls": out[0], "copy_launches": out[1], "nodes_set": out[2], "handler_ns": out[3],
+                "set_nodes_ns": out[4], "copy_launch_ns": out[5], "graph_launch_ns": out[6]}
 
     def unregister(self, plan_id: int) -> None:
         """Forget a plan on every device; a call already running on it finishes first."""

@@ -58,4 +58,15 @@ struct CopyList {
   }
 };
 
+// Per thread, reused by every call: a steady-state call allocates nothing.
+struct Scratch {
+  std::vector<unsigned long long> in_src, out_dst;
+  CopyList in, out;
+  void Clear() {
+    in_src.clear(), out_dst.clear();
+    for (CopyList* l : {&in, &out}) l->dst.clear(), l->src.clear(), l->bytes.clear();
+  }
+};
+thread_local Scratch t_scratch;
+
 }  // namespace

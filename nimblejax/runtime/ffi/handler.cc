@@ -1,12 +1,8 @@
 // nimblejax FFI handler: replays a pre-captured CUDA graph ("a nimble plan")
 // as an XLA custom call on XLA's own stream, with no Python on the call path.
-//
-// Why no CUDA headers: the library is built on the user's machine by
-// nimblejax/runtime/ffi/__init__.py with only a C++ compiler and jaxlib's FFI
-// headers. The few driver entry points we need are resolved from libcuda at
-// run time, so the build works (and can be tested) on machines without CUDA.
-#include <dlfcn.h>
-
+// Built on the user's machine by nimblejax/runtime/ffi/__init__.py, without CUDA
+// headers (driver.h says why).
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -21,15 +17,8 @@ namespace ffi = xla::ffi;
 
 #define NIMBLE_EXPORT extern "C" __attribute__((visibility("default")))
 
-// ---- Driver types and entry points (ABI as declared in NVIDIA's cuda.h) ----
-typedef int CUresult;  // CUDA_SUCCESS == 0
-typedef struct CUstream_st* CUstream;
-typedef struct CUevent_st* CUevent;
-typedef struct CUgraphExec_st* CUgraphExec;
-typedef struct CUfunc_st* CUfunction;
-
+#include "driver.h"  // and graph_patch.h
 #include "copy_kernel.h"
-#include "graph_patch.h"
 
 namespace {
 
@@ -37,63 +26,6 @@ constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
 constexpr unsigned kThreads = 256;
 constexpr unsigned long long kBytesPerBlock = kThreads * 16ull;  // uint4/thread
 constexpr unsigned kMaxBlocksX = 1024;  // enough blocks to fill an H100 (132 SMs) on large copies
-
-struct Driver {
-  CUresult (*GraphLaunch)(CUgraphExec, CUstream);
-  CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned,
-                           unsigned, unsigned, unsigned, CUstream, void**,
-                           void**);
-  CUresult (*EventCreate)(CUevent*, unsigned);
-  CUresult (*EventRecord)(CUevent, CUstream);
-  CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
-  CUresult (*GetErrorString)(CUresult, const char**);
-  CUresult (*EventDestroy)(CUevent);
-};
-
-Driver g_drv;
-int g_init_status = -1;      // written once under g_init_once
-std::string g_init_error;    // idem; never modified afterwards
-std::once_flag g_init_once;
-thread_local std::string t_last_error;  // per thread: no races on c_str()
-
-template <typename F>
-bool Resolve(void* lib, const char* name, F* out) {
-  *out = reinterpret_cast<F>(dlsym(lib, name));
-  if (*out == nullptr) g_init_error = std::string("libcuda.so.1 lacks ") + name;
-  return *out != nullptr;
-}
-
-void InitOnce() {
-  // RTLD_LOCAL: share the process's libcuda without exporting its symbols.
-  void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) {
-    const char* why = dlerror();
-    g_init_error = std::string("cannot dlopen libcuda.so.1: ") +
-                   (why ? why : "unknown error");
-    g_init_status = 1;
-    return;
-  }
-  // cuEventDestroy is exported as cuEventDestroy_v2 since CUDA 4.0; the
-  // others never got a versioned name (cuda.h only adds _ptsz/_ptds aliases).
-  bool ok = Resolve(lib, "cuGraphLaunch", &g_drv.GraphLaunch) &&
-            Resolve(lib, "cuLaunchKernel", &g_drv.LaunchKernel) &&
-            Resolve(lib, "cuEventCreate", &g_drv.EventCreate) &&
-            Resolve(lib, "cuEventRecord", &g_drv.EventRecord) &&
-            Resolve(lib, "cuStreamWaitEvent", &g_drv.StreamWaitEvent) &&
-            Resolve(lib, "cuGetErrorString", &g_drv.GetErrorString) &&
-            Resolve(lib, "cuEventDestroy_v2", &g_drv.EventDestroy);
-  if (ok) nimble_patch::ResolvePatchDriver(lib);
-  g_init_status = ok ? 0 : 2;  // the handle stays open for the process
-}
-
-std::string DriverError(const char* call, CUresult rc) {
-  const char* text = nullptr;
-  if (g_drv.GetErrorString == nullptr || g_drv.GetErrorString(rc, &text) != 0)
-    text = nullptr;
-  return std::string("nimblejax: ") + call + " failed: " +
-         (text ? text : "unknown error") + " (CUresult " + std::to_string(rc) +
-         ")";
-}
 
 // One plan's arena and captured graph on one device. The arena addresses are
 // baked into graph, which is why calls of one arena are serialized (mutex on the
@@ -105,8 +37,10 @@ struct Arena {
   CUevent event = nullptr;
   CUstream last_stream = nullptr;  // stream of the previous call, if any
   nimble_patch::Patches patches;   // buffers read and written in place, not copied
-  // Counters for tests and profiles: calls, copy kernels launched, kernel nodes set.
-  unsigned long long stats[3] = {0, 0, 0};
+  // Counters for tests and profiles: calls, copy kernels launched, kernel nodes set,
+  // host nanoseconds in the handler (from lookup to the last enqueue), and of those in
+  // setting kernel nodes, launching copy kernels and launching the graph.
+  unsigned long long stats[7] = {0, 0, 0, 0, 0, 0, 0};
   std::mutex mu;
   ~Arena() {
     // Safe with work pending: the driver releases the event once it is done.
@@ -179,6 +113,7 @@ ffi::Error CheckSize(const char* what, size_t i, size_t got,
 
 ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
                     ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  auto started = std::chrono::steady_clock::now();
   // A plan exists only after a successful nimble_ffi_init (see register).
   std::shared_ptr<Plan> plan;
   {
@@ -201,7 +136,12 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
 
   // Gather XLA's buffer addresses; a size mismatch would corrupt the arena
   // (0 registered bytes means "not copied", so any size is accepted).
-  std::vector<unsigned long long> in_src(args.size()), out_dst(rets.size());
+  Scratch& scratch = t_scratch;
+  scratch.Clear();
+  std::vector<unsigned long long>& in_src = scratch.in_src;
+  std::vector<unsigned long long>& out_dst = scratch.out_dst;
+  in_src.resize(args.size());
+  out_dst.resize(rets.size());
   for (size_t i = 0; i < args.size(); ++i) {
     auto buf = args.get<ffi::AnyBuffer>(i);
     if (buf.has_error()) return buf.error();
@@ -228,7 +168,8 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
   }
   // Operands and results re-pointed in place need no copy; the rest are copied.
   nimble_patch::Patches& patches = arena.patches;
-  CopyList in, out;
+  CopyList& in = scratch.in;
+  CopyList& out = scratch.out;
   for (size_t k = 0; k < in_src.size(); ++k) {
     size_t i = plan->in_index[k];
     if (patches.InPlaceIn(i))
@@ -255,21 +196,33 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
   }
   int failed = -1;
   arena.stats[2] += patches.dirty.size();
+  auto lap = std::chrono::steady_clock::now();
+  auto split = [&](int k) {  // adds the time since the last split to counter k
+    auto now = std::chrono::steady_clock::now();
+    arena.stats[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - lap).count();
+    lap = now;
+  };
   CUresult rc = patches.Flush(arena.graph, &failed);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuGraphExecKernelNodeSetParams", rc));
+  split(4);
   ffi::Error err = CopyBatched(arena, stream, in.dst, in.src, in.bytes);
   if (err.failure()) return err;
+  split(5);
   rc = g_drv.GraphLaunch(arena.graph, stream);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuGraphLaunch", rc));
+  split(6);
   err = CopyBatched(arena, stream, out.dst, out.src, out.bytes);
   if (err.failure()) return err;
+  split(5);
   rc = g_drv.EventRecord(arena.event, stream);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuEventRecord", rc));
   arena.last_stream = stream;
   ++arena.stats[0];
+  arena.stats[3] += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - started).count();
   return ffi::Error::Success();
 }
 
@@ -457,7 +410,8 @@ NIMBLE_EXPORT int nimble_ffi_set_inplace(long long plan_id, int device, int n_no
 }
 
 // The counters of plan `plan_id`'s arena on `device` (calls, copy kernels launched,
-// kernel nodes re-pointed), shared by its views; 0 or -1.
+// kernel nodes re-pointed, handler nanoseconds and three parts of them), shared by its
+// views; 0 or -1.
 NIMBLE_EXPORT int nimble_ffi_stats(long long plan_id, int device, unsigned long long* out) {
   std::shared_ptr<Plan> plan;
   {
@@ -467,7 +421,7 @@ NIMBLE_EXPORT int nimble_ffi_stats(long long plan_id, int device, unsigned long 
   }
   if (!plan) return -1;
   std::lock_guard<std::mutex> lock(plan->arena->mu);
-  for (int i = 0; i < 3; ++i) out[i] = plan->arena->stats[i];
+  for (int i = 0; i < 7; ++i) out[i] = plan->arena->stats[i];
   return 0;
 }
 

@@ -186,7 +186,7 @@ def test_residual_add_before_layer_norm_is_fused_into_it():
     f = lambda x, y, g, b: layer_norm(x + y, g, b)  # noqa: E731
     args = (rand(r, 16, 64), rand(r, 16, 64), rand(r, 64), rand(r, 64))
     plan = plan_of(f, *args)
-    assert len(plan.tasks) == 1 and plan.tasks[0].name.startswith("nimble_row_layernorm")
+    assert len(plan.tasks) == 1 and plan.tasks[0].name.startswith("nimble_row_add_layernorm")
     check_numbers(f, *args)
     check_emulated(f, *args)
 

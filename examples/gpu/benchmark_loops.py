@@ -1,0 +1,124 @@
+"""Loops inside the graph (issue: loops): a run-time `while_loop` (Newton's iteration to
+convergence), a long `lax.scan` and a `fori_loop` of SGD steps, jax.jit against nimble
+with loops unrolled (the default) and with loops="graph" (WHILE nodes). Looped µs per
+call (fresh input each call, one block at the end), rounds alternated in one process;
+the first call's seconds (trace, plan, compile, capture).
+
+    PYTHONPATH=. python3 examples/gpu/benchmark_loops.py [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import nimblejax as nimble
+from nimblejax.bench.needs_gpu import require_gpu
+from nimblejax.bench.timing import looped_us
+
+ROUNDS = 3
+FRESH = 8
+
+
+def newton(a):
+    def body(c):
+        x, _, k = c
+        nx = 0.5 * (x + a / x)
+        return nx, jnp.max(jnp.abs(nx - x)), k + 1
+    x, _, k = lax.while_loop(lambda c: (c[1] > 1e-6) & (c[2] < 100), body,
+                             (a, jnp.float32(jnp.inf), jnp.int32(0)))
+    return x, k  # (the last step's size is rounding noise: not compared)
+
+
+def rnn(params, xs):
+    w, u = params
+
+    def step(h, x):
+        h = jnp.tanh(h @ w + x @ u)
+        return h, h
+    return lax.scan(step, jnp.zeros((1, w.shape[0]), xs.dtype), xs)[0]
+
+
+def sgd_loop(params, x, y):
+    def loss(p):
+        h = jnp.tanh(x @ p[0])
+        return jnp.mean((h @ p[1] - y) ** 2)
+
+    def step(_, p):
+        g = jax.grad(loss)(p)
+        return jax.tree_util.tree_map(lambda a, b: a - 0.01 * b, p, g)
+    return lax.fori_loop(0, 100, step, params)
+
+
+def cases(rng):
+    r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    yield "while: Newton on 256 values", newton, [(jnp.abs(r(256)) * 50 + 0.5,) for _ in range(FRESH)]
+    params = (r(256, 256) * 0.06, r(256, 256) * 0.06)
+    for t in (64, 1024):
+        yield f"scan: RNN H=256 B=1 T={t}", rnn, [(params, r(t, 1, 256)) for _ in range(FRESH)]
+    mlp = (r(64, 128) * 0.1, r(128, 10) * 0.1)
+    yield "fori_loop: 100 SGD steps, MLP 64x128x10", sgd_loop, [(mlp, r(32, 64), r(32, 10))
+                                                               for _ in range(FRESH)]
+
+
+def first_call_s(f, args) -> float:
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--only", default="")
+    opts = ap.parse_args()
+    require_gpu(__file__)
+    results = {}
+    print("| program | config | looped µs | speedup | first call s | max rel err |")
+    print("|---|---|---|---|---|---|")
+    for name, fn, sets in cases(np.random.default_rng(0)):
+        if opts.only and opts.only not in name:
+            continue
+        want = jax.tree_util.tree_leaves(jax.jit(fn)(*sets[0]))
+        configs = {"jax.jit": jax.jit(fn), "nimble (unroll)": nimble.jit(fn),
+                   "nimble (loops=graph)": nimble.jit(fn, loops="graph")}
+        rows = {}
+        for label, f in configs.items():
+            try:
+                first = first_call_s(f, sets[0])
+                got = jax.tree_util.tree_leaves(f(*sets[0]))
+                err = max(float(np.max(np.abs(np.asarray(g, np.float64) - np.asarray(w, np.float64)))
+                                / (np.max(np.abs(np.asarray(w, np.float64))) + 1e-30))
+                          for g, w in zip(got, want))
+                rows[label] = dict(first_call_s=first, max_rel_err=err, rounds=[])
+            except Exception as exc:  # noqa: BLE001 (a row that cannot run says why)
+                rows[label] = dict(error=f"{type(exc).__name__}: {str(exc)[:200]}")
+        for _ in range(ROUNDS):
+            for label, f in configs.items():
+                if "error" not in rows[label]:
+                    rows[label]["rounds"].append(looped_us(f, sets, calls=50, repeats=1))
+        base = min(r_["rounds"] and statistics.median(r_["rounds"]) or float("inf")
+                   for k, r_ in rows.items() if k.startswith("jax"))
+        for label, r_ in rows.items():
+            if "error" in r_:
+                print(f"| {name} | {label} | {r_['error']} | | | |", flush=True)
+                continue
+            r_["looped_us"] = statistics.median(r_["rounds"])
+            r_["speedup_looped"] = base / r_["looped_us"]
+            print(f"| {name} | {label} | {r_['looped_us']:.1f} | {r_['speedup_looped']:.2f}x | "
+                  f"{r_['first_call_s']:.2f} | {r_['max_rel_err']:.1e} |", flush=True)
+        results[name] = rows
+    if opts.json:
+        dev = jax.devices()[0].device_kind
+        with open(opts.json, "w") as fh:
+            json.dump({"gpu": dev, "jax": jax.__version__, "results": results}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,404 @@
+"""WHILE and SWITCH tasks (compiler/loops.py) on the GPU: CUDA conditional graph nodes.
+
+CuPy has no API for conditional nodes, so this module calls the driver through
+cuda-bindings (`from cuda.bindings import driver`). One `ControlLaunchers` serves a
+plan's control tasks; `launch.Launchers.launch` hands it every task with `control`.
+
+Each sub-plan (a loop's step, a branch) gets an arena of its own, its constants
+uploaded, and its own `Launchers` whose every stream is one private stream: a
+conditional node's body may not hold event nodes, so the sub-plan's tasks run in its
+launch order on that one stream (an order its streams and events allow).
+
+Captured (the plan's graph is being captured on the task's stream), a WHILE task is
+  copies of its operands into the step plan's input slots (carry slots included)
+  → a kernel that sets the loop's handle from the condition on the initial carry
+  → a WHILE node whose body is captured on the private stream
+    (cuStreamBeginCaptureToGraph): the step plan's launches, the copies of each next
+    carry into its slot, and the kernel that sets the handle from the step's `pred`
+  → copies of the carry slots into the task's results.
+A SWITCH task is a kernel that sets one handle per branch (the clamped index equal to
+k) and one IF node per branch, whose body copies the operands in, runs the branch plan
+and copies its results out (IF nodes need a 12.3 driver, SWITCH nodes 12.8).
+Not captured (the warm-up run, eager mode), the same runs from the host, which reads
+each condition back (a synchronization per iteration: correct, not fast).
+
+cuda-bindings 13 added edge data to cuGraphAddNode, cuStreamUpdateCaptureDependencies
+and cuStreamGetCaptureInfo (12.x: no `dependencyData`, and the info has no edge data);
+`_driver_call` passes what the installed bindings take.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Sequence
+
+import numpy as np
+
+from nimblejax.compiler import loops
+from nimblejax.compiler.ir import Literal, Var
+from nimblejax.compiler.lowering.task import Task
+
+MIN_DRIVER = 12030  # conditional WHILE and IF nodes, and cuStreamBeginCaptureToGraph
+
+# The device side of a conditional node: a kernel upstream of the node (or at the end
+# of a WHILE body) sets the handle. The builtin is declared here as NVRTC sees no CUDA
+# runtime headers (the same declaration cuda_device_runtime_api.h makes).
+SOURCE = r"""
+typedef unsigned long long cudaGraphConditionalHandle;
+extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
+    cudaGraphConditionalHandle handle, unsigned int value);
+
+extern "C" __global__ void nimble_set_while(cudaGraphConditionalHandle handle, const bool* flag) {
+    cudaGraphSetConditional(handle, *flag ? 1u : 0u);
+}
+
+// One IF handle per branch: handle k is set where the clamped index is k (lax.switch).
+extern "C" __global__ void nimble_set_branch(cudaGraphConditionalHandle handle, const int* index,
+                                             int k, int n) {
+    int i = *index;
+    i = i < 0 ? 0 : (i >= n ? n - 1 : i);
+    cudaGraphSetConditional(handle, i == k ? 1u : 0u);
+}
+
+// Copies between fixed slots, as kernels: a conditional body takes kernel nodes.
+extern "C" __global__ void nimble_copy_slot(unsigned char* dst, const unsigned char* src,
+                                            unsigned long long n) {
+    unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (n % 4 == 0) {
+        for (; i < n / 4; i += step) ((unsigned int*)dst)[i] = ((const unsigned int*)src)[i];
+    } else {
+        for (; i < n; i += step) dst[i] = src[i];
+    }
+}
+"""
+COPY_BLOCK = 256
+COPY_MAX_BLOCKS = 1024
+
+
+def driver_version() -> int:
+    from cuda.bindings import driver
+
+    return int(_check(driver.cuDriverGetVersion())[0])
+
+
+def check_supported() -> None:
+    """Raise a RuntimeError the user can act on where conditional nodes cannot run."""
+    try:
+        version = driver_version()
+    except ImportError as e:
+        raise RuntimeError("WHILE/SWITCH tasks (loops='graph') need the cuda-bindings package "
+                           "(pip install cuda-bindings); or plan with loops='unroll'") from e
+    if version < MIN_DRIVER:
+        raise RuntimeError(f"WHILE/SWITCH tasks (loops='graph') need CUDA conditional graph nodes "
+                           f"(driver {MIN_DRIVER // 1000}.{MIN_DRIVER % 1000 // 10} or newer), "
+                           f"found {version}; plan with loops='unroll'")
+
+
+class ControlLaunchers:
+    """Launches of a plan's WHILE and SWITCH tasks; `address(var)` is the enclosing
+    arena's address of a value."""
+
+    def __init__(self, tasks: Sequence[Task], address: Any, gemm: str) -> None:
+        import cupy
+
+        check_supported()
+        self.cupy = cupy
+        module = _load_module()
+        self.set_while = module.get_function("nimble_set_while")
+        self.set_branch = module.get_function("nimble_set_branch")
+        self.copy = module.get_function("nimble_copy_slot")
+        self.private = cupy.cuda.Stream(non_blocking=True)
+        self.tasks = {t: _TaskLaunch(t, address, gemm, self.private) for t in tasks}
+
+    def launch(self, task: Task, stream: Any) -> None:
+        run = self.tasks[task]
+        if _capturing(stream):
+            (self._capture_while if run.loop else self._capture_switch)(run, stream)
+        else:
+            (self._host_while if run.loop else self._host_switch)(run, stream)
+
+    def close(self) -> None:
+        """Give back the sub-plans' library handles."""
+        for run in self.tasks.values():
+            subs = [run.step] if run.loop else [sub for sub, _, _ in run.branches]
+            for sub in subs:
+                sub.launchers.close()
+
+    # ---- copies -------------------------------------------------------------------
+    def _copy(self, pairs: Sequence[tuple[int, int, int]], stream: Any) -> None:
+        for dst, src, n in pairs:
+            if n:
+                blocks = min(COPY_MAX_BLOCKS, max(1, -(-n // (4 * COPY_BLOCK))))
+                self.copy((blocks,), (COPY_BLOCK,), (np.uint64(dst), np.uint64(src), np.uint64(n)),
+                          stream=stream)
+
+    # ---- WHILE ----------------------------------------------------------------------
+    def _capture_while(self, run: "_TaskLaunch", stream: Any) -> None:
+        from cuda.bindings import driver
+
+        self._copy(run.copy_in, stream)
+        graph, _ = _capture_info(stream)
+        handle = _check(driver.cuGraphConditionalHandleCreate(graph, _context(), 0, 0))[0]
+        self.set_while((1,), (1,), (np.uint64(int(handle)), np.uint64(run.pred0)), stream=stream)
+        body = _add_conditional(stream, handle, driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE)
+        with _capturing_to(self.private, body):
+            run.step.launch_all(self.private)
+            self._copy(run.next_carry, self.private)
+            self.set_while((1,), (1,), (np.uint64(int(handle)), np.uint64(run.flag)), stream=self.private)
+        self._copy(run.copy_out, stream)
+
+    def _host_while(self, run: "_TaskLaunch", stream: Any) -> None:
+        self._copy(run.copy_in, stream)
+        pred = _read_bool(run.pred0, stream)
+        self._join(stream, self.private)
+        while pred:
+            run.step.launch_all(self.private)
+            self._copy(run.next_carry, self.private)
+            pred = _read_bool(run.flag, self.private)
+        self._copy(run.copy_out, self.private)
+        self._join(self.private, stream)
+
+    # ---- SWITCH ---------------------------------------------------------------------
+    def _capture_switch(self, run: "_TaskLaunch", stream: Any) -> None:
+        from cuda.bindings import driver
+
+        n = len(run.branches)
+        for k, (sub, copy_in, copy_out) in enumerate(run.branches):
+            graph, _ = _capture_info(stream)
+            handle = _check(driver.cuGraphConditionalHandleCreate(graph, _context(), 0, 0))[0]
+            self.set_branch((1,), (1,), (np.uint64(int(handle)), np.uint64(run.index),
+                                         np.int32(k), np.int32(n)), stream=stream)
+            body = _add_conditional(stream, handle, driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF)
+            with _capturing_to(self.private, body):
+                self._copy(copy_in, self.private)
+                sub.launch_all(self.private)
+                self._copy(copy_out, self.private)
+
+    def _host_switch(self, run: "_TaskLaunch", stream: Any) -> None:
+        index = loops.branch_index(_read(run.index, np.int32, stream), len(run.branches))
+        sub, copy_in, copy_out = run.branches[index]
+        self._join(stream, self.private)
+        self._copy(copy_in, self.private)
+        sub.launch_all(self.private)
+        self._copy(copy_out, self.private)
+        self._join(self.private, stream)
+
+    def _join(self, before: Any, after: Any) -> None:
+        event = self.cupy.cuda.Event(disable_timing=True)
+        event.record(before)
+        after.wait_event(event)
+
+
+class _TaskLaunch:
+    """One control task's sub-plans and the (destination, source, bytes) copies around
+    them, all at fixed addresses."""
+
+    def __init__(self, task: Task, address: Any, gemm: str, private: Any) -> None:
+        node = task.eqns[0]
+        self.pool = _LiteralPool([a for a in node.inputs if isinstance(a, Literal)])
+        src = [self.pool.address(a) if isinstance(a, Literal) else address(a) for a in node.inputs]
+        call = task.control
+        self.loop = isinstance(call, loops.LoopCall)
+        if self.loop:
+            self.step = _SubPlan(call.step, gemm, private)
+            step = call.step.graph
+            self.pred0 = src[0]
+            self.copy_in = _pairs(self.step, step.inputs, src[1:])
+            slots = step.inputs[call.nconsts:]
+            self.next_carry = [(self.step.address(s), self.step.address(o), s.nbytes)
+                               for s, o, passed in zip(slots, step.outputs[:-1], call.passed)
+                               if not passed and s.nbytes]
+            self.flag = self.step.address(step.outputs[-1])
+            self.copy_out = [(address(v), self.step.address(s), v.nbytes)
+                             for v, s in zip(node.outputs, slots) if v.nbytes]
+        else:
+            self.index = src[0]
+            self.branches = []
+            for plan in call.branches:
+                sub = _SubPlan(plan, gemm, private)
+                copy_in = _pairs(sub, plan.graph.inputs, src[1:])
+                copy_out = [(address(v), sub.address(o), v.nbytes)
+                            for v, o in zip(node.outputs, plan.graph.outputs) if v.nbytes]
+                self.branches.append((sub, copy_in, copy_out))
+
+
+def _pairs(sub: "_SubPlan", inputs: Sequence[Var], sources: Sequence[int]) -> list:
+    return [(sub.address(v), s, v.nbytes) for v, s in zip(inputs, sources)
+            if v in sub.plan.memory.offsets and v.nbytes]
+
+
+class _SubPlan:
+    """A sub-plan's arena, constants and launches, every task on one stream."""
+
+    def __init__(self, plan: Any, gemm: str, private: Any) -> None:
+        from nimblejax.runtime.io import allocate, cupy_dtype
+        from nimblejax.runtime.launch import Launchers
+
+        self.plan = plan
+        self.arena = allocate(max(plan.memory.arena_bytes, 1), "a loop's arena")
+        self.base = self.arena.data.ptr
+        for var, value in plan.graph.consts.items():
+            if var in plan.memory.offsets:
+                view = self.arena[plan.offset(var): plan.offset(var) + var.nbytes]
+                view.view(cupy_dtype(var.dtype)).set(np.ascontiguousarray(value, var.dtype).reshape(-1)
+                                                     .view(cupy_dtype(var.dtype)))
+        self.launchers = Launchers(plan, [private] * max(1, plan.schedule.num_streams), self.base, gemm)
+
+    def address(self, var: Var) -> int:
+        return self.base + self.plan.offset(var)
+
+    def launch_all(self, stream: Any) -> None:
+        """Every task in launch order on the private stream (its streams all map there)."""
+        for task in self.plan.schedule.order:
+            self.launchers.launch(task, self.plan.schedule.stream[task])
+
+
+class _LiteralPool:
+    """Literal operands (a literal initial carry, a literal index) in device memory."""
+
+    def __init__(self, literals: Sequence[Literal]) -> None:
+        import cupy
+
+        self.offset: dict[int, int] = {}
+        blob = bytearray()
+        for a in literals:
+            self.offset[id(a)] = len(blob)
+            blob += np.asarray(a.value).tobytes().ljust(8, b"\0")
+        self.buffer = cupy.asarray(np.frombuffer(bytes(blob) or b"\0" * 8, np.uint8))
+
+    def address(self, atom: Literal) -> int:
+        return self.buffer.data.ptr + self.offset[id(atom)]
+
+
+# ---- the kernels ---------------------------------------------------------------------
+def ptx_of(source: str, arch: str) -> bytes:
+    """PTX for `arch` (compute_90, say) by NVRTC. PTX, not a cubin: the driver's JIT
+    resolves the cudaGraphSetConditional builtin where a cubin would need the device
+    runtime linked in."""
+    from cuda.bindings import nvrtc
+
+    err, prog = nvrtc.nvrtcCreateProgram(source.encode(), b"nimble_conditional.cu", 0, [], [])
+    opts = [f"--gpu-architecture={arch}".encode(), b"--std=c++17"]
+    try:
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            _, size = nvrtc.nvrtcGetProgramLogSize(prog)
+            log = b" " * size
+            nvrtc.nvrtcGetProgramLog(prog, log)
+            raise RuntimeError(f"NVRTC failed on the conditional-node kernels: {log.decode()}")
+        _, size = nvrtc.nvrtcGetPTXSize(prog)
+        ptx = b" " * size
+        nvrtc.nvrtcGetPTX(prog, ptx)
+        return ptx
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _load_module() -> Any:
+    """The kernels as a CuPy module loaded from PTX (cuModuleLoadData)."""
+    import cupy
+
+    major, minor = cupy.cuda.Device().compute_capability[:-1], cupy.cuda.Device().compute_capability[-1]
+    module = cupy.cuda.function.Module()
+    module.load(ptx_of(SOURCE, f"compute_{major}{minor}"))
+    return module
+
+
+# ---- the driver --------------------------------------------------------------------
+def _check(result: Any) -> tuple:
+    from cuda.bindings import driver
+
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver call failed: {err!r}")
+    return tuple(rest)
+
+
+def _takes_edge_data(fn: Any) -> bool:
+    """Whether this cuda-bindings' `fn` takes a dependencyData argument (13.x)."""
+    head = (fn.__doc__ or "").splitlines()[0] if fn.__doc__ else ""
+    if head:
+        return "dependencyData" in head
+    try:
+        return "dependencyData" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _capturing(stream: Any) -> bool:
+    from cuda.bindings import driver
+
+    status = _check(driver.cuStreamIsCapturing(stream.ptr))[0]
+    return status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+
+def _capture_info(stream: Any) -> tuple[Any, list]:
+    """(the graph being captured, the nodes the next captured node depends on)."""
+    from cuda.bindings import driver
+
+    info = _check(driver.cuStreamGetCaptureInfo(stream.ptr))
+    # 13.x: (status, id, graph, deps, edge data, count); 12.x: (status, id, graph, deps, count)
+    graph, deps, count = info[2], info[3], info[-1]
+    return graph, list(deps or [])[: int(count)]
+
+
+def _context() -> Any:
+    from cuda.bindings import driver
+
+    return _check(driver.cuCtxGetCurrent())[0]
+
+
+def _add_conditional(stream: Any, handle: Any, kind: Any) -> Any:
+    """A conditional node after the stream's captured work, the stream's next work after
+    it; its body graph."""
+    from cuda.bindings import driver
+
+    graph, deps = _capture_info(stream)
+    params = driver.CUgraphNodeParams()
+    params.type = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+    params.conditional.handle = handle
+    params.conditional.type = kind
+    params.conditional.size = 1
+    params.conditional.ctx = _context()
+    if _takes_edge_data(driver.cuGraphAddNode):
+        node = _check(driver.cuGraphAddNode(graph, deps, None, len(deps), params))[0]
+    else:
+        node = _check(driver.cuGraphAddNode(graph, deps, len(deps), params))[0]
+    flag = driver.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES
+    if _takes_edge_data(driver.cuStreamUpdateCaptureDependencies):
+        _check(driver.cuStreamUpdateCaptureDependencies(stream.ptr, [node], None, 1, flag))
+    else:
+        _check(driver.cuStreamUpdateCaptureDependencies(stream.ptr, [node], 1, flag))
+    return params.conditional.phGraph_out[0]
+
+
+class _capturing_to:
+    """Capture what is enqueued on `stream` into `graph` (a conditional node's body)."""
+
+    def __init__(self, stream: Any, graph: Any) -> None:
+        self.stream, self.graph = stream, graph
+
+    def __enter__(self) -> None:
+        from cuda.bindings import driver
+
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+        _check(driver.cuStreamBeginCaptureToGraph(self.stream.ptr, self.graph, None, None, 0, mode))
+
+    def __exit__(self, *exc: Any) -> None:
+        from cuda.bindings import driver
+
+        _check(driver.cuStreamEndCapture(self.stream.ptr))  # the body graph stays the node's
+
+
+def _read(address: int, dtype: Any, stream: Any) -> np.ndarray:
+    import cupy
+
+    out = np.zeros((), dtype)
+    stream.synchronize()
+    cupy.cuda.runtime.memcpy(out.ctypes.data, address, out.nbytes,
+                             cupy.cuda.runtime.memcpyDeviceToHost)
+    return out
+
+
+def _read_bool(address: int, stream: Any) -> bool:
+    return bool(_read(address, np.bool_, stream))

@@ -1,0 +1,69 @@
+"""The default stream cap (compiler/streams/schedule.py STREAM_CAP): an unrolled scan of
+256 steps plans at most that many streams, its plan verifies, and it computes what
+jax.jit does on the interpreter under random interleavings."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import networkx as nx
+import numpy as np
+from jax import lax
+
+import nimblejax as nimble
+from nimblejax.compiler.memory import plan_memory
+from nimblejax.compiler.pipeline import verify_plan
+from nimblejax.compiler.streams import STREAM_CAP, make_schedule, verify
+from nimblejax.runtime import interpret
+
+
+def rnn(wx, wh, b, xs):
+    def cell(h, x):
+        h = jnp.tanh(x @ wx + h @ wh + b)
+        return h, h
+    return lax.scan(cell, jnp.zeros((1, wh.shape[0]), jnp.float32), xs)
+
+
+def rnn_args(rng, steps: int, hidden: int):
+    return (rng.normal(size=(hidden, hidden)).astype(np.float32) * 0.2,
+            rng.normal(size=(hidden, hidden)).astype(np.float32) * 0.2,
+            rng.normal(size=(hidden,)).astype(np.float32) * 0.1,
+            rng.normal(size=(steps, 1, hidden)).astype(np.float32))
+
+
+def test_rnn_scan_of_256_steps_plans_at_most_the_cap_and_verifies():
+    args = rnn_args(np.random.default_rng(0), 256, 256)
+    plan = nimble.jit(rnn, backend="interpret").plan(*args)
+    uncapped = nimble.jit(rnn, backend="interpret", max_streams=10_000).plan(*args)
+    assert uncapped.schedule.num_streams > STREAM_CAP  # the unroll's chains (issue 32: 258)
+    assert plan.schedule.num_streams <= STREAM_CAP
+    assert len(set(plan.schedule.stream.values())) == plan.schedule.num_streams
+    assert not plan.schedule.missing_dependencies(plan.dag)
+    verify_plan(plan)
+    assert plan.num_events < uncapped.num_events  # packed chains need fewer events
+
+
+def test_capped_rnn_scan_computes_what_jax_does():
+    args = rnn_args(np.random.default_rng(1), 256, 16)
+    plan = nimble.jit(rnn, backend="interpret").plan(*args)
+    assert plan.schedule.num_streams == STREAM_CAP  # the 16-wide cell still unrolls wide
+    want = jax.jit(rnn)(*args)
+    for seed in (0, 1):  # two random interleavings the streams and events allow
+        got = interpret.run(plan, list(args), seed=seed)
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_make_schedule_caps_a_wide_dag_by_default_and_explicit_caps_win():
+    wide = nx.DiGraph()
+    for i in range(3 * STREAM_CAP):  # independent two-task chains between a root and a sink
+        wide.add_edges_from([("root", ("a", i)), (("a", i), ("b", i)), (("b", i), "sink")])
+    capped = make_schedule(wide)
+    assert capped.num_streams == STREAM_CAP
+    assert not capped.missing_dependencies(wide)
+    assert make_schedule(wide, 4 * STREAM_CAP).num_streams == 3 * STREAM_CAP
+    assert make_schedule(wide, 3).num_streams == 3
+    sizes = {v: 64 for v in wide}
+    reads = {v: list(wide.predecessors(v)) for v in wide}
+    writes = {v: [v] for v in wide}
+    memory = plan_memory(capped, sizes, reads, writes, pinned=["sink"])
+    assert verify(capped, memory, sizes, reads, writes) == []
