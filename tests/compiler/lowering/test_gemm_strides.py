@@ -288,9 +288,11 @@ def test_full_size_bert_batch_1_matches_jax_on_gpu():
     fn, (params, x) = MODELS["bert"].build(1, rng=np.random.default_rng(3))
     plan = nimble.jit(fn, backend="cuda").plan(params, x)
     assert transposes(plan) == 0
-    got = nimble.jit(fn, backend="cuda")(params, x)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(fn)(params, x)),
-                               rtol=3e-2, atol=3e-2)
+    got = np.asarray(nimble.jit(fn, backend="cuda")(params, x))
+    want = np.asarray(jax.jit(fn)(params, x))
+    # TF32 on both sides through 12 layers; a wrong stride would be off by O(1).
+    np.testing.assert_allclose(got, want, rtol=5e-2, atol=5e-2)
+    assert np.mean(np.abs(got - want)) < 5e-3
 
 
 def handwritten_attention(x, wq, wk, wv):
