@@ -180,11 +180,20 @@ def _keeping_innermost(options: tuple[Perm, Perm]) -> Perm:
     return next((p for p in options if p[-1] == len(p) - 1), options[0])
 
 
+def is_float_gemm(node: Node) -> bool:
+    """Whether a dot_general is a float GEMM a library could compute."""
+    from nimblejax.compiler.lowering.task import GEMM_DTYPES  # lazy: lowering imports us
+
+    lhs, rhs = node.inputs
+    names = (dtypes.name(lhs.dtype), dtypes.name(rhs.dtype), dtypes.name(node.outputs[0].dtype))
+    return (names[0] in GEMM_DTYPES and names[0] == names[1] and names[2] in GEMM_DTYPES
+            and min(dot_sizes(node)) > 0)
+
+
 def _strided_gemm(node: Node) -> bool:
     """Whether `node` becomes a library GEMM that may read strided operands: a float GEMM
     the small-M kernel would not take."""
-    from nimblejax.compiler.lowering.gemm import is_float_gemm
-    from nimblejax.compiler.lowering.gemm_small import takes_small_m
+    from nimblejax.compiler.lowering.gemm_small import takes_small_m  # lazy, as above
 
     if not is_float_gemm(node):
         return False

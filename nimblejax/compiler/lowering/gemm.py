@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Union
 
-from nimblejax.compiler.canonicalize.dot import (MatrixLayout, compute_mode, dot_dims, dot_sizes,
-                                                gemm_layout, operand_layouts)
+from nimblejax.compiler.canonicalize.dot import (MatrixLayout, compute_mode, dot_sizes,
+                                                gemm_layout, is_float_gemm, operand_layouts)
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
@@ -21,21 +21,9 @@ from nimblejax.compiler.lowering.gemm_small import small_m_matmul, takes_small_m
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import GemmCall, Kernel
 
-GEMM_DTYPES = frozenset({"float32", "float16", "bfloat16"})
-
-
 def gemm_sizes(node: Node) -> tuple[int, int, int, int]:
     """(batch, m, n, k) of a dot_general."""
     return dot_sizes(node)
-
-
-def is_float_gemm(node: Node) -> bool:
-    """Whether a canonicalized dot_general is a float GEMM a library could compute."""
-    lhs, rhs = node.inputs
-    out = node.outputs[0]
-    names = (dtypes.name(lhs.dtype), dtypes.name(rhs.dtype), dtypes.name(out.dtype))
-    return (names[0] in GEMM_DTYPES and names[0] == names[1] and names[2] in GEMM_DTYPES
-            and min(gemm_sizes(node)) > 0)
 
 
 def is_small_m_gemm(node: Node) -> bool:
