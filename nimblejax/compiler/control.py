@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
 from jax import lax
 
 from nimblejax.compiler.errors import UnsupportedPrimitiveError
-from nimblejax.compiler.ir import Atom, Literal, Node, Var
+from nimblejax.compiler.ir import Atom, Inliner, Literal, Node, Var
 from nimblejax.compiler.jaxprs import open_jaxpr
-
-if TYPE_CHECKING:
-    from nimblejax.compiler.trace import GraphBuilder
 
 PRIMITIVES = frozenset({"scan", "while", "cond"})
 
@@ -60,7 +57,7 @@ class ControlDecision:
         return f"{self.primitive} ({self.source}): {self.choice}, {self.reason}"
 
 
-def inline_control(builder: "GraphBuilder", eqn: Any, ins: list[Atom], src: str) -> list[Atom]:
+def inline_control(builder: Inliner, eqn: Any, ins: list[Atom], src: str) -> list[Atom]:
     """The equation's outputs, built from ordinary primitives in `builder`'s graph."""
     name = eqn.primitive.name
     if name == "scan":
