@@ -413,25 +413,28 @@ def _fabricated() -> dict:
     return {"meta": {"mode": "gpu", "gpu": "Fake GPU 80GB"}, "rows": rows}
 
 
-def test_table_from_fabricated_results():
-    from rich.console import Console
-
+def test_rows_from_fabricated_results():
+    """The streamed table's cells (report.RowPrinter) of the --full columns and the
+    plan-only ones."""
     results = _fabricated()
     assert results["rows"][0]["speedup_e2e"] == pytest.approx(1.0)
     assert results["rows"][2]["speedup_e2e"] == pytest.approx(1.0 / 1.2)
     buf = io.StringIO()
-    report.print_results(results, Console(file=buf, width=320))
+    printer = report.RowPrinter(report.gpu_columns(full=True), buf)
+    for row in results["rows"]:
+        printer.row(row)
     text = buf.getvalue()
-    for s in ("Fake GPU 80GB", "resnet50", "nimble multi-stream", "120 (70+50)",
-              "300.0 (100.0)", "150.0", "12.50", "1.0e-04", "0.83x", "error: ", "KernelLaunchError", "30 (10+8+12 cudnn)"):
+    for s in ("resnet50", "nimble multi-stream", "120 (70+50)", "300.0 (100.0)", "150.0",
+              "12.50", "1.0e-04", "0.83x", "error: ", "KernelLaunchError", "30 (10+8+12 cudnn)"):
         assert s in text, s
     assert "second line" not in text
+    assert len(text.splitlines()) == 2 + len(results["rows"])  # header, rule, one line a row
     buf = io.StringIO()
-    plan = {"meta": {"mode": "plan"},
-            "rows": [{"model": "mlp", "batch": 1, "status": "ok", "params": 3158016, "tasks": 89,
-                      "kernels": 41, "gemms": 48, "streams": 8, "events": 7, "arena_bytes": 2**20},
-                     {"model": "x", "batch": 1, "status": "unsupported", "error": "no rule for 'foo'"}]}
-    report.print_results(plan, Console(file=buf, width=250))
+    printer = report.RowPrinter(report.PLAN_COLUMNS, buf)
+    for row in [{"model": "mlp", "batch": 1, "status": "ok", "params": 3158016, "tasks": 89,
+                 "kernels": 41, "gemms": 48, "streams": 8, "events": 7, "arena_bytes": 2**20},
+                {"model": "x", "batch": 1, "status": "unsupported", "error": "no rule for 'foo'"}]:
+        printer.row(row)
     text = buf.getvalue()
     assert "3.16" in text and "89" in text and "unsupported: no rule for 'foo'" in text
 
