@@ -4,6 +4,7 @@ described by its plan, every row printed as soon as its figures are final."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import shutil
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nimblejax.bench.ahead import AheadCompiler, compile_jax, workers
 from nimblejax.bench.configs import CONFIGS, FULL_REPEAT, JAX_CONFIGS, LOOPS, NIMBLE_OPTIONS
 from nimblejax.bench.plans import plan_stats
 from nimblejax.bench.progress import Progress, prior_s
@@ -46,6 +48,7 @@ def run_gpu(opts: argparse.Namespace, out=None) -> dict:
                       + ("(filled by an earlier run: loaded, not compiled)" if warm else
                          "(empty: this first run compiles them, about 3 min of XLA compiling and "
                          "autotuning for the whole suite on an H100; later runs load them)"))
+    ahead = start_ahead(opts, units, cache_dir, progress.note)
     printer = report.RowPrinter(report.gpu_columns(opts.full), out, before=progress.clear)
     printer.title(f"nimble.jit vs jax.jit on {gpu}")
     rows: list[dict] = []
@@ -56,17 +59,32 @@ def run_gpu(opts: argparse.Namespace, out=None) -> dict:
                 progress.step(f"{model} batch {batch}: {CONFIGS[config]}")
 
             rows += measure_model(MODELS[model], batch, opts, caches, step, emit=printer.row,
-                                  say=printer.say)
+                                  say=printer.say, ahead=ahead)
             progress.finish((model, batch))
             gc.collect()
     finally:
         caches.cleanup()
+        if ahead is not None:
+            ahead.close()
     progress.close()
     summary = geomeans(rows)
     for line in report.geomean_lines(summary):
         printer.say(line)
     return {"meta": run_meta(opts, "gpu", gpu), "rows": rows, "summary": {"geomeans": summary}}
 
+
+def start_ahead(opts: argparse.Namespace, units: list, cache_dir: Optional[str],
+                note: Callable[[str], None]) -> Optional[AheadCompiler]:
+    """jax.jit's programs of every unit compiling ahead (bench/ahead.py), where the run
+    keeps them in JAX's persistent cache (the default run) and has several units."""
+    from nimblejax.bench.models import MODELS
+
+    if not cache_dir or opts.full or "jax" not in opts.config_keys or len(units) < 2:
+        return None
+    n = workers()
+    note(f"jax.jit's programs compile ahead, {n} at a time, into that cache; none while a row "
+         "is timed")
+    return AheadCompiler(units, lambda u: compile_jax(MODELS[u[0]], u[1], opts.dtype, opts.tiny), n)
 
 
 def jax_compile_cache(opts: argparse.Namespace) -> tuple[Optional[str], bool]:
@@ -154,17 +172,22 @@ class _KernelCaches:
 def measure_model(spec, batch: int, opts: argparse.Namespace, caches: Optional[_KernelCaches] = None,
                   step: Callable[[str], None] = lambda config: None,
                   emit: Callable[[dict], None] = lambda row: None,
-                  say: Callable[[str], None] = lambda line: None) -> list[dict]:
+                  say: Callable[[str], None] = lambda line: None,
+                  ahead: Optional[AheadCompiler] = None) -> list[dict]:
     """Rows for one model at one batch size; failures become rows, never exceptions.
     `emit(row)` gets each row as soon as its figures are final: a nimble row right after
     it is measured, the jax.jit rows once every jax.jit configuration has run (the best
-    of them is what the speedups divide)."""
+    of them is what the speedups divide). With `ahead`, jax.jit's first call waits for
+    its program's compile there, and the timings wait for quiet."""
     caches = caches or _KernelCaches(enabled=False)
     base = {"model": spec.name, "batch": batch}
     t_start = time.perf_counter()
+    ahead_s = None
     try:
         fn, args = spec.build(batch, opts.dtype, np.random.default_rng(opts.seed), tiny=opts.tiny)
         jax.block_until_ready(args)
+        if ahead is not None:
+            ahead_s = ahead.wait((spec.name, batch))
         jitted, want, jax_first = _timed_first_call(lambda: jax.jit(fn), args)
         want = jax.tree_util.tree_map(np.asarray, want)
     except Exception as e:  # noqa: BLE001
@@ -181,7 +204,9 @@ def measure_model(spec, batch: int, opts: argparse.Namespace, caches: Optional[_
         temp = int(jitted.lower(*args).compile().memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - not every backend reports it
         temp = None
-    ctx = _Row(opts, fn, args, arg_sets, want, caches)
+    quiet = ahead.quiet if ahead is not None else contextlib.nullcontext
+    ctx = _Row(opts, fn, args, arg_sets, want, caches, quiet)
+    ctx.ahead_s = ahead_s
     rows: list[dict] = []
     pending: list[dict] = []
     for i, key in enumerate(opts.config_keys):
@@ -219,9 +244,11 @@ def measure_model(spec, batch: int, opts: argparse.Namespace, caches: Optional[_
 class _Row:
     """The measurements of one model × batch: what each configuration's row holds."""
 
-    def __init__(self, opts, fn, args, arg_sets, want, caches) -> None:
+    def __init__(self, opts, fn, args, arg_sets, want, caches,
+                 quiet: Callable[[], Any] = contextlib.nullcontext) -> None:
         self.opts, self.fn, self.args, self.arg_sets = opts, fn, args, arg_sets
-        self.want, self.caches = want, caches
+        self.want, self.caches, self.quiet = want, caches, quiet
+        self.ahead_s: Optional[float] = None  # seconds jax.jit's program compiled ahead
         self.backend = getattr(opts, "nimble_backend", "cuda")
         self.after: Optional[Callable[[], None]] = None
 
@@ -236,16 +263,18 @@ class _Row:
         return int(min(FULL_REPEAT, max(2, self.opts.budget / (2 * LOOPS * max(per_call, 1e-6)))))
 
     def timings(self, row: dict, f, gpu: Callable[[int], Optional[float]]) -> None:
-        """looped_ms first, then (--full) e2e_ms, then gpu_ms."""
+        """looped_ms first, then (--full) e2e_ms, then gpu_ms; no compile ahead runs
+        meanwhile."""
         from nimblejax.bench import timing
 
-        n = self.calls(f)
-        row["timed_calls"] = n
-        row["looped_ms"] = timing.looped_us(f, self.arg_sets, calls=n, repeats=LOOPS) / 1e3
-        if self.opts.full:
-            row["e2e_ms"] = timing.e2e_us(f, self.args, calls=n) / 1e3
-        us = gpu(n)
-        row["gpu_ms"] = None if us is None else us / 1e3
+        with self.quiet():
+            n = self.calls(f)
+            row["timed_calls"] = n
+            row["looped_ms"] = timing.looped_us(f, self.arg_sets, calls=n, repeats=LOOPS) / 1e3
+            if self.opts.full:
+                row["e2e_ms"] = timing.e2e_us(f, self.args, calls=n) / 1e3
+            us = gpu(n)
+            row["gpu_ms"] = None if us is None else us / 1e3
 
     def jax_row(self, row: dict, jitted, first_s: float) -> None:
         from nimblejax.bench import timing
@@ -255,6 +284,8 @@ class _Row:
             row.update(compile_cold_s=first_s, compile_warm_s=warm)
         else:
             row["first_call_s"] = first_s
+        if self.ahead_s is not None:
+            row["xla_compiled_ahead_s"] = self.ahead_s  # then first_call_s loaded it
         row["max_rel_err"] = 0.0
         self.timings(row, jitted, lambda n: timing.throughput_us(jitted, self.args, calls=n,
                                                                  repeats=LOOPS))
