@@ -115,6 +115,7 @@ def _check(report: dict[str, list[str]]) -> None:
     assert len(report["passed"]) > 200
 
 
+@pytest.mark.long
 def test_lax_peer_suite_interpret():
     _check(run_peer_suite("interpret"))
 

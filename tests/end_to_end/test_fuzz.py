@@ -87,6 +87,7 @@ HAVE_NVRTC = available_compiler() is not None
 HAVE_CXX = kernel_emulator.compiler() is not None
 
 
+@pytest.mark.long
 @settings(max_examples=FUZZ_CI_EXAMPLES, derandomize=True, deadline=None,
           suppress_health_check=HEALTH, database=None)
 @given(programs())
