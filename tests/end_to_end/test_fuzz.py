@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, given, seed, settings
 
 from tests.helpers import kernel_emulator
 import nimblejax as nimble
-from tests.helpers.fuzz_programs import Program, programs
+from tests.helpers.fuzz_programs import programs
+from tests.helpers.fuzz_values import Program
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 
 FUZZ_CI_EXAMPLES = 150
