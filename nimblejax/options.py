@@ -57,8 +57,9 @@ Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn`
 convolution: `use_cudnn` in compiler/canonicalize/conv_path.py.
 
 Library discovery (where libcublas, libcublasLt and libcudnn are) reads its own variables
-through `library_override` and `cuda_roots` below, also only here. The benchmark CLI reads
-its own command-line settings (bench/cli.py).
+through `library_override` and `cuda_roots` below, also only here. The benchmark reads its
+own command-line settings (bench/cli.py), and bench/measure.py its two variables
+(CUPY_CACHE_DIR, pointed at an empty folder for cold compiles; NIMBLEJAX_BENCH_TRACEBACK).
 """
 from __future__ import annotations
 

@@ -55,16 +55,6 @@ def dp_step(grad_fn: Callable, mesh: Mesh, lr: float = 0.01, axis: str = "data")
     return jax.jit(step, donate_argnums=(0,))
 
 
-def single_step(grad_fn: Callable, lr: float = 0.01) -> Callable:
-    """The same step on one device over the whole batch (the reference)."""
-
-    def step(params, x, labels):
-        loss, grads = grad_fn(params, x, labels)
-        return jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads), loss
-
-    return jax.jit(step)
-
-
 def build(model: str, batch: int, rng: np.random.Generator):
     """(apply, params, x, labels) of a benchmark model at a global batch."""
     from nimblejax.bench.models import MODELS

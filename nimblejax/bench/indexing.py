@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import nimblejax as nimble
-from nimblejax.bench.cli import gpu_available, gpu_name
+from nimblejax.bench.cli import gpu_available
+from nimblejax.bench.results import gpu_name
 from nimblejax.bench.timing import blocked_us, looped_us, nimble_gpu_us, throughput_us
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}

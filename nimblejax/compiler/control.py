@@ -36,12 +36,11 @@ import numpy as np
 from jax import lax
 
 from nimblejax.compiler.errors import UnsupportedPrimitiveError
-from nimblejax.compiler.ir import Atom, Literal, Node, Var
+from nimblejax.compiler.ir import Atom, Inliner, Literal, Node, Var
 from nimblejax.compiler.jaxprs import open_jaxpr
 from nimblejax.compiler import loops
 
 if TYPE_CHECKING:
-    from nimblejax.compiler.trace import GraphBuilder
     from nimblejax.options import Options
 
 PRIMITIVES = frozenset({"scan", "while", "cond"})
@@ -92,7 +91,7 @@ class ControlDecision:
         return f"{self.primitive} ({self.source}): {self.choice}, {self.reason}"
 
 
-def inline_control(builder: "GraphBuilder", eqn: Any, ins: list[Atom], src: str) -> list[Atom]:
+def inline_control(builder: Inliner, eqn: Any, ins: list[Atom], src: str) -> list[Atom]:
     """The equation's outputs, built from ordinary primitives in `builder`'s graph."""
     name = eqn.primitive.name
     if name == "scan":

@@ -11,7 +11,7 @@ import contextvars
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Union
+from typing import Any, Mapping, Protocol, Union
 
 import numpy as np
 
@@ -138,3 +138,17 @@ def short_dtype(dtype: Any) -> str:
     return {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "int32": "i32",
             "uint32": "u32", "bool": "bool", "int8": "i8", "uint8": "u8",
             "int64": "i64", "float64": "f64"}.get(name, name)
+
+
+class Inliner(Protocol):
+    """What control-flow inlining (control.py) needs of the graph builder that calls it
+    (trace.GraphBuilder): named here so that control.py need not import trace.py, which
+    imports it."""
+
+    nodes: list[Node]
+    consts: dict[Var, np.ndarray]
+    control: list  # control.ControlDecision, one per loop or cond
+
+    def const(self, value: Any) -> Atom: ...
+
+    def inline(self, jaxpr: Any, args: list[Atom], outer: str = "<unknown>") -> list[Atom]: ...

@@ -12,11 +12,23 @@ from typing import Hashable, Iterable, Mapping
 
 import numpy as np
 
-from nimblejax.compiler.printing import format_bytes
 from nimblejax.compiler.streams.schedule import Schedule
 
 Buf = Hashable
 Task = Hashable
+
+
+def format_bytes(n: float) -> str:
+    """A byte count in binary units, the one convention of every report: 512 B,
+    1.5 KiB, 3.0 MiB, 1.2 GiB."""
+    if n < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+    raise AssertionError("unreachable")
+
 
 @dataclass(frozen=True)
 class MemoryPlan:

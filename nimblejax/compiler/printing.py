@@ -19,8 +19,9 @@ one line per task, byte sizes.
 
 Every line is made from the plan's own records, numbered per plan (value ids from 0,
 events in launch order), so one function prints the same text every time.
-Everything here only reads. Readers: compiler/stages.py (the pass texts), explain.py
-(the shared pieces) and memory.py (`format_bytes`).
+Everything here only reads. Readers: compiler/stages.py (the pass texts), the pipeline
+and explain.py (the shared pieces; `format_bytes` lives in memory.py, which this imports,
+so that memory.py → printing.py → plan.py → memory.py is no circle).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ import sys
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TextIO
 
 from nimblejax.compiler.kinds import TaskKind
+from nimblejax.compiler.memory import format_bytes
 
 if TYPE_CHECKING:
     from nimblejax.compiler.buffers import Buffers
@@ -39,18 +41,6 @@ if TYPE_CHECKING:
     from nimblejax.compiler.streams import Schedule
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")  # object reprs in params: not deterministic
-
-
-def format_bytes(n: float) -> str:
-    """A byte count in binary units, the one convention of every report: 512 B,
-    1.5 KiB, 3.0 MiB, 1.2 GiB."""
-    if n < 1024:
-        return f"{int(n)} B"
-    for unit in ("KiB", "MiB", "GiB"):
-        n /= 1024
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}"
-    raise AssertionError("unreachable")
 
 
 def header(stage: str) -> str:

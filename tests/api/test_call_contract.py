@@ -198,7 +198,7 @@ def test_no_environment_variable_is_read_outside_options():
     for folder, _, files in os.walk(root):
         for name in files:
             path = os.path.join(folder, name)
-            if not name.endswith(".py") or name == "options.py" or path.endswith(os.path.join("bench", "cli.py")):
+            if not name.endswith(".py") or name == "options.py" or path.endswith(os.path.join("bench", "measure.py")):
                 continue
             text = open(path).read()
             if re.search(r"os\.environ|getenv\(", text):

@@ -151,6 +151,7 @@ def _run_all(paths: list[Path]) -> dict:
     return json.loads(line[0][len("RESULTS "):])
 
 
+@pytest.mark.long
 def test_every_example_runs_without_a_gpu():
     """The teaching examples run to the end on the CPU plan interpreter, each checking
     its results against jax.jit (an assert in the example)."""
@@ -272,6 +273,7 @@ def _pip_install_editable(py: Path, clone: Path) -> None:
         pytest.fail(f"pip install -e failed:\n{r.stdout}\n{r.stderr}")
 
 
+@pytest.mark.long
 def test_readme_quickstart_from_the_folder_holding_an_editable_clone(tmp_path):
     """git clone …/nimblejax; pip install -e nimblejax; then the quickstart from the
     clone's parent folder, where the clone (named nimblejax/, without __init__.py) must

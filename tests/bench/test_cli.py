@@ -13,6 +13,8 @@ import pytest
 
 from nimblejax import api
 from nimblejax.bench import cli, report
+from nimblejax.bench import results as bench_results
+from nimblejax.bench import progress as progress_mod
 from nimblejax.bench.models import MODELS, ModelSpec
 
 NO_GPU_LINE = "No CUDA GPU is visible"
@@ -97,7 +99,7 @@ def test_no_gpu_plans_every_model(no_gpu, tmp_path, capsys):
 
 
 def test_plan_notes_name_the_decisions():
-    from nimblejax.bench.cli import plan_notes
+    from nimblejax.bench.plans import plan_notes
 
     fn, args = MODELS["resnet50"].abstract(32, tiny=True)
     import nimblejax as nimble
@@ -117,7 +119,7 @@ def test_plan_notes_name_the_decisions():
 
 
 def test_plan_legend_explains_the_star_once_where_a_row_has_it():
-    from nimblejax.bench.cli import NO_CUDNN
+    from nimblejax.bench.plans import NO_CUDNN
     from nimblejax.bench.report import plan_legend
 
     plain = [{"note": "critical path 3 of 9 tasks"}]
@@ -279,7 +281,7 @@ def test_rows_stream_as_they_are_measured(fake_gpu, monkeypatch, tmp_path):
 def test_progress_eta_from_priors_and_elapsed_time():
     now = [0.0]
     buf = io.StringIO()
-    progress = cli.Progress(["a", "b"], {"a": 10.0, "b": 30.0}.get, stream=buf, clock=lambda: now[0])
+    progress = progress_mod.Progress(["a", "b"], {"a": 10.0, "b": 30.0}.get, stream=buf, clock=lambda: now[0])
     assert progress.estimate_s() == 40.0
     progress.step("a")
     now[0] = 20.0  # a took twice its prior: b is expected to as well
@@ -293,7 +295,7 @@ def test_progress_eta_from_priors_and_elapsed_time():
             return True
 
     tty = Tty()
-    progress = cli.Progress(["a"], lambda u: 1.0, stream=tty, clock=lambda: 0.0)
+    progress = progress_mod.Progress(["a"], lambda u: 1.0, stream=tty, clock=lambda: 0.0)
     progress.step("a")
     progress.clear()
     assert tty.getvalue() == "\r\x1b[K[1/1] a  (0m00s elapsed, ETA 0m01s)\r\x1b[K"
@@ -304,11 +306,11 @@ def test_estimate_of_the_default_run_fits_two_minutes_when_warm():
     minutes once the compile caches are filled, and say the first run takes longer."""
     opts = cli.parse_args([])
     units = [(m, b) for m in opts.model_names for b in opts.batches]
-    warm = sum(cli.prior_s(m, b, opts, "gpu", warm=True) for m, b in units)
-    cold = sum(cli.prior_s(m, b, opts, "gpu", warm=False) for m, b in units)
+    warm = sum(progress_mod.prior_s(m, b, opts, "gpu", warm=True) for m, b in units)
+    cold = sum(progress_mod.prior_s(m, b, opts, "gpu", warm=False) for m, b in units)
     assert warm < 120 < cold
     full = cli.parse_args(["--full"])
-    assert sum(cli.prior_s(m, b, full, "gpu") for m, b in units) > 4 * cold
+    assert sum(progress_mod.prior_s(m, b, full, "gpu") for m, b in units) > 4 * cold
 
 
 def test_configs_and_models_options(no_gpu):
@@ -332,9 +334,9 @@ def test_configs_and_models_options(no_gpu):
 
 def test_timeline_paths():
     one = cli.parse_args(["--models", "mlp", "--batch", "1"])
-    assert cli.timeline_path("t.png", "mlp", 1, one) == "t.png"
+    assert bench_results.timeline_path("t.png", "mlp", 1, one) == "t.png"
     many = cli.parse_args([])
-    assert cli.timeline_path("out/t.png", "bert", 32, many) == "out/t_bert_b32.png"
+    assert bench_results.timeline_path("out/t.png", "bert", 32, many) == "out/t_bert_b32.png"
 
 
 def test_geomeans_per_config_and_batch():
@@ -342,7 +344,7 @@ def test_geomeans_per_config_and_batch():
              "speedup_gpu": 2 * s}
             for m, s in (("a", 1.0), ("b", 4.0)) for c in ("jax.jit", "nimble multi-stream")]
     rows.append({"model": "c", "batch": 1, "config": "nimble multi-stream", "status": "error"})
-    g = cli.geomeans(rows)
+    g = bench_results.geomeans(rows)
     assert g == [{"config": "nimble multi-stream", "batch": 1, "looped": pytest.approx(2.0),
                   "looped_models": 2, "gpu": pytest.approx(4.0), "gpu_models": 2}]
     (line,) = report.geomean_lines(g)
@@ -407,29 +409,32 @@ def _fabricated() -> dict:
                  "task_kinds": {"kernel": 10, "gemm": 8, "cudnn": 12}})
     rows.append({"model": "nasnet_mobile", "batch": 1, "config": "nimble multi-stream",
                  "status": "error", "error": "KernelLaunchError: too many resources\nsecond line"})
-    cli.add_speedups(rows)
+    bench_results.add_speedups(rows)
     return {"meta": {"mode": "gpu", "gpu": "Fake GPU 80GB"}, "rows": rows}
 
 
-def test_table_from_fabricated_results():
-    from rich.console import Console
-
+def test_rows_from_fabricated_results():
+    """The streamed table's cells (report.RowPrinter) of the --full columns and the
+    plan-only ones."""
     results = _fabricated()
     assert results["rows"][0]["speedup_e2e"] == pytest.approx(1.0)
     assert results["rows"][2]["speedup_e2e"] == pytest.approx(1.0 / 1.2)
     buf = io.StringIO()
-    report.print_results(results, Console(file=buf, width=320))
+    printer = report.RowPrinter(report.gpu_columns(full=True), buf)
+    for row in results["rows"]:
+        printer.row(row)
     text = buf.getvalue()
-    for s in ("Fake GPU 80GB", "resnet50", "nimble multi-stream", "120 (70+50)",
-              "300.0 (100.0)", "150.0", "12.50", "1.0e-04", "0.83x", "error: ", "KernelLaunchError", "30 (10+8+12 cudnn)"):
+    for s in ("resnet50", "nimble multi-stream", "120 (70+50)", "300.0 (100.0)", "150.0",
+              "12.50", "1.0e-04", "0.83x", "error: ", "KernelLaunchError", "30 (10+8+12 cudnn)"):
         assert s in text, s
     assert "second line" not in text
+    assert len(text.splitlines()) == 2 + len(results["rows"])  # header, rule, one line a row
     buf = io.StringIO()
-    plan = {"meta": {"mode": "plan"},
-            "rows": [{"model": "mlp", "batch": 1, "status": "ok", "params": 3158016, "tasks": 89,
-                      "kernels": 41, "gemms": 48, "streams": 8, "events": 7, "arena_bytes": 2**20},
-                     {"model": "x", "batch": 1, "status": "unsupported", "error": "no rule for 'foo'"}]}
-    report.print_results(plan, Console(file=buf, width=250))
+    printer = report.RowPrinter(report.PLAN_COLUMNS, buf)
+    for row in [{"model": "mlp", "batch": 1, "status": "ok", "params": 3158016, "tasks": 89,
+                 "kernels": 41, "gemms": 48, "streams": 8, "events": 7, "arena_bytes": 2**20},
+                {"model": "x", "batch": 1, "status": "unsupported", "error": "no rule for 'foo'"}]:
+        printer.row(row)
     text = buf.getvalue()
     assert "3.16" in text and "89" in text and "unsupported: no rule for 'foo'" in text
 

@@ -325,7 +325,7 @@ def test_matrix_vector_products_sharing_the_matrix_match_jax():
 
 # ---- the cost rule on the benchmark models ------------------------------------------
 def bench_gemms(name: str, batch: int) -> int:
-    from nimblejax.bench.cli import abstract_model
+    from nimblejax.bench.plans import abstract_model
 
     fn, args = abstract_model(MODELS[name], batch, jnp.float32, tiny=False)
     return len(gemms(fn, *args))

@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, given, seed, settings
 
 from tests.helpers import kernel_emulator
 import nimblejax as nimble
-from tests.helpers.fuzz_programs import Program, programs
+from tests.helpers.fuzz_programs import programs
+from tests.helpers.fuzz_values import Program
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 
 FUZZ_CI_EXAMPLES = 150
@@ -87,6 +88,7 @@ HAVE_NVRTC = available_compiler() is not None
 HAVE_CXX = kernel_emulator.compiler() is not None
 
 
+@pytest.mark.long
 @settings(max_examples=FUZZ_CI_EXAMPLES, derandomize=True, deadline=None,
           suppress_health_check=HEALTH, database=None)
 @given(programs())

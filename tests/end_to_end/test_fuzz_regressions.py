@@ -15,7 +15,7 @@ from jax import lax
 
 from tests.helpers import kernel_emulator
 import nimblejax as nimble
-from tests.helpers.fuzz_programs import make_args
+from tests.helpers.fuzz_values import make_args
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 from tests.end_to_end.test_fuzz import assert_same
 

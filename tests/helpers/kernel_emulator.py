@@ -213,11 +213,15 @@ def _strip(source: str) -> str:
 
 
 _LIBS: dict[str, ctypes.CDLL] = {}
+FLAGS = ("-O1",)
+_COMMON = ("-std=c++20", "-pthread", "-fPIC", "-fwrapv", "-w")
 
 
-def compile_library(text: str, flags: tuple[str, ...] = ("-O1",)) -> ctypes.CDLL:
-    """C++ `text` built by the host compiler as a shared library (cached by text)."""
-    key = hashlib.sha1(" ".join((text, *flags)).encode()).hexdigest()
+def compile_library(text: str, flags: tuple[str, ...] = FLAGS,
+                    include: str | None = None) -> ctypes.CDLL:
+    """C++ `text` built by the host compiler as a shared library (cached by text), after
+    the header `include` where given (as if it were the text's first line)."""
+    key = hashlib.sha1(" ".join((text, *flags, include or "")).encode()).hexdigest()
     if key not in _LIBS:
         # The folder goes once the library is loaded: a loaded library stays mapped
         # after its file is removed, and a test run must leave no files behind.
@@ -225,12 +229,36 @@ def compile_library(text: str, flags: tuple[str, ...] = ("-O1",)) -> ctypes.CDLL
             src, lib = os.path.join(tmp, "k.cpp"), os.path.join(tmp, "k.so")
             with open(src, "w") as f:
                 f.write(text)
-            proc = subprocess.run([compiler(), *flags, "-std=c++20", "-pthread", "-shared", "-fPIC",
-                                   "-fwrapv", "-w", src, "-o", lib], capture_output=True, text=True)
+            pre = ("-include", include) if include else ()
+            proc = subprocess.run([compiler(), *flags, *_COMMON, "-shared", *pre, src, "-o", lib],
+                                  capture_output=True, text=True)
             if proc.returncode:
                 raise RuntimeError(f"emulated kernels do not compile:\n{proc.stderr[-4000:]}")
             _LIBS[key] = ctypes.CDLL(lib)
     return _LIBS[key]
+
+
+# SHIM as a header precompiled once per process (its folder is removed when the process
+# exits): the standard headers it includes are most of a build's compile time, and the
+# fuzzer builds one library per program (measured: 0.36 s of g++ per build, 0.10 s with
+# the header precompiled). None where precompiling fails: builds then compile SHIM inline.
+_SHIM_HEADER: dict[str, tempfile.TemporaryDirectory | None] = {}
+
+
+def shim_header() -> str | None:
+    if "dir" not in _SHIM_HEADER:
+        folder = tempfile.TemporaryDirectory(prefix="nimble-emu-shim-")
+        header = os.path.join(folder.name, "shim.h")
+        with open(header, "w") as f:
+            f.write(SHIM)
+        proc = subprocess.run([compiler(), *FLAGS, *_COMMON, "-x", "c++-header", header,
+                               "-o", header + ".gch"], capture_output=True, text=True)
+        if proc.returncode:
+            folder.cleanup()
+            folder = None
+        _SHIM_HEADER["dir"] = folder
+    folder = _SHIM_HEADER["dir"]
+    return os.path.join(folder.name, "shim.h") if folder is not None else None
 
 
 def kernels(plan) -> list:
@@ -245,9 +273,10 @@ def build(kernels, arch: int | None = None) -> ctypes.CDLL:
     unique = {}
     for k in kernels:  # the same kernel may run twice, or in several plans
         assert unique.setdefault(k.name, k).source == k.source, f"two kernels named {k.name}"
-    head = f"#define __CUDA_ARCH__ {arch}\n" if arch is not None else ""
-    return compile_library(head + SHIM + "\n".join(_strip(k.source) + "\n" + _launcher(k)
-                                                    for k in unique.values()))
+    head = f"#define __CUDA_ARCH__ {arch}\n" if arch is not None else ""  # SHIM does not read it
+    body = head + "\n".join(_strip(k.source) + "\n" + _launcher(k) for k in unique.values())
+    header = shim_header()
+    return compile_library(body, include=header) if header else compile_library(SHIM + body)
 
 
 def _launch(lib, kernel, ptrs) -> None:

@@ -23,7 +23,17 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import nimblejax as nimble
-from nimblejax.bench.data_parallel import cross_entropy, dp_step, shard_map, single_step
+from nimblejax.bench.data_parallel import cross_entropy, dp_step, shard_map
+
+
+def single_step(grad_fn, lr: float = 0.01):
+    """The same step on one device over the whole batch (the reference)."""
+
+    def step(params, x, labels):
+        loss, grads = grad_fn(params, x, labels)
+        return jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads), loss
+
+    return jax.jit(step)
 
 
 def mlp(params, x):

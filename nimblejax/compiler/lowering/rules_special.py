@@ -188,13 +188,6 @@ BLOCKS = {
 }
 
 
-def host_source(prim: str, fn_name: str) -> str:
-    """The block as a C function of doubles (for tests that compile it for the host)."""
-    names, block = BLOCKS[prim]
-    params = ", ".join(f"double {n}" for n in names)
-    return f"double {fn_name}({params}) {{\n  double r;\n  {{{block}}}\n  return r;\n}}\n"
-
-
 @register(*sorted(BLOCKS), kind=RuleKind.ELEMENTWISE)
 def special(b: KernelBuilder, node: Node, idx: Index) -> str:
     out = node.outputs[0]
