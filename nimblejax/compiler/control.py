@@ -13,7 +13,7 @@ Called from `GraphBuilder.inline` (trace.py) for each control-flow equation:
 - `cond` (`lax.cond`, `lax.switch`) whose branches have no side effects becomes a
   `select_n` over all branches' outputs, the index clamped into range as lax.switch does.
 
-With `Options.loops="graph"` (read here through `planning`), a `while` that cannot be
+With `Options.loops="graph"` (read through `loops.planning`), a `while` that cannot be
 unrolled (its trip count is not static, or it is too large) becomes a WHILE task and a
 cond/switch whose branches hold BRANCH_TASK_MIN_EQNS equations or more a SWITCH task,
 their bodies plans of their own (compiler/loops.py).
@@ -25,11 +25,9 @@ that the plan keeps and `nimble.explain` prints.
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -39,9 +37,7 @@ from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.ir import Atom, Inliner, Literal, Node, Var
 from nimblejax.compiler.jaxprs import open_jaxpr
 from nimblejax.compiler import loops
-
-if TYPE_CHECKING:
-    from nimblejax.options import Options
+from nimblejax.compiler.emit import emit
 
 PRIMITIVES = frozenset({"scan", "while", "cond"})
 
@@ -53,29 +49,6 @@ UNROLL_MAX_EQNS = 8192
 # Stacked ys are concatenated this many slices at a time: one generated concat kernel
 # takes one pointer per operand and tests them in a chain.
 CONCAT_CHUNK = 32
-
-
-# The options of the plan being traced (pipeline.compile_function sets them): whether
-# loops and branches may stay loops and branches, and how their sub-plans are planned.
-# None (co-execution's classification, a bare trace): unroll or refuse.
-_PLANNING: contextvars.ContextVar[Optional["Options"]] = contextvars.ContextVar(
-    "nimble_planning", default=None)
-
-
-@contextlib.contextmanager
-def planning(options: "Options"):
-    """Trace under `options` (its `loops` setting decides what becomes a task)."""
-    token = _PLANNING.set(options)
-    try:
-        yield
-    finally:
-        _PLANNING.reset(token)
-
-
-def _graph_options() -> Optional["Options"]:
-    """The options when loops may stay loops (`loops="graph"`), else None."""
-    options = _PLANNING.get()
-    return options if options is not None and options.loops == "graph" else None
 
 
 @dataclass(frozen=True)
@@ -150,7 +123,7 @@ def _scan(builder, eqn, ins, src) -> list[Atom]:
     body, body_consts = open_jaxpr(p["jaxpr"])
     trips, size = int(p["length"]), body_size(body)
     nc, nk = _scan_counts(p)
-    if _graph_options() is not None and not _fits(trips, size) and not _effectful(body):
+    if loops.graph_options() is not None and not _fits(trips, size) and not _effectful(body):
         _decide(builder, "scan", src, "while task", f"{_why(trips, size)}: run as a while loop "
                 f"over one body plan, xs read and ys written at a counter")
         jaxpr, consts = open_jaxpr(loops.scan_as_while(eqn, nc, nk))
@@ -161,7 +134,7 @@ def _scan(builder, eqn, ins, src) -> list[Atom]:
     _decide(builder, "scan", src, "unrolled", _why(trips, size))
     consts = [builder.const(c) for c in body_consts] + list(ins[:nc])
     carry, xs = list(ins[nc: nc + nk]), list(ins[nc + nk:])
-    slices = [_emit(builder, _unstack_fn(trips), [x], src) for x in xs]
+    slices = [emit(builder, _unstack_fn(trips), [x], src) for x in xs]
     steps = range(trips - 1, -1, -1) if p["reverse"] else range(trips)
     ys: list[list[Atom]] = [[None] * trips for _ in body.outvars[nk:]]
     counters = _counters(builder, body, nc, carry)
@@ -193,9 +166,9 @@ def _stack(builder, col: list[Atom], aval: Any, src: str) -> Atom:
     if not col:  # length 0
         return builder.const(np.zeros((0, *aval.shape), aval.dtype))
     col = [_as_var(builder, a, aval, src) for a in col]
-    rows = _emit(builder, _expand_fn, col, src)
+    rows = emit(builder, _expand_fn, col, src)
     while len(rows) > 1:
-        rows = [_emit(builder, _concat_fn, rows[i: i + CONCAT_CHUNK], src)[0]
+        rows = [emit(builder, _concat_fn, rows[i: i + CONCAT_CHUNK], src)[0]
                 for i in range(0, len(rows), CONCAT_CHUNK)]
     return rows[0]
 
@@ -212,7 +185,7 @@ def _as_var(builder, atom: Atom, aval: Any, src: str) -> Atom:
     """A body output that is a literal becomes a full array of its aval."""
     if isinstance(atom, Var):
         return atom
-    return _emit(builder, _full_fn(tuple(aval.shape), np.dtype(aval.dtype)), [atom], src)[0]
+    return emit(builder, _full_fn(tuple(aval.shape), np.dtype(aval.dtype)), [atom], src)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -226,7 +199,7 @@ def _while(builder, eqn, ins, src) -> list[Atom]:
     body, body_jconsts = open_jaxpr(p["body_jaxpr"])
     size = body_size(body)
     trips = static_trip_count(builder, eqn, ins)
-    options = _graph_options()
+    options = loops.graph_options()
     if options is not None and not _effectful(body) and not (trips is not None and _fits(trips, size)):
         why = "the trip count is not static" if trips is None else _why(trips, size)
         outs = loops.while_node(builder, eqn, ins, src, options)
@@ -334,7 +307,7 @@ def _cond(builder, eqn, ins, src) -> list[Atom]:
     if any(_effectful(j) for j, _ in branches):
         raise _refuse("cond", src, "a branch has side effects")
     size = sum(body_size(j) for j, _ in branches)
-    options = _graph_options()
+    options = loops.graph_options()
     if options is not None and len(branches) > 1 and size >= loops.BRANCH_TASK_MIN_EQNS:
         _decide(builder, "cond", src, "switch task",
                 f"{len(branches)} branches of {size} equations ≥ BRANCH_TASK_MIN_EQNS "
@@ -348,7 +321,7 @@ def _cond(builder, eqn, ins, src) -> list[Atom]:
             f"then select_n")
     if len(branches) == 1:
         return outs[0]
-    which = _emit(builder, _clamp_fn(len(branches)), [index], src)[0]
+    which = emit(builder, _clamp_fn(len(branches)), [index], src)[0]
     result = []
     for k, v in enumerate(eqn.outvars):
         cases = [o[k] for o in outs]
@@ -356,7 +329,7 @@ def _cond(builder, eqn, ins, src) -> list[Atom]:
             result.append(cases[0])
             continue
         cases = [_as_var(builder, c, v.aval, src) for c in cases]
-        result.append(_emit(builder, _select_fn, [which] + cases, src)[0])
+        result.append(emit(builder, _select_fn, [which] + cases, src)[0])
     return result
 
 
@@ -374,25 +347,3 @@ def _select_fn(which, *cases):
 # ---- helpers --------------------------------------------------------------------
 def _effectful(jaxpr: Any) -> bool:
     return bool(getattr(jaxpr, "effects", None))
-
-
-def _emit(builder, fn: Callable, args: list[Atom], src: str) -> list[Atom]:
-    """Inline `fn` traced at `args`' shapes; its equations carry the loop's user line."""
-    specs = [jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False))
-             for a in args]
-    closed = _traced(fn, tuple((s.shape, str(s.dtype), s.weak_type) for s in specs))
-    jaxpr, consts = open_jaxpr(closed)
-    start = len(builder.nodes)
-    outs = builder.inline(jaxpr, [builder.const(c) for c in consts] + list(args), src)
-    builder.nodes[start:] = [_at(n, src) for n in builder.nodes[start:]]
-    return outs
-
-
-@functools.lru_cache(maxsize=4096)
-def _traced(fn: Callable, key: tuple) -> Any:
-    specs = [jax.ShapeDtypeStruct(s, np.dtype(d), weak_type=w) for s, d, w in key]
-    return jax.make_jaxpr(fn)(*specs)
-
-
-def _at(node: Node, src: str) -> Node:
-    return Node(node.primitive, node.inputs, node.outputs, node.params, src, node.effectful)

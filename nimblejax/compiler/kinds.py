@@ -38,3 +38,8 @@ class TaskKind(StrEnum):
     VIEW = "view"      # no work: its output shares its input's bytes
     WHILE = "while"    # a loop: its step is a plan of its own (compiler/loops.py)
     SWITCH = "switch"  # a cond/switch: one plan per branch (compiler/loops.py)
+
+
+# The primitives of a loop or branch kept as one task (compiler/loops.py makes them,
+# lowering/__init__.py turns their group into a WHILE or SWITCH task).
+CONTROL_PRIMITIVES = {"nimble_while": TaskKind.WHILE, "nimble_switch": TaskKind.SWITCH}

@@ -27,6 +27,7 @@ The CPU interpreter (runtime/interpret.py) runs these tasks exactly that way.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
@@ -35,15 +36,49 @@ import jax
 import numpy as np
 from jax import lax
 
-from nimblejax.compiler.ir import Atom, Graph, Literal, Node, Var, fresh_ids
+from nimblejax.compiler.emit import emit
+from nimblejax.compiler.ir import Atom, Graph, Inliner, Literal, Node, Var, fresh_ids
 from nimblejax.compiler.jaxprs import open_jaxpr
-from nimblejax.compiler.kinds import RuleKind
+from nimblejax.compiler.kinds import CONTROL_PRIMITIVES, RuleKind
 from nimblejax.compiler.lowering.registry import register
 
 if TYPE_CHECKING:
     from nimblejax.compiler.plan import Plan
-    from nimblejax.compiler.trace import GraphBuilder
     from nimblejax.options import Options
+
+
+@dataclass(frozen=True)
+class Planner:
+    """How a sub-plan is made, given by the pipeline (which imports this module, so
+    this module cannot import it): a graph builder, the graph's clean-up (common
+    subexpressions, dead code) and the passes from a graph to a plan."""
+
+    builder: Callable[[], Inliner]
+    tidy: Callable[[Graph], Graph]
+    build: Callable[[Graph, "Options"], "Plan"]
+
+
+# The plan being traced (pipeline.compile_function sets it): its options, which say
+# whether loops and branches may stay loops and branches, and how sub-plans are planned.
+# None (co-execution's classification, a bare trace): unroll or refuse.
+_PLANNING: contextvars.ContextVar[Optional[tuple["Options", Planner]]] = contextvars.ContextVar(
+    "nimble_planning", default=None)
+
+
+@contextlib.contextmanager
+def planning(options: "Options", planner: Planner):
+    """Trace under `options` (its `loops` setting decides what becomes a task)."""
+    token = _PLANNING.set((options, planner))
+    try:
+        yield
+    finally:
+        _PLANNING.reset(token)
+
+
+def graph_options() -> Optional["Options"]:
+    """The options when loops may stay loops (`loops="graph"`), else None."""
+    current = _PLANNING.get()
+    return current[0] if current is not None and current[0].loops == "graph" else None
 
 # A cond/switch becomes a SWITCH task when its branches hold at least this many
 # equations together; below, every branch is computed and a select picks (control.py).
@@ -72,7 +107,7 @@ def _primitive(name: str) -> Any:
 
 nimble_while_p = _primitive("nimble_while")
 nimble_switch_p = _primitive("nimble_switch")
-PRIMITIVES = frozenset({"nimble_while", "nimble_switch"})
+PRIMITIVES = frozenset(CONTROL_PRIMITIVES)
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,26 +143,14 @@ class SwitchCall:
 
 
 # Registered as kernel rules so that the check and fusion treat the node as a group of
-# its own; lowering/__init__.py makes the task (`control_task`), never a kernel.
+# its own; lowering/__init__.py makes the task (`control_task` there), never a kernel.
 @register(*PRIMITIVES, kind=RuleKind.KERNEL)
 def _rule(node: Node, *args: Any, **kwargs: Any) -> Any:
     raise AssertionError(f"{node.name} is lowered to a task by control_task, not a kernel")
 
 
-def control_task(group: Any) -> Any:
-    """The WHILE or SWITCH task of a group rooted at a nimble_while / nimble_switch node."""
-    from nimblejax.compiler.kinds import TaskKind
-    from nimblejax.compiler.lowering.task import Task
-
-    root = group.root
-    call = root.params["call"]
-    kind = TaskKind.WHILE if root.name == "nimble_while" else TaskKind.SWITCH
-    name = f"{kind}_{root.outputs[0].id}" if root.outputs else str(kind)
-    return Task(name, kind, group.inputs, group.outputs, group.nodes, control=call)
-
-
 # ---- building the nodes (called by control.py while tracing) ----------------------
-def while_node(builder: "GraphBuilder", eqn: Any, ins: list[Atom], src: str,
+def while_node(builder: Inliner, eqn: Any, ins: list[Atom], src: str,
                options: "Options") -> list[Atom]:
     """The loop as one nimble_while node of `builder`'s graph; its results."""
     p = eqn.params
@@ -140,7 +163,7 @@ def while_node(builder: "GraphBuilder", eqn: Any, ins: list[Atom], src: str,
     avals = [v.aval for v in list(cond.invars[:ncc]) + list(body.invars[:nbc])]
     carry_avals = [v.aval for v in body.invars[nbc:]]
 
-    def make(b: "GraphBuilder") -> tuple[list[Var], list[Atom], list[Optional[Var]]]:
+    def make(b: Inliner) -> tuple[list[Var], list[Atom], list[Optional[Var]]]:
         consts = [_operand(b, builder, a, aval) for a, aval in zip(loop_consts, avals)]
         carry = [b.new_var(aval) for aval in carry_avals]
         nxt = b.inline(body, [b.const(c) for c in body_consts] + consts[ncc:] + carry, src)
@@ -159,7 +182,7 @@ def while_node(builder: "GraphBuilder", eqn: Any, ins: list[Atom], src: str,
     return outs
 
 
-def switch_node(builder: "GraphBuilder", eqn: Any, ins: list[Atom], src: str,
+def switch_node(builder: Inliner, eqn: Any, ins: list[Atom], src: str,
                 options: "Options") -> list[Atom]:
     """The cond/switch as one nimble_switch node; its results."""
     branches = [open_jaxpr(b) for b in eqn.params["branches"]]
@@ -238,13 +261,13 @@ def _user_line(eqn: Any) -> Any:
         return contextlib.nullcontext()
 
 
-def _kept_as_operand(parent: "GraphBuilder", atom: Atom) -> bool:
+def _kept_as_operand(parent: Inliner, atom: Atom) -> bool:
     """An operand the sub-plan takes as an input: not a literal or a known constant
     (those are written into the sub-plan)."""
     return isinstance(atom, Var) and atom not in parent.consts
 
 
-def _operand(b: "GraphBuilder", parent: "GraphBuilder", atom: Atom, aval: Any) -> Atom:
+def _operand(b: Inliner, parent: Inliner, atom: Atom, aval: Any) -> Atom:
     """`atom` of the enclosing graph as seen inside a sub-plan's graph builder `b`."""
     if isinstance(atom, Literal):
         return atom
@@ -256,27 +279,22 @@ def _operand(b: "GraphBuilder", parent: "GraphBuilder", atom: Atom, aval: Any) -
 def sub_plan(make: Callable, src: str, options: "Options") -> "Plan":
     """A plan of its own: `make(builder)` → (inputs, outputs, keep) builds its graph,
     where keep[k] is the input output k may stay (a carry passed through), else None."""
-    from nimblejax.compiler.pipeline import build_plan
-    from nimblejax.compiler.trace import GraphBuilder, common_subexpressions, drop_dead_code
-
+    planner = _PLANNING.get()[1]
     with fresh_ids():
-        b = GraphBuilder()
+        b = planner.builder()
         inputs, outputs, keep = make(b)
         outputs = _materialized(b, outputs, keep, inputs, src)
-        graph = Graph(tuple(inputs), tuple(outputs), tuple(b.nodes), b.consts)
-        graph = drop_dead_code(common_subexpressions(graph))
+        graph = planner.tidy(Graph(tuple(inputs), tuple(outputs), tuple(b.nodes), b.consts))
         graph = Graph(graph.inputs, graph.outputs, graph.nodes, graph.consts,
                       control=tuple(dict.fromkeys(b.control)))
-        return build_plan(graph, options)
+        return planner.build(graph, options)
 
 
-def _materialized(b: "GraphBuilder", outputs: Sequence[Atom], keep: Sequence[Optional[Var]],
+def _materialized(b: Inliner, outputs: Sequence[Atom], keep: Sequence[Optional[Var]],
                   inputs: Sequence[Var], src: str) -> list[Atom]:
     """Each output a value some node of the graph computes: an input (other than its
     `keep`), a constant or a literal is copied, and so is an output whose bytes would be
     an input's (a reshape of one is a view of its bytes)."""
-    from nimblejax.compiler.control import _emit
-
     made = {o for n in b.nodes for o in n.outputs}
     views = _view_of_input(b.nodes, set(inputs))
     out = []
@@ -284,7 +302,7 @@ def _materialized(b: "GraphBuilder", outputs: Sequence[Atom], keep: Sequence[Opt
         if a is k:
             out.append(a)
         elif isinstance(a, Literal) or a not in made or a in views:
-            out.append(_emit(b, _copy_fn(tuple(a.shape), np.dtype(a.dtype)), [a], src)[0])
+            out.append(emit(b, _copy_fn(tuple(a.shape), np.dtype(a.dtype)), [a], src)[0])
         else:
             out.append(a)
     return out

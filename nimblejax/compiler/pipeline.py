@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 
-from nimblejax.compiler import control, printing
+from nimblejax.compiler import loops, printing
 from nimblejax.compiler.buffers import Buffers, analyze_buffers
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize
 from nimblejax.compiler.fusion import Group, fuse
@@ -36,7 +36,7 @@ from nimblejax.compiler.memory import plan_memory
 from nimblejax.compiler.plan import Plan
 from nimblejax.compiler.stages import Stage, Stages
 from nimblejax.compiler.streams import Schedule, critical_path, make_schedule, verify
-from nimblejax.compiler.trace import make_graph
+from nimblejax.compiler.trace import GraphBuilder, common_subexpressions, drop_dead_code, make_graph
 from nimblejax.options import Options
 
 
@@ -126,12 +126,15 @@ STAGES: tuple[str, ...] = tuple(p.name for p in (TRACE, *PASSES) if p.text is no
 
 
 # ---- running them -------------------------------------------------------------------------
+# How compiler/loops.py plans a loop's body or a branch: the same trace clean-up and passes.
+SUB_PLANNER = loops.Planner(GraphBuilder, lambda g: drop_dead_code(common_subexpressions(g)),
+                            lambda g, options: build_plan(g, options))
 def compile_function(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct],
                      options: Options = Options(),
                      kept: Optional[list[Stage]] = None) -> tuple[Plan, Any]:
     """Trace `fun` (flat arguments → flat outputs) at `specs` and plan it. Value ids are
     numbered from 0 for each plan. Each stage is appended to `kept` when given."""
-    with fresh_ids(), control.planning(options):  # loops: compiler/control.py
+    with fresh_ids(), loops.planning(options, SUB_PLANNER):  # loops kept as tasks
         graph, out_shapes = make_graph(fun, specs)
         _after(TRACE, Program(graph, graph.control), options, kept)
         return build_plan(graph, options, kept), out_shapes

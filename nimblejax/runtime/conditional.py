@@ -96,9 +96,10 @@ def check_supported() -> None:
 
 class ControlLaunchers:
     """Launches of a plan's WHILE and SWITCH tasks; `address(var)` is the enclosing
-    arena's address of a value."""
+    arena's address of a value, `make_launchers(plan, streams, base)` the launchers of
+    a sub-plan (launch.py's, handed in: launch.py imports this module)."""
 
-    def __init__(self, tasks: Sequence[Task], address: Any, gemm: str) -> None:
+    def __init__(self, tasks: Sequence[Task], address: Any, make_launchers: Any) -> None:
         import cupy
 
         check_supported()
@@ -108,7 +109,7 @@ class ControlLaunchers:
         self.set_branch = module.get_function("nimble_set_branch")
         self.copy = module.get_function("nimble_copy_slot")
         self.private = cupy.cuda.Stream(non_blocking=True)
-        self.tasks = {t: _TaskLaunch(t, address, gemm, self.private) for t in tasks}
+        self.tasks = {t: _TaskLaunch(t, address, make_launchers, self.private) for t in tasks}
 
     def launch(self, task: Task, stream: Any) -> None:
         run = self.tasks[task]
@@ -193,14 +194,14 @@ class _TaskLaunch:
     """One control task's sub-plans and the (destination, source, bytes) copies around
     them, all at fixed addresses."""
 
-    def __init__(self, task: Task, address: Any, gemm: str, private: Any) -> None:
+    def __init__(self, task: Task, address: Any, make_launchers: Any, private: Any) -> None:
         node = task.eqns[0]
         self.pool = _LiteralPool([a for a in node.inputs if isinstance(a, Literal)])
         src = [self.pool.address(a) if isinstance(a, Literal) else address(a) for a in node.inputs]
         call = task.control
         self.loop = isinstance(call, loops.LoopCall)
         if self.loop:
-            self.step = _SubPlan(call.step, gemm, private)
+            self.step = _SubPlan(call.step, make_launchers, private)
             step = call.step.graph
             self.pred0 = src[0]
             self.copy_in = _pairs(self.step, step.inputs, src[1:])
@@ -215,7 +216,7 @@ class _TaskLaunch:
             self.index = src[0]
             self.branches = []
             for plan in call.branches:
-                sub = _SubPlan(plan, gemm, private)
+                sub = _SubPlan(plan, make_launchers, private)
                 copy_in = _pairs(sub, plan.graph.inputs, src[1:])
                 copy_out = [(address(v), sub.address(o), v.nbytes)
                             for v, o in zip(node.outputs, plan.graph.outputs) if v.nbytes]
@@ -230,9 +231,8 @@ def _pairs(sub: "_SubPlan", inputs: Sequence[Var], sources: Sequence[int]) -> li
 class _SubPlan:
     """A sub-plan's arena, constants and launches, every task on one stream."""
 
-    def __init__(self, plan: Any, gemm: str, private: Any) -> None:
+    def __init__(self, plan: Any, make_launchers: Any, private: Any) -> None:
         from nimblejax.runtime.io import allocate, cupy_dtype
-        from nimblejax.runtime.launch import Launchers
 
         self.plan = plan
         self.arena = allocate(max(plan.memory.arena_bytes, 1), "a loop's arena")
@@ -242,7 +242,7 @@ class _SubPlan:
                 view = self.arena[plan.offset(var): plan.offset(var) + var.nbytes]
                 view.view(cupy_dtype(var.dtype)).set(np.ascontiguousarray(value, var.dtype).reshape(-1)
                                                      .view(cupy_dtype(var.dtype)))
-        self.launchers = Launchers(plan, [private] * max(1, plan.schedule.num_streams), self.base, gemm)
+        self.launchers = make_launchers(plan, [private] * max(1, plan.schedule.num_streams), self.base)
 
     def address(self, var: Var) -> int:
         return self.base + self.plan.offset(var)

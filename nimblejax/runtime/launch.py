@@ -53,7 +53,8 @@ class Launchers:
         if control:
             from nimblejax.runtime.conditional import ControlLaunchers
 
-            self.control = ControlLaunchers(control, self.address, gemm)
+            self.control = ControlLaunchers(
+                control, self.address, lambda sub, streams, base: Launchers(sub, streams, base, gemm))
 
     def _addresses(self, task: Task) -> tuple:
         """The device addresses a task runs on (kernel params, or a library call's operands:

@@ -6,9 +6,8 @@ from typing import TYPE_CHECKING
 from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_indexing,  # noqa: F401
                                          rules_kernels, rules_reduce, rules_sort, rules_special,
                                          rules_window)  # (registration)
-from nimblejax.compiler import loops
 from nimblejax.compiler.lowering.codegen import elementwise_kernel, reduction_kernel
-from nimblejax.compiler.kinds import GroupKind, TaskKind
+from nimblejax.compiler.kinds import CONTROL_PRIMITIVES, GroupKind, TaskKind
 from nimblejax.compiler.lowering.registry import RULES, rule_for
 from nimblejax.compiler.lowering.horizontal import horizontal_kernel
 from nimblejax.compiler.lowering.rows import row_kernel
@@ -26,8 +25,10 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
     (Options.small_gemm; lowering/gemm_small.py)."""
     root = group.root
     inlined = {n.outputs[0]: n for n in group.nodes if n is not root}
-    if root.name in loops.PRIMITIVES:  # a loop or branch kept as one (compiler/loops.py)
-        return loops.control_task(group)
+    if root.name in CONTROL_PRIMITIVES:  # a loop or branch kept as one (compiler/loops.py)
+        kind = CONTROL_PRIMITIVES[root.name]
+        name = f"{kind}_{root.outputs[0].id}" if root.outputs else str(kind)
+        return Task(name, kind, group.inputs, group.outputs, group.nodes, control=root.params["call"])
     if group.kind is GroupKind.VIEW:
         return Task(f"view_{root.name}", TaskKind.VIEW, group.inputs, group.outputs, group.nodes)
     if group.kind is GroupKind.FUSED:
