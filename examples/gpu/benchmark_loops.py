@@ -1,6 +1,7 @@
 """Loops inside the graph (issue: loops): a run-time `while_loop` (Newton's iteration to
 convergence), a long `lax.scan` and a `fori_loop` of SGD steps, jax.jit against nimble
-with loops unrolled (the default) and with loops="graph" (WHILE nodes). Looped µs per
+with loops="unroll" (what cannot be unrolled runs under XLA: co-execution) and with
+loops="graph" (WHILE nodes, the default). Looped µs per
 call (fresh input each call, one block at the end), rounds alternated in one process;
 the first call's seconds (trace, plan, compile, capture).
 
@@ -86,8 +87,8 @@ def main() -> None:
         if opts.only and opts.only not in name:
             continue
         want = jax.tree_util.tree_leaves(jax.jit(fn)(*sets[0]))
-        configs = {"jax.jit": jax.jit(fn), "nimble (unroll)": nimble.jit(fn),
-                   "nimble (loops=graph)": nimble.jit(fn, loops="graph")}
+        configs = {"jax.jit": jax.jit(fn), "nimble (loops=unroll)": nimble.jit(fn, loops="unroll"),
+                   "nimble (loops=graph, the default)": nimble.jit(fn, loops="graph")}
         rows = {}
         for label, f in configs.items():
             try:

@@ -69,5 +69,9 @@ def test_program_cuda(name):
         assert_tree_close(nimble.jit(fn, backend="cuda")(*args), exact)
     jax_error = _worst_error(jax.jit(fn)(*args), exact)
     nimble_error = _worst_error(nimble.jit(fn, backend="cuda")(*args), exact)
-    # A wrong kernel errs by O(1); TF32 noise by a few times jax.jit's own TF32 error.
-    assert nimble_error <= max(4 * jax_error, 1e-4), (nimble_error, jax_error)
+    # A wrong kernel errs by O(1); TF32 noise by a few times jax.jit's own TF32 error,
+    # depending on the algorithms cuBLASLt picks for the plan's buffers (their offsets
+    # change with the plan): 6.3x for the Inception SGD step on an H100 once horizontal
+    # fusion packed its updates, which are exact under "highest" (above) and in f32 on
+    # the CPU kernel emulator.
+    assert nimble_error <= max(8 * jax_error, 1e-4), (nimble_error, jax_error)
