@@ -42,17 +42,6 @@ class CopyTable(ctypes.Structure):
     ]
 
 
-class SmallCopyTable(ctypes.Structure):
-    """Host mirror of the handler's SmallCopyTable (nimble_ffi_copy_small's parameter)."""
-
-    _fields_ = [
-        ("dst", ctypes.c_ulonglong * 8),
-        ("src", ctypes.c_ulonglong * 8),
-        ("bytes", ctypes.c_ulonglong * 8),
-        ("count", ctypes.c_int),
-    ]
-
-
 def _libcuda_loadable() -> bool:
     try:
         ctypes.CDLL("libcuda.so.1")
@@ -103,8 +92,7 @@ def test_exported_symbols(built):
 
 def test_copy_kernel_source(library):
     src = library.copy_kernel_source()
-    assert 'extern "C" __global__ void nimble_ffi_copy(CopyTableN<64> t)' in src
-    assert 'extern "C" __global__ void nimble_ffi_copy_small(CopyTableN<8> t)' in src
+    assert 'extern "C" __global__ void nimble_ffi_copy(CopyTable t)' in src
     assert "uint4" in src  # the 16-byte path
 
 
@@ -131,13 +119,12 @@ def test_copy_kernel_compiles_with_nvrtc(library):
     finally:
         check(nvrtc.nvrtcDestroyProgram(prog))
     ptx = ptx.decode(errors="replace")
-    # Each kernel's by-value parameter must be exactly the handler's struct.
-    for name, table in (("nimble_ffi_copy", CopyTable), ("nimble_ffi_copy_small", SmallCopyTable)):
-        assert f".entry {name}(" in ptx
-        param = re.search(rf"\.param\s+\.align\s+(\d+)\s+\.b8\s+{name}_param_0\[(\d+)\]", ptx)
-        assert param is not None, ptx[:2000]
-        assert int(param.group(1)) == ctypes.alignment(table)
-        assert int(param.group(2)) == ctypes.sizeof(table)
+    assert ".entry nimble_ffi_copy(" in ptx
+    # The kernel's by-value parameter must be exactly the handler's struct.
+    param = re.search(r"\.param\s+\.align\s+(\d+)\s+\.b8\s+nimble_ffi_copy_param_0\[(\d+)\]", ptx)
+    assert param is not None, ptx[:2000]
+    assert int(param.group(1)) == ctypes.alignment(CopyTable)
+    assert int(param.group(2)) == ctypes.sizeof(CopyTable)
 
 
 def test_init_without_libcuda_reports_it(library):

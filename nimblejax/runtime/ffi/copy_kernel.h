@@ -6,36 +6,27 @@
 
 namespace {
 
-constexpr int kMaxEntries = 64;   // copies per launch of nimble_ffi_copy
-constexpr int kSmallEntries = 8;  // and of nimble_ffi_copy_small
-// Why two kernels: the driver copies a launch's parameters, and the 64-entry table
-// (1540 bytes) made one launch cost 7.6 µs of host time on an H100 (an MLP training
-// step's handler: 14.6 µs in all); most calls copy a few buffers.
+constexpr int kMaxEntries = 64;  // copies per kernel launch
 
-// Must match the kernels' parameter in kCopyKernelSource byte for byte; it is
-// passed by value through kernelParams.
-template <int N>
-struct CopyTableN {
-  unsigned long long dst[N];
-  unsigned long long src[N];
-  unsigned long long bytes[N];
+// Must match nimble_ffi_copy's parameter in kCopyKernelSource byte for byte;
+// it is passed by value through kernelParams.
+struct CopyTable {
+  unsigned long long dst[kMaxEntries];
+  unsigned long long src[kMaxEntries];
+  unsigned long long bytes[kMaxEntries];
   int count;
 };
-using CopyTable = CopyTableN<kMaxEntries>;
-using SmallCopyTable = CopyTableN<kSmallEntries>;
 
 const char kCopyKernelSource[] = R"CUDA(
-template <int N>
-struct CopyTableN {
-  unsigned long long dst[N];
-  unsigned long long src[N];
-  unsigned long long bytes[N];
+struct CopyTable {
+  unsigned long long dst[64];
+  unsigned long long src[64];
+  unsigned long long bytes[64];
   int count;
 };
 
 // One entry per blockIdx.y; blocks in x and threads grid-stride over it.
-template <int N>
-__device__ void copy_entry(const CopyTableN<N>& t) {
+extern "C" __global__ void nimble_ffi_copy(CopyTable t) {
   const int e = blockIdx.y;
   if (e >= t.count) return;
   unsigned char* dst = (unsigned char*)t.dst[e];
@@ -54,9 +45,6 @@ __device__ void copy_entry(const CopyTableN<N>& t) {
   }
   for (unsigned long long i = done + start; i < n; i += stride) dst[i] = src[i];
 }
-
-extern "C" __global__ void nimble_ffi_copy(CopyTableN<64> t) { copy_entry(t); }
-extern "C" __global__ void nimble_ffi_copy_small(CopyTableN<8> t) { copy_entry(t); }
 )CUDA";
 
 // The copies of one call, gathered before launching them.

@@ -31,9 +31,6 @@ struct Driver {
   CUresult (*StreamWaitEvent)(CUstream, CUevent, unsigned);
   CUresult (*GetErrorString)(CUresult, const char**);
   CUresult (*EventDestroy)(CUevent);
-  // Optional (the small copy kernel, found beside the one registered):
-  CUresult (*FuncGetModule)(void**, CUfunction) = nullptr;
-  CUresult (*ModuleGetFunction)(CUfunction*, void*, const char*) = nullptr;
 };
 
 Driver g_drv;
@@ -69,10 +66,6 @@ void InitOnce() {
             Resolve(lib, "cuGetErrorString", &g_drv.GetErrorString) &&
             Resolve(lib, "cuEventDestroy_v2", &g_drv.EventDestroy);
   if (ok) nimble_patch::ResolvePatchDriver(lib);
-  g_drv.FuncGetModule = reinterpret_cast<decltype(Driver::FuncGetModule)>(
-      dlsym(lib, "cuFuncGetModule"));
-  g_drv.ModuleGetFunction = reinterpret_cast<decltype(Driver::ModuleGetFunction)>(
-      dlsym(lib, "cuModuleGetFunction"));
   g_init_status = ok ? 0 : 2;  // the handle stays open for the process
 }
 

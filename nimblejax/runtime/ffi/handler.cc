@@ -33,7 +33,6 @@ constexpr unsigned kMaxBlocksX = 1024;  // enough blocks to fill an H100 (132 SM
 struct Arena {
   CUgraphExec graph = nullptr;
   CUfunction copy_fn = nullptr;
-  CUfunction copy_small_fn = nullptr;  // its kernel for up to kSmallEntries copies
   std::vector<unsigned long long> out_src, out_bytes;
   CUevent event = nullptr;
   CUstream last_stream = nullptr;  // stream of the previous call, if any
@@ -77,7 +76,6 @@ ffi::Error CopyBatched(Arena& arena, CUstream stream,
                        const std::vector<unsigned long long>& src,
                        const std::vector<unsigned long long>& bytes) {
   CopyTable table;
-  SmallCopyTable small;
   size_t i = 0;
   while (i < dst.size()) {
     table.count = 0;
@@ -94,16 +92,8 @@ ffi::Error CopyBatched(Arena& arena, CUstream stream,
     unsigned long long blocks = (max_bytes + kBytesPerBlock - 1) / kBytesPerBlock;
     unsigned grid_x = blocks < 1 ? 1 : (blocks > kMaxBlocksX ? kMaxBlocksX
                                                             : unsigned(blocks));
-    CUfunction fn = arena.copy_fn;
     void* params[] = {&table};  // the driver copies the struct at launch
-    if (table.count <= kSmallEntries && arena.copy_small_fn != nullptr) {
-      small.count = table.count;
-      for (int k = 0; k < table.count; ++k)
-        small.dst[k] = table.dst[k], small.src[k] = table.src[k], small.bytes[k] = table.bytes[k];
-      fn = arena.copy_small_fn;
-      params[0] = &small;
-    }
-    CUresult rc = g_drv.LaunchKernel(fn, grid_x, table.count, 1,
+    CUresult rc = g_drv.LaunchKernel(arena.copy_fn, grid_x, table.count, 1,
                                      kThreads, 1, 1, 0, stream, params, nullptr);
     if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                    DriverError("cuLaunchKernel", rc));
@@ -285,11 +275,6 @@ NIMBLE_EXPORT long long nimble_ffi_register(
   auto arena = std::make_shared<Arena>();
   arena->graph = static_cast<CUgraphExec>(graph_exec);
   arena->copy_fn = static_cast<CUfunction>(copy_fn);
-  void* module = nullptr;  // the small copy kernel lives in copy_fn's module
-  if (g_drv.FuncGetModule != nullptr && g_drv.ModuleGetFunction != nullptr &&
-      g_drv.FuncGetModule(&module, arena->copy_fn) == 0 &&
-      g_drv.ModuleGetFunction(&arena->copy_small_fn, module, "nimble_ffi_copy_small") != 0)
-    arena->copy_small_fn = nullptr;  // not found: every copy takes the large table
   arena->out_src.assign(out_src, out_src + n_out);
   arena->out_bytes.assign(out_bytes, out_bytes + n_out);
   CUresult rc = g_drv.EventCreate(&arena->event, kEventDisableTiming);
