@@ -16,8 +16,9 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 
 from nimblejax import options as options_mod
+from nimblejax.aot import Lowered
 from nimblejax.arguments import (as_tuple as _as_tuple, check_hashable as _check_hashable,
-                                 check_leaf as _check_leaf, is_array_like as _is_array_like,
+                                 check_leaf as _check_leaf, donated_leaves, is_array_like as _is_array_like,
                                  name_like as _name_like, named_leaves as _named_leaves,
                                  signature as _signature, spec as _spec,
                                  static_positions as _static_positions)
@@ -479,21 +480,20 @@ class NimbleFunction:
         return compiled
 
     def _donated_leaves(self, in_tree) -> frozenset[int]:
-        """Flat indices of leaves that belong to donated positional arguments."""
-        if not self.donate_argnums:
-            return frozenset()
-        args_tree = in_tree.children()[0]
-        n_args = len(args_tree.children()) + len(self.static_argnums)
-        dyn_positions = [i for i in range(n_args) if i not in self.static_argnums]
-        donated, start = set(), 0
-        for pos, child in zip(dyn_positions, args_tree.children()):
-            if pos in self.donate_argnums:
-                donated.update(range(start, start + child.num_leaves))
-            start += child.num_leaves
-        return frozenset(donated)
+        return donated_leaves(in_tree, self.donate_argnums, self.static_argnums)
 
     def stages(self, *args, **kwargs) -> Stages:
         """The program after each compiler pass for these arguments (which may be
         jax.ShapeDtypeStruct): pass name → Stage, printed as NIMBLE_DEBUG=2 prints it."""
         leaves, _key, in_tree, statics = self._flatten(args, kwargs, abstract_ok=True)
         return trace_stages(self._flat_fun(in_tree, statics, []), [_spec(x) for x in leaves], self.options)
+
+    def lower(self, *args, **kwargs) -> Lowered:
+        """Trace and plan these arguments (jax.ShapeDtypeStruct allowed) ahead of time, as
+        jax.jit(f).lower does; `.compile()` builds the executable (nimblejax/aot.py)."""
+        return Lowered(self, args, kwargs, self.stages(*args, **kwargs))
+
+    def _prepare(self) -> str:
+        """Resolve the backend and choose the call path now; the path's name."""
+        self._choose_entry()
+        return self._path

@@ -177,3 +177,19 @@ def name_like(flat_fun: Callable, fun: Callable, num_leaves: int, args: list, kw
             flat_fun.__fun_debug_info__ = dbg
     except Exception:  # noqa: BLE001 - only a nicer message is lost (a JAX without this API)
         pass
+
+
+def donated_leaves(in_tree, donate_argnums: tuple, static_argnums: tuple) -> frozenset[int]:
+    """Flat indices of the leaves of `in_tree` ((args, kwargs) of the dynamic arguments)
+    that belong to donated positional arguments."""
+    if not donate_argnums:
+        return frozenset()
+    args_tree = in_tree.children()[0]
+    n_args = len(args_tree.children()) + len(static_argnums)
+    dyn_positions = [i for i in range(n_args) if i not in static_argnums]
+    donated, start = set(), 0
+    for pos, child in zip(dyn_positions, args_tree.children()):
+        if pos in donate_argnums:
+            donated.update(range(start, start + child.num_leaves))
+        start += child.num_leaves
+    return frozenset(donated)
