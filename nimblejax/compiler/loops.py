@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
@@ -158,7 +159,12 @@ def while_node(builder: Inliner, eqn: Any, ins: list[Atom], src: str,
     cond, cond_consts = open_jaxpr(p["cond_jaxpr"])
     body, body_consts = open_jaxpr(p["body_jaxpr"])
     init = list(ins[ncc + nbc:])
-    pred0 = builder.inline(cond, [builder.const(c) for c in cond_consts] + list(ins[:ncc]) + init, src)[0]
+    cond_in = lambda b, consts, carry: b.inline(  # noqa: E731
+        cond, [b.const(c) for c in cond_consts] + list(consts[:ncc]) + list(carry), src)[0]
+    batched = tuple(cond.outvars[0].aval.shape)  # a vmapped loop's predicate, one per row
+    pred0 = cond_in(builder, ins, init)
+    if batched:
+        pred0 = emit(builder, _any, [pred0], src)[0]
     loop_consts = list(ins[:ncc + nbc])
     avals = [v.aval for v in list(cond.invars[:ncc]) + list(body.invars[:nbc])]
     carry_avals = [v.aval for v in body.invars[nbc:]]
@@ -167,9 +173,14 @@ def while_node(builder: Inliner, eqn: Any, ins: list[Atom], src: str,
         consts = [_operand(b, builder, a, aval) for a, aval in zip(loop_consts, avals)]
         carry = [b.new_var(aval) for aval in carry_avals]
         nxt = b.inline(body, [b.const(c) for c in body_consts] + consts[ncc:] + carry, src)
-        pred = b.inline(cond, [b.const(c) for c in cond_consts] + consts[:ncc] + nxt, src)
+        if batched:  # rows whose predicate is false keep their carry (XLA's lowering)
+            rows = cond_in(b, consts, carry)
+            nxt = [emit(b, _keep_finished, [rows, n, c], src)[0] for n, c in zip(nxt, carry)]
+        pred = cond_in(b, consts, nxt)
+        if batched:
+            pred = emit(b, _any, [pred], src)[0]
         inputs = [c for c in consts if isinstance(c, Var) and c not in b.consts] + carry
-        return inputs, nxt + pred, carry + [None]
+        return inputs, nxt + [pred], carry + [None]
 
     step = sub_plan(make, src, options)
     ncarry = len(carry_avals)
@@ -180,6 +191,18 @@ def while_node(builder: Inliner, eqn: Any, ins: list[Atom], src: str,
     outs = [builder.new_var(aval) for aval in carry_avals]
     builder.nodes.append(Node(nimble_while_p, (pred0, *kept, *init), tuple(outs), {"call": call}, src))
     return outs
+
+
+def _any(pred):
+    return jnp.any(pred)
+
+
+def _keep_finished(rows, new, old):
+    """`new` where the row's predicate holds, else `old` (rows: the leading axes)."""
+    if tuple(new.shape[:rows.ndim]) != tuple(rows.shape):
+        raise NotImplementedError(f"a vmapped while_loop whose carry of shape {new.shape} is "
+                                  f"not batched like its predicate {rows.shape}")
+    return jnp.where(rows.reshape(rows.shape + (1,) * (new.ndim - rows.ndim)), new, old)
 
 
 def switch_node(builder: Inliner, eqn: Any, ins: list[Atom], src: str,

@@ -35,7 +35,8 @@ from nimblejax.compiler.jaxprs import open_jaxpr
 
 KEY_PRIMITIVES = frozenset({"random_seed", "random_split", "random_fold_in", "random_bits"})
 IDENTITIES = frozenset({"random_wrap", "random_unwrap", "random_clone"})
-RANDOM_PRIMITIVES: frozenset[str] = KEY_PRIMITIVES | IDENTITIES | {"threefry2x32", "iota_2x32_shape"}
+RANDOM_PRIMITIVES: frozenset[str] = KEY_PRIMITIVES | IDENTITIES | {"threefry2x32", "iota_2x32_shape",
+                                                                   "random_gamma"}
 SUPPORTED_IMPL = "threefry2x32"
 
 
@@ -88,6 +89,8 @@ def expand(builder: Any, eqn: Any, ins: list[Atom], source: str) -> list[Atom]:
         fn = functools.partial(threefry2x32, shape=tuple(eqn.outvars[0].aval.shape))
     elif name == "iota_2x32_shape":
         fn = functools.partial(iota_2x32, shape=tuple(eqn.params["shape"]), source=source)
+    elif name == "random_gamma":
+        fn = _gamma_function(eqn, avals, source)
     else:
         fn = _on_key_data(eqn, avals, source)
     closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(*physical(a)) for a in avals])
@@ -122,6 +125,20 @@ def _key_function(name: str, params: dict, avals: list, source: str):
         return _vmapped(impl.fold_in, len(shape))(k, jnp.broadcast_to(m, shape))
 
     return fold_in
+
+
+def _gamma_function(eqn: Any, avals: list, source: str):
+    """random_gamma over key data: JAX's own implementation (a rejection loop per value,
+    vmapped as JAX's GPU lowering runs it), whose key operations and `while_loop` the
+    trace then expands like any other (the loop becomes a WHILE task)."""
+    impl = key_impl(avals[0].dtype)
+    _check_impl(impl, "random_gamma", source)
+    gamma = functools.partial(eqn.primitive.impl, log_space=eqn.params["log_space"], use_vmap=True)
+
+    def fn(key_data, a):
+        return gamma(jax.random.wrap_key_data(key_data, impl=impl.name), a)
+
+    return fn
 
 
 def _vmapped(f, n: int):

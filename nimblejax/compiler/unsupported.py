@@ -65,8 +65,6 @@ _reason("call-like primitives whose bodies are not inlined yet (custom_linear_so
 _reason("random bits from generators other than threefry2x32 (XLA's RngBitGenerator, "
         "rng_uniform, Philox, threefry4x32)",
         "philox2x32", "philox4x32", "rng_bit_generator", "rng_uniform", "threefry4x32")
-_reason("jax.random.gamma, beta and dirichlet: random_gamma's rejection loop has no static "
-        "trip count", "random_gamma")
 _reason("mutable state (jax Refs, run_state, hijax boxes and logs): not traced",
         "accum_grad_in_ref", "addupdate", "box_get", "box_set", "broadcast_to",
         "call_hi_primitive", "call_hi_primitive_linearized", "create_linear", "empty_ref",

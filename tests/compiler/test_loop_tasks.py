@@ -249,3 +249,29 @@ def test_long_scan_with_stacked_outputs_and_reverse(reverse, monkeypatch):
 
     rng = np.random.default_rng(11)
     check(f, (rand(rng, 3), {"a": rand(rng, 40, 3), "b": rand(rng, 40)}))
+
+
+# ---- vmapped loops (a predicate per row) and random_gamma, whose rejection loop is one ----
+def vmapped_doubling(xs):
+    return jax.vmap(lambda x: lax.while_loop(lambda c: c[0] < x, lambda c: (c[0] + 1.0, c[1] * 1.5),
+                                             (jnp.float32(0.0), jnp.float32(1.0))))(xs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_vmapped_while_keeps_finished_rows(backend):
+    xs = np.abs(rand(np.random.default_rng(8), 16)) * 10.0  # rows stop after 1 to ~30 steps
+    check(vmapped_doubling, (xs,), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sampler", ["gamma", "beta", "dirichlet"])
+def test_random_gamma_family_matches_jax(backend, sampler):
+    a = np.abs(rand(np.random.default_rng(9), 32)) * 3.0 + 0.2
+    fns = {"gamma": lambda k, a: jax.random.gamma(k, a),
+           "beta": lambda k, a: jax.random.beta(k, a, 2.0 * a),
+           "dirichlet": lambda k, a: jax.random.dirichlet(k, a.reshape(8, 4))}
+    fn, key = fns[sampler], jax.random.PRNGKey(3)
+    got = nimble.jit(fn, backend=backend, fallback="error")(key, a)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(fn)(key, a)), rtol=2e-5, atol=1e-6)
+    kinds = [t.kind for t in nimble.jit(fn, backend="interpret").plan(key, a).tasks]
+    assert TaskKind.WHILE in kinds
