@@ -45,6 +45,9 @@ def plan_row(spec, batch: int, dtype, tiny: bool, max_streams: Optional[int] = N
 
 
 def plan_stats(plan) -> dict:
+    from nimblejax.bench.timeline import predict
+
+    predicted = predict(plan)  # the cost model: a GPU run prints it beside the measured time
     kinds = [t.kind for t in plan.tasks]
     counts = {k: kinds.count(k) for k in sorted(set(kinds))}
     return {"tasks": len(kinds), "kernels": kinds.count("kernel"), "gemms": kinds.count("gemm"),
@@ -52,7 +55,8 @@ def plan_stats(plan) -> dict:
             "streams": int(plan.schedule.num_streams), "events": int(plan.num_events),
             "arena_bytes": int(plan.memory.arena_bytes),
             "arena_input_bytes": int(sum(v.nbytes for v in plan.graph.inputs if v in plan.memory.offsets)),
-            "memory": plan.memory.describe()}
+            "memory": plan.memory.describe(),
+            "predicted_us": predicted.us, "predicted_gain": predicted.gain}
 
 
 # Said of every batch ≥ 8 row of a CNN on a machine without cuDNN: the plan-only table

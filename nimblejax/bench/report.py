@@ -36,6 +36,10 @@ def _arena(row: dict) -> str:
     return f"{_mb(row['arena_bytes'])} ({_mb(row['arena_input_bytes'])})"
 
 
+def _ms(us: Optional[float]) -> Optional[float]:
+    return None if us is None else us / 1e3
+
+
 def _speedup(v: Optional[float]) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
@@ -87,6 +91,8 @@ PLAN_COLUMNS = _MODEL + [
     ("gemms", "gemms", 5, _cell("d")), ("streams", "streams", 7, _cell("d")),
     ("events", "events", 6, _cell("d")),
     ("arena MB (inputs)", "arena_bytes", 17, lambda r, f: _arena(r)),
+    ("predicted ms", "predicted_us", 12, lambda r, f: _num(_ms(r.get(f)), ".3f")),
+    ("streams gain", "predicted_gain", 12, lambda r, f: _speedup(r.get(f))),
     ("plan s", "plan_s", 6, _cell(".2f")), ("note", "note", 0, lambda r, f: _note(r))]
 
 
@@ -99,6 +105,11 @@ _PLAN_LEGEND = [
                         "order tasks across streams"),
     ("arena MB (inputs)", "the plan's one device allocation; in brackets, the part that "
                           "holds the arguments (parameters included)"),
+    ("predicted ms", "the GPU time of one call the plan's streams should give, from a cost "
+                     "model (bench/timeline.py: bytes at 2 TB/s, GEMM flops, 2 µs a launch); "
+                     "a GPU run prints it beside the measured time"),
+    ("streams gain", "that prediction for the tasks on one stream, over the prediction on the "
+                     "plan's streams"),
     ("plan s", "seconds to trace and plan the model here; on a GPU the first call also "
                "compiles the kernels and captures the graph"),
     ("note", "critical path: the longest chain of tasks that wait for each other; the "
@@ -135,6 +146,7 @@ def gpu_columns(full: bool) -> list:
     if full:
         cols.append(("e2e ms", "e2e_ms", 8, _cell(".3f")))
     cols += [("GPU ms", "gpu_ms", 8, _cell(".3f")),
+             ("predicted ms", "predicted_us", 12, lambda r, f: _num(_ms(r.get(f)), ".3f")),
              ("speedup looped", "speedup_looped", 14, speed)]
     if full:
         cols.append(("speedup e2e", "speedup_e2e", 11, speed))

@@ -98,6 +98,29 @@ class Timeline:
         return max((s.end for s in self.slots), default=0.0)
 
 
+@dataclass(frozen=True)
+class Prediction:
+    """What the plan's streams should give (the what-if of Nimble's paper, after
+    Daydream): `us`, the GPU time of one call with the tasks placed by the streams and
+    events; `one_stream_us`, every task one after another; `gain`, their ratio. From the
+    cost model (`estimate_us`) or from measured per-task times."""
+
+    us: float
+    one_stream_us: float
+    measured: bool
+
+    @property
+    def gain(self) -> float:
+        return self.one_stream_us / self.us if self.us else 1.0
+
+
+def predict(plan, task_us: Optional[TaskTimes] = None) -> Prediction:
+    """The plan's predicted GPU time per call, on its streams and on one."""
+    slots = schedule_slots(plan, task_us)
+    return Prediction(max((s.end for s in slots), default=0.0),
+                      sum(s.end - s.start for s in slots), bool(task_us))
+
+
 def timeline(plan, task_us: Optional[TaskTimes] = None,
              title: Optional[str] = None) -> Timeline:
     """The data of `plan`'s picture (no drawing, no matplotlib)."""

@@ -10,7 +10,7 @@ import pytest
 import nimblejax as nimble
 from nimblejax.bench import cli
 from nimblejax.bench.models import MODELS
-from nimblejax.bench.timeline import draw_timeline, estimate_us, schedule_slots, timeline
+from nimblejax.bench.timeline import draw_timeline, estimate_us, predict, schedule_slots, timeline
 
 
 def _plan(name="nasnet_mobile", batch=1):
@@ -44,6 +44,27 @@ def test_estimated_slots_follow_the_plan():
     assert total < sum(s.end - s.start for s in slots)
     for s, task in zip(slots, plan.schedule.order):
         assert s.end - s.start == pytest.approx(estimate_us(task))
+
+
+def test_predicted_time_and_the_gain_of_the_streams():
+    wide = _plan()
+    p = predict(wide)
+    assert not p.measured and p.us == pytest.approx(timeline(wide).total_us)
+    assert p.one_stream_us == pytest.approx(sum(estimate_us(t) for t in wide.tasks))
+    assert p.gain > 1.0  # NASNet's cells run side by side
+    chain = nimble.jit(lambda x: jnp.tanh(jnp.sin(x) @ x), backend="interpret").plan(
+        jax.ShapeDtypeStruct((64, 64), jnp.float32))
+    assert chain.schedule.num_streams == 1 and predict(chain).gain == pytest.approx(1.0)
+    measured = predict(wide, [3.0] * len(wide.tasks))
+    assert measured.measured and measured.one_stream_us == pytest.approx(3.0 * len(wide.tasks))
+
+
+def test_plan_stats_carry_the_prediction():
+    from nimblejax.bench.plans import plan_stats
+
+    stats = plan_stats(_plan())
+    assert stats["predicted_us"] == pytest.approx(predict(_plan()).us)
+    assert stats["predicted_gain"] > 1.0
 
 
 def test_measured_times_are_used_and_the_title_says_so():
