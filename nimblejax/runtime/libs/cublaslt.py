@@ -17,7 +17,7 @@ bias serves every batch entry (BIAS_BATCH_STRIDE 0). `residual` reads a
 separate matrix R of C's layout as cuBLASLt's C (beta = 1) and writes our C as
 its D. 'relu' and 'gelu_tanh' are applied last. cuBLASLt's GELU is taken to be
 the tanh approximation (jax.nn.gelu(approximate=True)), the form XLA fuses into
-it; tests/runtime/libs/test_cublaslt.py::test_gelu_is_the_tanh_approximation checks this.
+it; tests/runtime/libs/test_cublaslt_numerics.py::test_gelu_is_the_tanh_approximation checks this.
 
 Nothing loads libcublasLt at import time (`loader` finds and loads it on first
 use, next to libcublas). Constant values and struct layouts are from the CUDA 13

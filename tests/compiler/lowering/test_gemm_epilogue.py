@@ -323,7 +323,7 @@ def test_kernels_next_to_epilogue_gemms_compile():
 # ---- GPU: each epilogue on cuBLASLt against jax.jit ---------------------------------------
 # (jax.jit precision, dtype) → tolerance; f32 HIGHEST is checked tightly, except cuBLASLt's
 # GELU, whose tanh may be a fast approximation (1e-3 of the output's scale, see
-# tests/test_cublaslt.py::test_epilogues).
+# tests/runtime/libs/test_cublaslt_numerics.py::test_epilogues).
 GPU_CASES = [("default", jnp.float32), ("highest", jnp.float32), ("default", jnp.bfloat16)]
 GPU_EPILOGUES = {  # x @ w is batched where x and w have a batch axis
     "bias": lambda p, x, w, b, res: jnp.matmul(x, w, precision=p) + b,
