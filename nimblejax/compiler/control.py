@@ -79,11 +79,14 @@ def _decide(builder, name: str, src: str, choice: str, reason: str) -> None:
 
 
 def _refuse(name: str, src: str, reason: str) -> NotImplementedError:
-    """A loop or branch that would have to stay one: conditional graph nodes (WHILE/IF)
-    are not built yet, so say why this one could not be flattened."""
+    """A loop or branch that would have to stay one where it cannot: under
+    loops="unroll", with side effects in its body, or while co-execution decides what
+    nimble plans (it probes each equation without the options, so such a loop stays
+    XLA's, around nimble-planned bodies)."""
     return UnsupportedPrimitiveError(
-        f"nimblejax cannot flatten primitive '{name}' (from {src}): {reason}, and "
-        f"loops kept as loops (CUDA conditional graph nodes) are not supported yet. "
+        f"nimblejax cannot flatten primitive '{name}' (from {src}): {reason}; it stays a "
+        f"loop (a CUDA WHILE or IF node) only under loops=\"graph\" (the default), with no "
+        f"side effects in its body, in a function nimble plans whole. "
         f"Use nimble.jit(..., backend=\"jax\") to run this function with plain jax.jit.")
 
 
