@@ -41,18 +41,23 @@ def frames_per_call(f, args, calls=10) -> dict:
     return {k: v / calls for k, v in sorted(seen.items(), key=lambda kv: -kv[1])[:6]}
 
 
-def handler_counters(f) -> "tuple[int, int] | None":
-    """(calls, host ns) the FFI handler counted over f's arenas so far; None without one."""
+def handler_counters(f) -> dict:
+    """The FFI handler's counters (FfiRunner.stats) summed over f's arenas so far."""
     from nimblejax.runtime.ffi_runner import FfiRunner
 
-    calls = ns = 0
-    found = False
+    total: dict = {}
     for runner in f._runners.values():
         if isinstance(runner, FfiRunner):
             for ordinal in runner.exes:
-                s = runner.stats(ordinal)
-                calls, ns, found = calls + s["calls"], ns + s["handler_ns"], True
-    return (calls, ns) if found else None
+                for k, v in runner.stats(ordinal).items():
+                    total[k] = total.get(k, 0) + v
+    return total
+
+
+def per_call(before: dict, after: dict) -> dict:
+    """Each counter's growth per handler call between two handler_counters readings."""
+    calls = max(after.get("calls", 0) - before.get("calls", 0), 1)
+    return {k: (v - before.get(k, 0)) / calls for k, v in after.items()}
 
 
 def wrapper_alone_us(f, xs) -> float:
@@ -92,7 +97,7 @@ def main() -> None:
         ln = looped_us(f, xs)
         after = handler_counters(f)
         li = looped_us(inner, [tuple(p) for p in passed])
-        handler = ((after[1] - before[1]) / 1e3 / max(after[0] - before[0], 1)) if after else float("nan")
+        handler = per_call(before, after)["handler_ns"] / 1e3 if after else float("nan")
         print(f"| {n} | {lj:.1f} | {ln:.1f} | {li:.1f} | {ln - li:.1f} | {wrapper_alone_us(f, xs):.1f} "
               f"| {handler:.1f} | {nimble_gpu_us(f):.1f} |", flush=True)
     training_rows()
@@ -115,21 +120,9 @@ def training_rows() -> None:
         f = nimble.jit(fn, backend="cuda", donate_argnums=donate)
         lj = looped_us(j, br._fresh_copies(arg_sets, donate), feed)
         looped_us(f, br._fresh_copies(arg_sets, donate), feed, calls=20, repeats=1)
-        before = {k: 0 for k in ("calls", "copy_launches", "nodes_set", "handler_ns",
-                                 "set_nodes_ns", "copy_launch_ns", "graph_launch_ns")}
-        runners = [r for r in f._runners.values() if hasattr(r, "stats")]
-        def total():
-            out = dict(before)
-            for r in runners:
-                for ordinal in r.exes:
-                    for k, v in r.stats(ordinal).items():
-                        out[k] += v
-            return out
-        b = total()
+        before = handler_counters(f)
         ln = looped_us(f, br._fresh_copies(arg_sets, donate), feed)
-        a = total()
-        calls = max(a["calls"] - b["calls"], 1)
-        per = {k: (a[k] - b[k]) / calls for k in a}
+        per = per_call(before, handler_counters(f))
         parts = " / ".join(f"{per[k] / 1e3:.1f}" for k in ("set_nodes_ns", "copy_launch_ns", "graph_launch_ns"))
         print(f"| {name} | {lj:.1f} | {ln:.1f} | {per['handler_ns'] / 1e3:.1f} | {parts} | {per['copy_launches']:.1f} "
               f"| {per['nodes_set']:.1f} | {f.call_path} |", flush=True)

@@ -252,12 +252,14 @@ def _strided_into_kernel(node: Node, groups, roots) -> bool:
     """A transpose that moves its input's innermost axis stays out of a kernel rule's
     group (a scatter's loops read its operands one element per thread, so it would read
     a row apart per thread): it gets the tiled transpose kernel of its own."""
-    if node.name != "transpose":
-        return False
-    perm = tuple(node.params["permutation"])
-    if not perm or perm[-1] == len(perm) - 1:
-        return False
-    return any(rule_for(roots[g]).fuses for g in groups)
+    return moves_innermost_axis(node) and any(rule_for(roots[g]).fuses for g in groups)
+
+
+def moves_innermost_axis(node: Node) -> bool:
+    """A transpose that moves its input's innermost axis: lowering/transpose.py gives it
+    a tiled kernel (a block shape of its own)."""
+    perm = tuple(node.params["permutation"]) if node.name == "transpose" else ()
+    return bool(perm) and perm[-1] != len(perm) - 1
 
 
 def _make_group(root: Node, nodes: list[Node], epilogue: EpilogueMatch | None = None,

@@ -29,6 +29,7 @@ kernel (lowering/horizontal.py) gives each member its own range of blocks.
 """
 from __future__ import annotations
 
+from nimblejax.compiler.fusion import Group, moves_innermost_axis
 from nimblejax.compiler.ir import Var
 from nimblejax.compiler.kinds import GroupKind
 
@@ -62,25 +63,14 @@ def pack_horizontal(groups: list) -> list:
             if len(pack) > 1:
                 at[id(pack[anchor])] = _make_pack(pack)
                 dropped.update(id(g) for g in pack)
-    return [at[id(g)] if id(g) in at else g for g in groups if id(g) in at or id(g) not in dropped]
+    return [at.get(id(g), g) for g in groups if id(g) in at or id(g) not in dropped]
 
 
 def _candidate(g) -> bool:
     if g.kind is not GroupKind.FUSED or len(g.outputs) != 1 or g.in_place:
         return False
     out = g.outputs[0]
-    return out.size < HORIZONTAL_BELOW and not _tiled_transpose(g)
-
-
-def _tiled_transpose(g) -> bool:
-    """Whether the group permutes an array's innermost axis (lowering/transpose.py then
-    gives it a tiled kernel of its own)."""
-    for n in g.nodes:
-        if n.name == "transpose":
-            perm = tuple(n.params["permutation"])
-            if perm and perm[-1] != len(perm) - 1:
-                return True
-    return False
+    return out.size < HORIZONTAL_BELOW and not any(map(moves_innermost_axis, g.nodes))
 
 
 def _producers(groups: list) -> tuple[dict[int, frozenset], set[int]]:
@@ -112,9 +102,7 @@ def _chunks(members: list, max_elements: int | None = None) -> list[list]:
     return chunks
 
 
-def _make_pack(members: list):
-    from nimblejax.compiler.fusion import Group
-
+def _make_pack(members: list) -> Group:
     nodes, seen = [], set()
     for g in members:
         for n in g.nodes:

@@ -296,13 +296,7 @@ def run(plan, args, lib=None) -> tuple[list[np.ndarray], int]:
     `lib`, a `build` of `kernels(plan)` and maybe more, if given)."""
     import jax
 
-    arena = interpret.Arena(plan)
-    for var, arg in zip(plan.graph.inputs, args):
-        if var in plan.memory.offsets:
-            arena.write(var, np.asarray(arg))
-    for var, value in plan.graph.consts.items():
-        if var in plan.memory.offsets:
-            arena.write(var, value)
+    arena = interpret.loaded(plan, args)
     if lib is None and kernels(plan):
         lib = build(kernels(plan))
     base = arena.bytes.ctypes.data

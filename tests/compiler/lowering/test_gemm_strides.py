@@ -74,13 +74,7 @@ def emulate_gemm(task, arena: interpret.Arena) -> None:
 
 
 def run_emulating_gemms(plan, args, seed: int = 0) -> list[np.ndarray]:
-    arena = interpret.Arena(plan)
-    for var, arg in zip(plan.graph.inputs, args):
-        if var in plan.memory.offsets:
-            arena.write(var, np.asarray(arg))
-    for var, value in plan.graph.consts.items():
-        if var in plan.memory.offsets:
-            arena.write(var, value)
+    arena = interpret.loaded(plan, args)
     with jax.default_device(interpret.device()):
         for task in interpret.interleaving(plan.schedule, random.Random(seed)):
             if task.kind == "gemm":
