@@ -98,13 +98,16 @@ class Launchers:
 
         handle = cublaslt.LtHandle()
         gemms = {}
-        for t in tasks:
-            s = self.stream_of[t]
-            a, b, c, bias, residual = self.args[t]
-            ws = self.workspaces[s]
-            buffers = cublaslt.GemmBuffers(a, b, c, ws.data.ptr, self.streams[s].ptr,
-                                           bias=bias, residual=residual)
-            gemms[t] = cublaslt.LtGemm(handle, t.gemm, ws.nbytes, buffers=buffers)
+        try:
+            for t in tasks:
+                s = self.stream_of[t]
+                a, b, c, bias, residual = self.args[t]
+                ws = self.workspaces[s]
+                buffers = cublaslt.GemmBuffers(a, b, c, ws.data.ptr, self.streams[s].ptr,
+                                               bias=bias, residual=residual)
+                gemms[t] = cublaslt.LtGemm(handle, t.gemm, ws.nbytes, buffers=buffers)
+        finally:
+            cublaslt.release_fill()  # the timing's operands, shared by the plan's GEMMs
         return handle, gemms
 
     def _cudnn_convs(self):

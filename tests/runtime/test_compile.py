@@ -1,5 +1,6 @@
-"""runtime/compile.py: a plan's new kernels compiled as one module (NVRTC parses the
-shared headers once), each alone where the module fails, nothing compiled twice. The
+"""runtime/compile.py: a plan's new kernels compiled in a few modules on parallel threads
+(NVRTC parses the shared headers once per module), each kernel alone where its module
+fails, nothing compiled twice. The
 module's handling runs against a fake CuPy here; NVRTC itself compiles the suite's
 plans as one module (the real check that concatenated kernels do not collide), and the
 GPU tests compile and run them through CuPy."""
@@ -40,10 +41,23 @@ class FakeModule:
         return (id(self), name)
 
 
+class FakeDevice:
+    """cupy.cuda.Device: the current one (id 0) and a context that makes one current."""
+
+    def __init__(self, id: int = 0) -> None:
+        self.id = id
+
+    def __enter__(self) -> "FakeDevice":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
 @pytest.fixture
 def fake_cupy(monkeypatch):
     cupy = types.SimpleNamespace(RawModule=FakeModule, cuda=types.SimpleNamespace(
-        compiler=types.SimpleNamespace(CompileException=CompileException)))
+        compiler=types.SimpleNamespace(CompileException=CompileException), Device=FakeDevice))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(compile_mod, "_modules", {})
     FakeModule.built = []
@@ -68,6 +82,28 @@ def test_a_module_that_fails_is_compiled_kernel_by_kernel(fake_cupy):
     ks = [kernel("a"), kernel("a", "return;"), kernel("b")]  # two sources define `a`
     compile_mod.compile_kernels(ks)
     assert FakeModule.built == [["a"], ["a"], ["b"]]
+
+
+def test_module_split_deals_every_source_once_into_even_modules():
+    sources = [f"k{i}" + "x" * (i % 7) for i in range(21)]
+    for threads, count in ((1, 1), (4, 4), (8, 5), (64, 5)):  # ≥ 4 kernels a module
+        modules = compile_mod.module_split(sources, threads)
+        assert len(modules) == count
+        assert sorted(s for m in modules for s in m) == sorted(sources)
+        sizes = [sum(map(len, m)) for m in modules]
+        assert max(sizes) - min(sizes) <= max(map(len, sources))
+    assert compile_mod.module_split(sources[:3], 8) == [sorted(sources[:3], key=len, reverse=True)]
+
+
+def test_many_new_kernels_build_several_modules_on_threads(fake_cupy, monkeypatch):
+    monkeypatch.setattr(compile_mod, "threads", lambda: 3)
+    ks = [kernel(f"k{i}") for i in range(12)]
+    funcs = compile_mod.compile_kernels(ks)
+    assert sorted(len(names) for names in FakeModule.built) == [4, 4, 4]
+    assert sorted(n for names in FakeModule.built for n in names) == sorted(k.name for k in ks)
+    assert len({f[0] for f in funcs.values()}) == 3 and set(funcs) == {k.name for k in ks}
+    compile_mod.compile_kernels(ks)  # all known: nothing compiled again
+    assert len(FakeModule.built) == 3
 
 
 @pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")

@@ -32,6 +32,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from . import cublas, loader
 from .cublas import CublasError, _check, column_major_gemm, compute_type, cuda_dtype
 
@@ -137,8 +139,7 @@ def epilogue_code(epilogue: Epilogue) -> int:
 def random_values(cupy, elements: int, dtype: str):
     """`elements` pseudo-random values in [-1, 1) of a GEMM dtype (a uint16 array
     holding the bits where the dtype is bfloat16, which CuPy lacks): a hash of each
-    element's index, computed by CuPy's elementwise kernels on the current stream (so
-    ordered before the timed launches on that stream; cuRAND's stream is its own)."""
+    element's index, computed with `xp`'s array API (numpy: see fill_values)."""
     h = cupy.arange(max(int(elements), 1), dtype=cupy.uint32)
     for mul in (0x9E3779B1, 0x45D9F3B):  # an integer hash (multiply, xor-shift)
         h = h * cupy.uint32(mul)
@@ -151,6 +152,28 @@ def random_values(cupy, elements: int, dtype: str):
     if dtype == "bfloat16":  # the upper half of a float32 is a bfloat16 (truncated)
         return (x.view(cupy.uint32) >> cupy.uint32(16)).astype(cupy.uint16)
     raise ValueError(f"no random fill for GEMM dtype {dtype!r}")
+
+
+# dtype -> a device array of random_values, as long as the largest operand asked for so
+# far; the timing of every GEMM of a plan reads its operands from it (LtGemm._filled).
+_FILL: dict[str, object] = {}
+
+
+def fill_values(cupy, elements: int, dtype: str):
+    """A device array of at least `elements` random values of `dtype`, made on the host
+    and copied on the current stream: no CuPy kernel to compile (CuPy's elementwise
+    kernels took 1.5 s of ResNet-50's cold first call), and made once for all of a
+    plan's GEMMs. Read-only: a GEMM's output gets a copy of its own."""
+    have = _FILL.get(dtype)
+    if have is None or have.size < elements:
+        grown = max(int(elements), 2 * have.size if have is not None else 0)
+        have = _FILL[dtype] = cupy.asarray(random_values(np, grown, dtype))
+    return have
+
+
+def release_fill() -> None:
+    """Frees the fill arrays (once a plan's GEMMs are timed)."""
+    _FILL.clear()
 
 
 def fastest(times_us: list[float | None]) -> int:
@@ -363,11 +386,12 @@ class LtGemm:
             stream.synchronize()
 
     def _filled(self, cupy, buf: GemmBuffers, stream, held: list) -> GemmBuffers:
-        """`buf` with the operands the GEMM reads moved to fresh buffers of pseudo-random
-        values of their dtypes (in [-1, 1), as XLA's autotuner fills its buffers), made
-        on `stream`. So candidates are timed on realistic values, never on uninitialized
-        memory (`compute-sanitizer --tool initcheck` stays clean), and the plan's own
-        buffers (which may hold its inputs or constants already) are left untouched."""
+        """`buf` with the operands the GEMM reads moved to buffers of pseudo-random values
+        of their dtypes (in [-1, 1), as XLA's autotuner fills its buffers): the inputs
+        read from the shared fill arrays, C a fresh copy of one, on `stream`. So
+        candidates are timed on realistic values, never on uninitialized memory
+        (`compute-sanitizer --tool initcheck` stays clean), and the plan's own buffers
+        (which may hold its inputs or constants already) are left untouched."""
         call = self.call
         out = call.out_dtype or call.dtype
         sizes = {"a": (call.extent("a"), call.dtype), "b": (call.extent("b"), call.dtype),
@@ -379,9 +403,13 @@ class LtGemm:
         fresh = {}
         with stream:
             for name, (elements, dtype) in sizes.items():
-                # C is only read where beta != 0 without a residual; filled anyway, as
-                # cheap as allocating it.
-                held.append(random_values(cupy, elements, dtype))
+                held.append(fill_values(cupy, elements, dtype))
+                if name == "c":  # written by the GEMM (and read where beta != 0): its own copy
+                    values = held[-1]
+                    held.append(cupy.empty(int(elements), dtype=values.dtype))
+                    rt = cupy.cuda.runtime
+                    rt.memcpyAsync(held[-1].data.ptr, values.data.ptr, held[-1].nbytes,
+                                   rt.memcpyDeviceToDevice, stream.ptr)
                 fresh[name] = held[-1].data.ptr
         return dataclasses.replace(buf, **fresh)
 

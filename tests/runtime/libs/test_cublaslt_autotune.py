@@ -4,7 +4,6 @@ on the plan's (possibly uninitialized) buffers, which are neither read nor writt
 CPU tests check the values and which buffers are filled; `gpu` tests run it."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,15 +43,37 @@ class _Fake:
     def data(self):
         return self
 
+    @property
+    def nbytes(self) -> int:
+        return self.elements * (2 if self.dtype in ("bfloat16", "float16") else 4)
 
-def test_filled_moves_every_operand_read_to_fresh_buffers(monkeypatch):
+
+class _FakeCupy:
+    """The two CuPy calls _filled makes besides fill_values: empty and memcpyAsync."""
+
+    def __init__(self, made: list, copies: list) -> None:
+        self.made = made
+        runtime = type("runtime", (), {"memcpyDeviceToDevice": 3,
+                                       "memcpyAsync": staticmethod(lambda *a: copies.append(a))})
+        self.cuda = type("cuda", (), {"runtime": runtime})
+
+    def empty(self, elements: int, dtype: str) -> _Fake:
+        self.made.append(_Fake(elements, dtype, 0x1000 * (len(self.made) + 1)))
+        return self.made[-1]
+
+
+def test_filled_reads_the_fill_arrays_and_writes_a_copy(monkeypatch):
     made: list[_Fake] = []
+    copies: list[tuple] = []
+    pools: dict[str, _Fake] = {}
 
-    def fake_random(cupy, elements, dtype):
-        made.append(_Fake(elements, dtype, 0x1000 * (len(made) + 1)))
-        return made[-1]
+    def fake_fill(cupy, elements, dtype):  # one array per dtype, grown when too short
+        if dtype not in pools or pools[dtype].elements < elements:
+            pools[dtype] = _Fake(elements, dtype, 0x1000 * (len(made) + 1))
+            made.append(pools[dtype])
+        return pools[dtype]
 
-    monkeypatch.setattr(cublaslt, "random_values", fake_random)
+    monkeypatch.setattr(cublaslt, "fill_values", fake_fill)
     # Strided A (BERT's heads at batch 1), a bias and a residual, bf16 in, f32 out.
     call = GemmCall(12, 128, 64, 128, False, False, "bfloat16", "f32_from_half",
                     out_dtype="float32", beta=1.0, lda=768, stride_a=64,
@@ -61,16 +82,32 @@ def test_filled_moves_every_operand_read_to_fresh_buffers(monkeypatch):
     gemm.call, gemm.has_bias, gemm.has_residual = call, True, True
     buf = cublaslt.GemmBuffers(1, 2, 3, 0x77, stream=0x88, bias=4, residual=5)
     held: list = []
-    filled = gemm._filled(None, buf, contextlib.nullcontext(), held)
-    assert held == made
+    stream = type("stream", (), {"ptr": 0x99, "__enter__": lambda s: s,
+                                 "__exit__": lambda s, *e: None})()
+    filled = gemm._filled(_FakeCupy(made, copies), buf, stream, held)
+    assert all(m in held for m in made)  # alive until the timing stream is done
     want = {"a": (11 * 64 + 127 * 768 + 128, "bfloat16"), "b": (12 * 128 * 64, "bfloat16"),
             "c": (12 * 128 * 64, "float32"), "bias": (64, "float32"),
             "residual": (12 * 128 * 64, "float32")}
-    got = {name: next((m.elements, m.dtype) for m in made if m.ptr == getattr(filled, name))
-           for name in want}
-    assert got == want
+    for name, (elements, dtype) in want.items():
+        array = next(m for m in made if m.ptr == getattr(filled, name))
+        assert array.dtype == dtype and array.elements >= elements, name
+    # C, which the GEMM writes, is a buffer of its own, copied from the fill array.
+    c = next(m for m in made if m.ptr == filled.c)
+    assert c not in pools.values() and c.elements == want["c"][0]
+    assert copies == [(filled.c, pools["float32"].ptr, c.nbytes, 3, 0x99)]
     assert (filled.workspace, filled.stream) == (0x77, 0x88)  # the plan's workspace
     assert not {1, 2, 3, 4, 5} & {filled.a, filled.b, filled.c, filled.bias, filled.residual}
+
+
+def test_fill_values_grow_and_are_released(monkeypatch):
+    monkeypatch.setattr(cublaslt, "_FILL", {})
+    small = cublaslt.fill_values(np, 10, "float32")  # numpy stands in for CuPy's asarray
+    assert cublaslt.fill_values(np, 8, "float32") is small  # long enough: reused
+    grown = cublaslt.fill_values(np, 15, "float32")
+    assert grown.size == 20 and np.array_equal(grown[:10], small)  # doubled, same prefix
+    cublaslt.release_fill()
+    assert cublaslt._FILL == {}
 
 
 # ---- GPU ------------------------------------------------------------------------------
