@@ -19,7 +19,7 @@ def test_conditional_kernels_compile_to_ptx_with_nvrtc():
     if available_compiler() is None:
         pytest.skip("no NVRTC or nvcc")
     ptx = compile_to_ptx(conditional.SOURCE, "nimble_conditional")
-    for name in ("nimble_set_while", "nimble_set_branch", "nimble_copy_slot"):
+    for name in ("nimble_set_while", "nimble_set_branch", "nimble_copy_slot", "nimble_next_carry"):
         assert f".entry {name}" in ptx
     assert "cudaGraphSetConditional" in ptx  # the builtin, resolved by the driver's JIT
 
@@ -61,6 +61,28 @@ def test_while_task_on_the_gpu(mode):
         got, want = f(a), jax.jit(newton)(a)
         np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-4)
         assert int(np.asarray(got[2])) == int(want[2])
+
+
+def mixed_carry(x, b, n):
+    """Carries of mixed sizes for the body's one copy kernel: 1.2 MB of float32 (more
+    than one pass of its grid), 7 int8 bytes (not a multiple of four), a counter."""
+    def body(c):
+        x, b, k = c
+        return x * 0.5 + 1.0, (b + 3).astype(jnp.int8), k + 1
+    return lax.while_loop(lambda c: c[2] < n, body, (x, b, jnp.int32(0)))
+
+
+@pytest.mark.gpu
+def test_while_body_copies_every_carry_in_one_kernel_on_the_gpu():
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=300_000).astype(np.float32)
+    b = rng.integers(-100, 100, size=7).astype(np.int8)
+    f = nimble.jit(mixed_carry, loops="graph")
+    for n in (0, 1, 37):  # the trip count only known at run time
+        got, want = f(x, b, np.int32(n)), jax.jit(mixed_carry)(x, b, np.int32(n))
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6)
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+        assert int(np.asarray(got[2])) == n
 
 
 @pytest.mark.gpu
