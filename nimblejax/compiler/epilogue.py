@@ -16,7 +16,9 @@ cuBLASLt applies them (C = act(alpha * A @ B + R + bias)):
   equations for the CPU interpreter (an LSTM's one broadcast bias serves every step).
 - residual: a value of the output's shape that is written anyway (a graph input, or a
   value some library call or kernel reads) and not computed later than the dot's
-  operands, read as cuBLASLt's C with beta = 1.
+  operands, read as cuBLASLt's C with beta = 1. `residual - product` (an SGD update
+  `p - lr * grad` whose gradient is the product) is the same with alpha negated, where
+  no bias came before.
 - activation: relu (max(x, 0)) or gelu_tanh (jax.nn.gelu(approximate=True)'s
   equations). The erf GELU (approximate=False; BERT's) is not cuBLASLt's GELU: it stays
   a kernel, after a GEMM that adds the bias.
@@ -28,7 +30,10 @@ cuBLASLt applies them (C = act(alpha * A @ B + R + bias)):
   C^T = op(B)^T op(A)^T (operands swapped), so no bias may come before it (cuBLASLt's
   bias would run along the other axis then). No residual may come before it (cuBLASLt
   reads R with the layout it writes), only views that put in or take out axes of size 1
-  (jnp.matmul's squeeze and broadcast of a batch of one), and nothing follows it.
+  (jnp.matmul's squeeze and broadcast of a batch of one). Where the transposed result
+  is written contiguous (a swapped 2-D product), a scale, a residual and an activation
+  may follow it, but no bias: the weight gradient of `x @ w` is `(dᵀ x)ᵀ` in JAX's
+  backward pass, and its SGD update `w - lr * grad` is then one GEMM.
 Reshapes of the output (views) may sit between the other steps. A value inside the chain
 must have its next step as its only use and not be a graph output: it is never written.
 """
@@ -158,7 +163,7 @@ class _Chain:
     def match(self) -> Optional[EpilogueMatch]:
         cur = written = self.dot.outputs[0]  # cur may be a view of `written`, not taken yet
         views: list[Node] = []  # reshapes since the last step: taken only if a step follows
-        while self.out_layout is None:  # nothing follows the transpose
+        while True:
             users = self.ctx.consumers.get(cur, [])
             if cur in self.ctx.outputs or not users:
                 break
@@ -182,7 +187,9 @@ class _Chain:
     def _step(self, cur: Var, users: list[Node], views: list[Node]) -> Optional[tuple[Node, ...]]:
         """The nodes of the next step after cur, recorded, or None. `views`: the
         reshapes between the last step and cur."""
-        transpose = self._transpose_step(cur, views)
+        if self.out_layout is not None and not self._written_contiguous():
+            return None
+        transpose = self._transpose_step(cur, views) if self.out_layout is None else None
         if transpose is not None:
             return transpose
         if len(users) > 1:  # only an activation reads its input several times
@@ -199,16 +206,30 @@ class _Chain:
         scale = _scale(user, cur) if self.bias is None and self.residual is None else None
         if scale is not None:
             self.alpha *= scale
-        elif user.name == "add" and self.bias is None and (found := _bias(other, cur, self.n, ctx)):
+        elif user.name == "add" and self.bias is None and self.out_layout is None \
+                and (found := _bias(other, cur, self.n, ctx)):
             self.bias, self.bias_path = found
             self.bias_add = user
         elif user.name == "add" and self.residual is None and _residual(other, cur, self.dot, ctx):
             self.residual = other
+        elif _subtracted_from(user, cur) and self.bias is None and self.residual is None \
+                and _residual(other, cur, self.dot, ctx):
+            # r - alpha·A@B: an SGD update `p - lr * grad` of a weight whose gradient is
+            # the product. Negating alpha negates only the product (no bias before it).
+            self.residual, self.alpha = other, -self.alpha
         elif _is_relu(user, cur):
             self.activation = "relu"
         else:
             return None
         return (user,)
+
+    def _written_contiguous(self) -> bool:
+        """The transposed result is written as one contiguous batch of contiguous
+        matrices (a swapped 2-D product): a residual, contiguous too, then lines up with
+        it (GemmCall reads a residual with C's contiguous layout only)."""
+        batch, m, n, _ = gemm_sizes(self.dot)
+        rows, cols = (n, m) if self.out_layout.trans else (m, n)
+        return self.out_layout.ld == cols and (batch == 1 or self.out_layout.stride == rows * cols)
 
     def _transpose_step(self, cur: Var, views: list[Node]) -> Optional[tuple[Node, ...]]:
         """A transpose the GEMM writes through (module docstring), reached from cur
@@ -255,6 +276,12 @@ def _other_operand(node: Node, cur: Var) -> Optional[Atom]:
         return None
     a, b = node.inputs
     return b if a is cur else a
+
+
+def _subtracted_from(node: Node, cur: Var) -> bool:
+    """node is r - cur (cur only as the subtrahend)."""
+    return node.name == "sub" and len(node.inputs) == 2 and node.inputs[1] is cur \
+        and node.inputs[0] is not cur
 
 
 # ---- alpha ------------------------------------------------------------------------------

@@ -160,6 +160,40 @@ def test_residual_that_is_written_anyway_is_read_as_c():
     assert_matches_jax(fn, x, w, b, res)
 
 
+def test_sgd_update_of_a_weight_is_its_gradient_gemms_residual():
+    w, x, d, b = rand(r, 16, 24), rand(r, 8, 16), rand(r, 8, 24), rand(r, 24)
+    fn = lambda w, x, d: w - 0.01 * (x.T @ d)  # noqa: E731
+    (g,), ks = gemms_and_kernels(fn, w, x, d)
+    assert (g.gemm.label, g.gemm.alpha, g.gemm.beta, len(ks)) == ("scale+residual", -np.float32(0.01), 1.0, 0)
+    assert g.gemm.residual is not None
+    assert_matches_jax(fn, w, x, d)
+    fn = lambda w, x, d: jax.nn.relu(w - x.T @ d)  # noqa: E731
+    (g,), ks = gemms_and_kernels(fn, w, x, d)
+    assert (g.gemm.label, g.gemm.alpha, len(ks)) == ("scale+residual+relu", -1.0, 0)
+    assert_matches_jax(fn, w, x, d)
+    # Not the same form: a bias before the subtraction (cuBLASLt would not negate it),
+    # and the product as the minuend (that would need beta = -1).
+    for fn in (lambda w, x, d: w - (x.T @ d + b), lambda w, x, d: (x.T @ d) - w):
+        (g,), (k,) = gemms_and_kernels(fn, w, x, d)
+        assert not g.gemm.epilogue.residual and g.gemm.alpha == 1.0
+        assert_matches_jax(fn, w, x, d)
+
+
+def test_fed_back_sgd_steps_update_each_weight_in_its_gemm():
+    def step(p, x, y):
+        def loss(p):
+            return jnp.mean((jnp.tanh(x @ p[0]) @ p[1] - y) ** 2)
+        g = jax.grad(loss)(p)
+        return jax.tree_util.tree_map(lambda a, b: a - 0.05 * b, p, g)
+
+    p = (rand(r, 16, 32, scale=0.2), rand(r, 32, 4, scale=0.2))
+    x, y = rand(r, 8, 16), rand(r, 8, 4)
+    gemms, _ = gemms_and_kernels(step, p, x, y)
+    updates = [g for g in gemms if g.gemm.epilogue.residual]
+    assert len(updates) == 2 and all(g.gemm.alpha == -np.float32(0.05) for g in updates)
+    assert_matches_jax(step, p, x, y)
+
+
 def test_sum_of_two_products_is_one_gemm_reading_the_other_and_never_in_place():
     a, b2, c, d = rand(r, 8, 5), rand(r, 5, 24), rand(r, 8, 16), rand(r, 16, 24)
     fn = lambda a, b2, c, d: a @ b2 + c @ d  # noqa: E731
@@ -332,6 +366,7 @@ GPU_EPILOGUES = {  # x @ w is batched where x and w have a batch axis
     "scale+bias": lambda p, x, w, b, res: jnp.matmul(x, w, precision=p) * 0.125 + b,
     "scale": lambda p, x, w, b, res: jnp.matmul(x, w, precision=p) / 8.0,
     "residual": lambda p, x, w, b, res: jnp.matmul(x, w, precision=p) + res,
+    "scale+residual": lambda p, x, w, b, res: res - 0.5 * jnp.matmul(x, w, precision=p),
     "residual+bias+relu": lambda p, x, w, b, res: jax.nn.relu(jnp.matmul(x, w, precision=p) + b + res),
     "residual+bias+gelu_tanh": lambda p, x, w, b, res: jax.nn.gelu(res + jnp.matmul(x, w, precision=p) + b),
 }

@@ -236,6 +236,36 @@ def test_bias_before_a_swapping_transpose_stays_out_of_the_gemm():
     assert transposes(plan) == 0 and [(g.m, g.n) for g in gemm_calls(plan)] == [(6, 5)]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_steps_after_a_written_transpose_read_the_residual_with_its_layout(backend):
+    # An SGD step: each weight gradient is (dᵀ x)ᵀ, written swapped; its update
+    # w - lr * grad is the same GEMM (alpha -lr, w read as C). Written with strides (a
+    # batched transpose), the GEMM takes nothing after the transpose.
+    def step(p, x, y):
+        def loss(p):
+            return jnp.mean((jnp.tanh(x @ p[0]) @ p[1] - y) ** 2)
+        g = jax.grad(loss)(p)
+        return jax.tree_util.tree_map(lambda a, b: a - 0.05 * b, p, g)
+
+    rng = np.random.default_rng(8)
+    args = ((rand(rng, 16, 32) * 0.2, rand(rng, 32, 4) * 0.2), rand(rng, 8, 16), rand(rng, 8, 4))
+    plan = check(step, args, backend)
+    updates = [c for c in gemm_calls(plan) if c.epilogue.residual]
+    assert len(updates) == 2 and all(c.alpha == -np.float32(0.05) for c in updates)
+    fn = lambda x, w, r: jax.nn.relu(r - 2.0 * jnp.transpose(x @ w, (1, 0, 2)))  # noqa: E731
+    plan = check(fn, (rand(rng, 3, 5, 8), rand(rng, 3, 8, 6), rand(rng, 5, 3, 6)), backend)
+    (call,) = gemm_calls(plan)
+    assert call.label == "strided" and len(plan.tasks) == 2
+    fn = lambda x, w, r: jax.nn.relu(r - 2.0 * jnp.swapaxes(x @ w, 1, 2))  # noqa: E731
+    plan = check(fn, (rand(rng, 3, 5, 8), rand(rng, 3, 8, 6), rand(rng, 3, 6, 5)), backend)
+    (call,) = gemm_calls(plan)
+    assert call.label == "scale+residual+relu" and len(plan.tasks) == 1
+    # A bias after the transpose is not the GEMM's (it would run along the wrong axis).
+    fn = lambda x, w, b: jnp.swapaxes(x @ w, 1, 2) + b  # noqa: E731
+    plan = check(fn, (rand(rng, 3, 5, 8), rand(rng, 3, 8, 6), rand(rng, 5)), backend)
+    assert not gemm_calls(plan)[0].epilogue.bias
+
+
 def test_lt_descriptors_carry_leading_dimensions_and_batch_strides():
     # q·kᵀ of BERT at batch 1 (12 heads of 128 x 64, rows 768 apart, heads 64 apart).
     from nimblejax.compiler.lowering.task import GemmCall
