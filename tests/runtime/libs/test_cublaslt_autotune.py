@@ -4,6 +4,7 @@ on the plan's (possibly uninitialized) buffers, which are neither read nor writt
 CPU tests check the values and which buffers are filled; `gpu` tests run it."""
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import numpy as np
@@ -100,14 +101,54 @@ def test_filled_reads_the_fill_arrays_and_writes_a_copy(monkeypatch):
     assert not {1, 2, 3, 4, 5} & {filled.a, filled.b, filled.c, filled.bias, filled.residual}
 
 
-def test_fill_values_grow_and_are_released(monkeypatch):
+class _HostArray:
+    """A numpy array as CuPy's: `.data.ptr` its address (host memory stands in)."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.values = np.ascontiguousarray(values)
+        self.data = type("data", (), {"ptr": self.values.ctypes.data})()
+        self.dtype, self.itemsize, self.size = self.values.dtype, self.values.itemsize, self.values.size
+
+
+class _HostCupy:
+    """asarray, empty, the current stream and memcpyAsync (as a memmove) over host memory."""
+
+    def __init__(self) -> None:
+        self.copies = 0
+
+        def memcpy(dst, src, n, kind, stream):
+            assert kind == 3 and stream == 0
+            self.copies += 1
+            ctypes.memmove(dst, src, n)
+
+        runtime = type("runtime", (), {"memcpyDeviceToDevice": 3, "memcpyAsync": staticmethod(memcpy)})
+        stream = type("stream", (), {"ptr": 0})()
+        self.cuda = type("cuda", (), {"runtime": runtime,
+                                      "get_current_stream": staticmethod(lambda: stream)})
+
+    def asarray(self, values: np.ndarray) -> _HostArray:
+        return _HostArray(values)
+
+    def empty(self, elements: int, dtype) -> _HostArray:
+        return _HostArray(np.empty(elements, dtype))
+
+
+def test_fill_values_repeat_one_block_grow_and_are_released(monkeypatch):
     monkeypatch.setattr(cublaslt, "_FILL", {})
-    small = cublaslt.fill_values(np, 10, "float32")  # numpy stands in for CuPy's asarray
-    assert cublaslt.fill_values(np, 8, "float32") is small  # long enough: reused
-    grown = cublaslt.fill_values(np, 15, "float32")
-    assert grown.size == 20 and np.array_equal(grown[:10], small)  # doubled, same prefix
+    monkeypatch.setattr(cublaslt, "_BLOCKS", {})
+    monkeypatch.setattr(cublaslt, "FILL_BLOCK", 4)
+    cupy = _HostCupy()
+    small = cublaslt.fill_values(cupy, 10, "float32")
+    block = cublaslt.random_values(np, 4, "float32")
+    assert np.array_equal(small.values, np.concatenate([block, block, block[:2]]))
+    assert cupy.copies == 3  # the block, then 4 and 2 values of what is filled
+    assert cublaslt.fill_values(cupy, 8, "float32") is small  # long enough: reused
+    grown = cublaslt.fill_values(cupy, 15, "float32")
+    assert grown.size == 20 and np.array_equal(grown.values[:10], small.values)  # doubled
+    assert np.array_equal(grown.values, np.resize(block, 20))
+    assert cublaslt.fill_values(cupy, 3, "bfloat16").dtype == np.uint16  # one per dtype
     cublaslt.release_fill()
-    assert cublaslt._FILL == {}
+    assert cublaslt._FILL == {} and cublaslt._BLOCKS == {}
 
 
 # ---- GPU ------------------------------------------------------------------------------
