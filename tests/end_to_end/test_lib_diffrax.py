@@ -76,6 +76,22 @@ def test_tsit5_pid_controller_matches_jax_jit():
     assert {"unvmap_any", "unvmap_max", "maybe_set"} <= inlined(report)
 
 
+def test_gradient_through_the_pid_solve_matches_jax_jit():
+    """diffrax differentiates a solve by default (RecursiveCheckpointAdjoint): its
+    backward pass scatters literal updates (x.at[i].add(1.0)) into the checkpoints."""
+    y0, k = ode_args(3)
+    loss = lambda y0, k: jnp.sum(tsit5_pid(y0, k)[0] ** 2)  # noqa: E731
+    grad = jax.grad(loss, argnums=(0, 1))
+    close(nimble.jit(grad, backend="interpret")(y0, k), jax.jit(grad)(y0, k), tol=1e-4)
+
+
+def test_vmapped_solve_matches_jax_jit():
+    y0, k = ode_args(4)
+    ys = np.stack([y0, 0.5 * y0, -y0])
+    solve = jax.vmap(tsit5, in_axes=(0, None))
+    close(nimble.jit(solve, backend="interpret")(ys, k), jax.jit(solve)(ys, k))
+
+
 @pytest.mark.gpu
 def test_gpu_solves_match_jax_jit():
     y0, k = ode_args(2)
@@ -83,3 +99,5 @@ def test_gpu_solves_match_jax_jit():
     (ys, accepted, _), (want, want_acc, _) = nimble.jit(tsit5_pid)(y0, k), jax.jit(tsit5_pid)(y0, k)
     close(ys, want, tol=1e-4)
     assert abs(int(accepted) - int(want_acc)) <= 1  # another rounding may move one step
+    grad = jax.grad(lambda y0, k: jnp.sum(tsit5(y0, k) ** 2), argnums=(0, 1))
+    close(nimble.jit(grad)(y0, k), jax.jit(grad)(y0, k), tol=1e-3)
