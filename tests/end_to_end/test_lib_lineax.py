@@ -68,6 +68,12 @@ def test_solve_matches_jax_jit(name):
     assert any(r.steps for r in report.regions)  # the operator's arithmetic: nimble's
 
 
+def test_fallback_error_names_the_factorization():
+    a, b = system(6)
+    with pytest.raises(nimble.UnsupportedPrimitiveError, match="'lu'.*lineax"):
+        nimble.jit(lu_solve, backend="interpret", fallback="error")(a, b)
+
+
 def test_solve_gradient_matches_jax_jit():
     a, b = system(5)
     loss = lambda a, b: jnp.sum(lu_solve(a, b) ** 2)  # noqa: E731
