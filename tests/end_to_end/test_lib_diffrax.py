@@ -14,6 +14,7 @@ import pytest
 import nimblejax as nimble
 
 diffrax = pytest.importorskip("diffrax")
+eqx_errors = pytest.importorskip("equinox._errors")
 pytestmark = pytest.mark.filterwarnings("ignore:nimblejax. .* nimble region")
 
 
@@ -90,6 +91,21 @@ def test_vmapped_solve_matches_jax_jit():
     ys = np.stack([y0, 0.5 * y0, -y0])
     solve = jax.vmap(tsit5, in_axes=(0, None))
     close(nimble.jit(solve, backend="interpret")(ys, k), jax.jit(solve)(ys, k))
+
+
+def test_without_host_callbacks_the_whole_solve_is_one_plan(monkeypatch):
+    """EQX_ON_ERROR=nan (equinox's switch: a failed check gives NaN, no host callback):
+    nothing is left to XLA, and each run-time loop of the solve is a WHILE task.
+    Equinox reads the variable at import; its module global is what a check reads. Size
+    7: no trace of the solve cached under the default (callbacks) is reused."""
+    monkeypatch.setattr(eqx_errors, "EQX_ON_ERROR", "nan")
+    y0, k = ode_args(5, n=7)
+    f = nimble.jit(tsit5_pid, backend="interpret", fallback="error")
+    (ys, accepted, _), (want, want_acc, _) = f(y0, k), jax.jit(tsit5_pid)(y0, k)
+    close(ys, want)
+    assert int(accepted) == int(want_acc)
+    report = nimble.explain(f, y0, k)
+    assert any(d.choice == "while task" for d in report.plan.control)
 
 
 @pytest.mark.gpu

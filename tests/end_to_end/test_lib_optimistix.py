@@ -13,6 +13,7 @@ import pytest
 import nimblejax as nimble
 
 optx = pytest.importorskip("optimistix")
+eqx_errors = pytest.importorskip("equinox._errors")
 pytestmark = pytest.mark.filterwarnings("ignore:nimblejax. .* nimble region")
 
 
@@ -71,6 +72,18 @@ def test_bfgs_minimise_matches_jax_jit():
     report = nimble.explain(f, y0, target)
     assert "xla while" in str(report) and report.regions
     assert "unvmap_any" in inlined(report)
+
+
+def test_without_host_callbacks_bfgs_is_one_plan(monkeypatch):
+    """EQX_ON_ERROR=nan: no host callback checks the result, so nothing is left to XLA
+    and the minimisation's loop is a WHILE task (size 6: no cached trace reused)."""
+    monkeypatch.setattr(eqx_errors, "EQX_ON_ERROR", "nan")
+    y0, target = vectors(4, n=6)
+    f = nimble.jit(bfgs_minimise, backend="interpret", fallback="error")
+    (got, steps), (want, want_steps) = f(y0, target), jax.jit(bfgs_minimise)(y0, target)
+    close(got, want)
+    assert int(steps) == int(want_steps)
+    assert any(d.choice == "while task" for d in nimble.explain(f, y0, target).plan.control)
 
 
 @pytest.mark.gpu
