@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
+from tests.helpers.equinox_checks import no_host_callbacks  # noqa: F401 (a fixture)
 
 diffrax = pytest.importorskip("diffrax")
-eqx_errors = pytest.importorskip("equinox._errors")
 pytestmark = pytest.mark.filterwarnings("ignore:nimblejax. .* nimble region")
 
 
@@ -93,13 +93,10 @@ def test_vmapped_solve_matches_jax_jit():
     close(nimble.jit(solve, backend="interpret")(ys, k), jax.jit(solve)(ys, k))
 
 
-def test_without_host_callbacks_the_whole_solve_is_one_plan(monkeypatch):
+def test_without_host_callbacks_the_whole_solve_is_one_plan(no_host_callbacks):
     """EQX_ON_ERROR=nan (equinox's switch: a failed check gives NaN, no host callback):
-    nothing is left to XLA, and each run-time loop of the solve is a WHILE task.
-    Equinox reads the variable at import; its module global is what a check reads. Size
-    7: no trace of the solve cached under the default (callbacks) is reused."""
-    monkeypatch.setattr(eqx_errors, "EQX_ON_ERROR", "nan")
-    y0, k = ode_args(5, n=7)
+    nothing is left to XLA, and each run-time loop of the solve is a WHILE task."""
+    y0, k = ode_args(5)
     f = nimble.jit(tsit5_pid, backend="interpret", fallback="error")
     (ys, accepted, _), (want, want_acc, _) = f(y0, k), jax.jit(tsit5_pid)(y0, k)
     close(ys, want)
@@ -117,3 +114,13 @@ def test_gpu_solves_match_jax_jit():
     assert abs(int(accepted) - int(want_acc)) <= 1  # another rounding may move one step
     grad = jax.grad(lambda y0, k: jnp.sum(tsit5(y0, k) ** 2), argnums=(0, 1))
     close(nimble.jit(grad)(y0, k), jax.jit(grad)(y0, k), tol=1e-3)
+
+
+@pytest.mark.gpu
+def test_gpu_solve_planned_whole_matches_jax_jit(no_host_callbacks):
+    """The PID solve as one CUDA graph, its loops conditional WHILE nodes."""
+    y0, k = ode_args(6)
+    f = nimble.jit(tsit5_pid, fallback="error")
+    (ys, accepted, _), (want, want_acc, _) = f(y0, k), jax.jit(tsit5_pid)(y0, k)
+    close(ys, want, tol=1e-4)
+    assert abs(int(accepted) - int(want_acc)) <= 1

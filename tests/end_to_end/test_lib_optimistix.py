@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
+from tests.helpers.equinox_checks import no_host_callbacks  # noqa: F401 (a fixture)
 
 optx = pytest.importorskip("optimistix")
-eqx_errors = pytest.importorskip("equinox._errors")
 pytestmark = pytest.mark.filterwarnings("ignore:nimblejax. .* nimble region")
 
 
@@ -74,11 +74,10 @@ def test_bfgs_minimise_matches_jax_jit():
     assert "unvmap_any" in inlined(report)
 
 
-def test_without_host_callbacks_bfgs_is_one_plan(monkeypatch):
+def test_without_host_callbacks_bfgs_is_one_plan(no_host_callbacks):
     """EQX_ON_ERROR=nan: no host callback checks the result, so nothing is left to XLA
-    and the minimisation's loop is a WHILE task (size 6: no cached trace reused)."""
-    monkeypatch.setattr(eqx_errors, "EQX_ON_ERROR", "nan")
-    y0, target = vectors(4, n=6)
+    and the minimisation's loop is a WHILE task."""
+    y0, target = vectors(4)
     f = nimble.jit(bfgs_minimise, backend="interpret", fallback="error")
     (got, steps), (want, want_steps) = f(y0, target), jax.jit(bfgs_minimise)(y0, target)
     close(got, want)
@@ -92,3 +91,10 @@ def test_gpu_solves_match_jax_jit():
     close(nimble.jit(newton_root)(y0, b), jax.jit(newton_root)(y0, b), tol=1e-4)
     got, want = nimble.jit(bfgs_minimise)(y0, b), jax.jit(bfgs_minimise)(y0, b)
     close(got[0], want[0], tol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_bfgs_planned_whole_matches_jax_jit(no_host_callbacks):
+    y0, target = vectors(5)
+    got = nimble.jit(bfgs_minimise, fallback="error")(y0, target)
+    close(got[0], jax.jit(bfgs_minimise)(y0, target)[0], tol=1e-4)
