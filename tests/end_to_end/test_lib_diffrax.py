@@ -12,21 +12,10 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from tests.helpers.equinox_checks import no_host_callbacks  # noqa: F401 (a fixture)
+from tests.helpers.libraries import close, inlined, no_host_callbacks  # noqa: F401 (a fixture)
 
 diffrax = pytest.importorskip("diffrax")
 pytestmark = pytest.mark.filterwarnings("ignore:nimblejax. .* nimble region")
-
-
-def close(got, want, tol=1e-5):
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
-
-
-def inlined(report) -> set[str]:
-    """Library primitives a co-execution report says were inlined."""
-    return {d.primitive for plan in report.plans.values() for d in plan.control
-            if d.choice == "inlined"}
 
 
 def vector_field(t, y, args):

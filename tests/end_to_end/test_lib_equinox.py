@@ -13,14 +13,10 @@ import pytest
 from jax import lax
 
 import nimblejax as nimble
+from tests.helpers.libraries import close
 
 eqx = pytest.importorskip("equinox")
 optax = pytest.importorskip("optax")
-
-
-def close(got, want, tol=1e-5):
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
 
 
 def key(r: np.random.Generator):

@@ -11,22 +11,10 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
+from tests.helpers.libraries import close
 
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
-
-
-def close(got, want, tol=1e-5):
-    """Floats to `tol`; integers (RNG counts, the step) and PRNG keys bit for bit."""
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-        if jax.dtypes.issubdtype(w.dtype, jax.dtypes.prng_key):
-            g, w = jax.random.key_data(g), jax.random.key_data(w)
-        g, w = np.asarray(g), np.asarray(w)
-        assert g.dtype == w.dtype
-        if np.issubdtype(w.dtype, np.floating):
-            np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
-        else:
-            np.testing.assert_array_equal(g, w)
 
 
 class Model(nnx.Module):

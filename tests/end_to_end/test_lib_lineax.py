@@ -4,22 +4,16 @@ nimble.jit on the CPU interpreter against jax.jit on random inputs: a linear sol
 (co-execution), `explain` names them."""
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import nimblejax as nimble
+from tests.helpers.libraries import close, left_to_xla
 
 lx = pytest.importorskip("lineax")
 pytestmark = pytest.mark.filterwarnings("ignore:nimblejax. .* nimble region")
-
-
-def close(got, want, tol=1e-5):
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
 
 
 def lu_solve(a, b):
@@ -50,11 +44,6 @@ PROGRAMS = {"lu": lu_solve, "auto": auto_solve, "auto_spd": spd_solve}
 # The factorizations and solves left to XLA (no lowering rule yet), named by `explain`.
 LEFT_TO_XLA = {"lu": {"lu", "lu_pivots_to_permutation"}, "auto": {"lu", "lu_pivots_to_permutation"},
                "auto_spd": {"cholesky", "triangular_solve"}}
-
-
-def left_to_xla(report) -> set[str]:
-    """The primitives a co-execution report says nimble has no rule for."""
-    return set(re.findall(r"no lowering rule for primitive '(\w+)'", str(report)))
 
 
 @pytest.mark.parametrize("name", sorted(PROGRAMS))

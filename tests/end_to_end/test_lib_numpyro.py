@@ -5,30 +5,18 @@ samples drawn from Gamma, Beta and Dirichlet (random_gamma's rejection loop plan
 the same draws as jax.jit's, to a few ulps)."""
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import nimblejax as nimble
+from tests.helpers.libraries import close, left_to_xla
 
 numpyro = pytest.importorskip("numpyro")
 dist = pytest.importorskip("numpyro.distributions")
 infer_util = pytest.importorskip("numpyro.infer.util")
 pytestmark = pytest.mark.filterwarnings("ignore:nimblejax. .* nimble region")
-
-
-def close(got, want, tol=1e-5):
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol)
-
-
-def left_to_xla(report) -> set[str]:
-    """The primitives a co-execution report says nimble has no rule for ({} when the
-    function was planned whole)."""
-    return set(re.findall(r"no lowering rule for primitive '(\w+)'", str(report)))
 
 
 # ---- a hierarchical model: numpyro's eight schools -------------------------------------
