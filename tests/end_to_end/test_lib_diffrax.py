@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from tests.helpers.libraries import close, inlined, no_host_callbacks  # noqa: F401 (a fixture)
+from tests.helpers.libraries import assert_kernels_compile, close, inlined, no_host_callbacks, report_kernels  # noqa: F401 (a fixture)
 
 diffrax = pytest.importorskip("diffrax")
 pytestmark = pytest.mark.filterwarnings("ignore:nimblejax. .* nimble region")
@@ -92,6 +92,15 @@ def test_without_host_callbacks_the_whole_solve_is_one_plan(no_host_callbacks):
     assert int(accepted) == int(want_acc)
     report = nimble.explain(f, y0, k)
     assert any(d.choice == "while task" for d in report.plan.control)
+
+
+def test_generated_kernels_compile(no_host_callbacks):
+    """The solves planned whole, their step plans' kernels too."""
+    y0, k = ode_args(7)
+    kernels = {}
+    for fn in (tsit5, tsit5_pid):
+        kernels.update(report_kernels(nimble.explain(nimble.jit(fn, backend="interpret"), y0, k)))
+    assert_kernels_compile(kernels, "diffrax")
 
 
 @pytest.mark.gpu

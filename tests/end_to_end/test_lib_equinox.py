@@ -13,7 +13,7 @@ import pytest
 from jax import lax
 
 import nimblejax as nimble
-from tests.helpers.libraries import close
+from tests.helpers.libraries import assert_kernels_compile, close, report_kernels
 
 eqx = pytest.importorskip("equinox")
 optax = pytest.importorskip("optax")
@@ -148,6 +148,14 @@ def test_train_step_fed_back_trains_like_jax_jit():
         *theirs, want = ref(*theirs, x, y)
         close(loss, want)
     close(mine, theirs)
+
+
+def test_generated_kernels_compile():
+    kernels = {}
+    for seed, name in enumerate(sorted(PROGRAMS)):
+        fn, params, inputs = PROGRAMS[name](np.random.default_rng(seed))
+        kernels.update(report_kernels(nimble.explain(nimble.jit(fn, backend="interpret"), params, *inputs)))
+    assert_kernels_compile(kernels, "equinox")
 
 
 # ---- GPU ---------------------------------------------------------------------------------

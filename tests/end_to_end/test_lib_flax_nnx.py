@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from tests.helpers.libraries import close
+from tests.helpers.libraries import assert_kernels_compile, close, report_kernels
 
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
@@ -82,6 +82,14 @@ def test_split_merge_training_step_fed_back():
         want, theirs = ref(theirs, x, y)
         close(loss, want)
     close(mine, theirs)
+
+
+def test_generated_kernels_compile():
+    m = model(5)
+    optimizer = nnx.Optimizer(m, optax.sgd(0.05, momentum=0.9), wrt=nnx.Param)
+    graphdef, state = nnx.split((m, optimizer))
+    report = nimble.explain(nimble.jit(train_step_fn(graphdef), backend="interpret"), state, *batch(6))
+    assert_kernels_compile(report_kernels(report), "flax_nnx")
 
 
 @pytest.mark.gpu

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from tests.helpers.libraries import close, left_to_xla
+from tests.helpers.libraries import assert_kernels_compile, close, left_to_xla, report_kernels
 
 lx = pytest.importorskip("lineax")
 pytestmark = pytest.mark.filterwarnings("ignore:nimblejax. .* nimble region")
@@ -68,6 +68,14 @@ def test_solve_gradient_matches_jax_jit():
     loss = lambda a, b: jnp.sum(lu_solve(a, b) ** 2)  # noqa: E731
     g = nimble.jit(jax.grad(loss, argnums=(0, 1)), backend="interpret")
     close(g(a, b), jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b), tol=1e-4)
+
+
+def test_generated_kernels_compile():
+    kernels = {}
+    for seed, name in enumerate(sorted(PROGRAMS)):
+        a, b = system(seed)
+        kernels.update(report_kernels(nimble.explain(nimble.jit(PROGRAMS[name], backend="interpret"), a, b)))
+    assert_kernels_compile(kernels, "lineax")
 
 
 @pytest.mark.gpu

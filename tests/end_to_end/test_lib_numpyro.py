@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from tests.helpers.libraries import close, left_to_xla
+from tests.helpers.libraries import assert_kernels_compile, close, left_to_xla, report_kernels
 
 numpyro = pytest.importorskip("numpyro")
 dist = pytest.importorskip("numpyro.distributions")
@@ -111,6 +111,16 @@ def test_gamma_beta_dirichlet_samples_match_jax_jit(typed):
     # much (up to 5.5e-7 relative here), XLA fusing the rejection test's log and exp.
     close(got, want, tol=2e-6)
     assert all(np.all(np.asarray(g) > 0) for g in jax.tree_util.tree_leaves(got))
+
+
+def test_generated_kernels_compile():
+    """lgamma, digamma and the rejection sampler's loop among them."""
+    params, sigma, y = schools(0)
+    reports = [nimble.explain(nimble.jit(jax.grad(potential), backend="interpret"), params, sigma, y),
+               nimble.explain(nimble.jit(log_probs, backend="interpret"), *log_prob_args(1)),
+               nimble.explain(nimble.jit(samples, backend="interpret"), jax.random.PRNGKey(0),
+                              *sampler_args(0))]
+    assert_kernels_compile({k: v for r in reports for k, v in report_kernels(r).items()}, "numpyro")
 
 
 # ---- GPU -----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from tests.helpers.libraries import close, inlined, no_host_callbacks  # noqa: F401 (a fixture)
+from tests.helpers.libraries import assert_kernels_compile, close, inlined, no_host_callbacks, report_kernels  # noqa: F401 (a fixture)
 
 optx = pytest.importorskip("optimistix")
 pytestmark = pytest.mark.filterwarnings("ignore:nimblejax. .* nimble region")
@@ -72,6 +72,13 @@ def test_without_host_callbacks_bfgs_is_one_plan(no_host_callbacks):
     close(got, want)
     assert int(steps) == int(want_steps)
     assert any(d.choice == "while task" for d in nimble.explain(f, y0, target).plan.control)
+
+
+def test_generated_kernels_compile():
+    kernels = {}
+    for fn in (newton_root, bfgs_minimise):
+        kernels.update(report_kernels(nimble.explain(nimble.jit(fn, backend="interpret"), *vectors(6))))
+    assert_kernels_compile(kernels, "optimistix")
 
 
 @pytest.mark.gpu

@@ -49,3 +49,40 @@ def no_host_callbacks(monkeypatch):
     yield
     monkeypatch.undo()
     jax.clear_caches()
+
+
+def plan_kernels(plan) -> dict[str, str]:
+    """Every generated kernel of `plan` (name → CUDA C), the plans of its WHILE and SWITCH
+    tasks included."""
+    found: dict[str, str] = {}
+    for task in plan.tasks:
+        if task.kernel is not None:
+            found.update((k.name, k.source) for k in task.kernel.launches)
+        control = getattr(task, "control", None)
+        subs = [control.step] if hasattr(control, "step") else list(getattr(control, "branches", ()))
+        for sub in subs:
+            found.update(plan_kernels(sub))
+    return found
+
+
+def report_kernels(report) -> dict[str, str]:
+    """Every generated kernel of what `nimble.explain` reports: one plan, or each region's
+    of a co-executed function (nested bodies' regions included)."""
+    plans = list(report.plans.values()) if hasattr(report, "plans") else [report.plan]
+    found: dict[str, str] = {}
+    for plan in plans:
+        found.update(plan_kernels(plan))
+    return found
+
+
+def assert_kernels_compile(kernels: dict[str, str], name: str) -> None:
+    """`kernels` compile for sm_90 in one NVRTC (or nvcc) run, each an entry of the PTX:
+    a codegen bug is caught without a GPU."""
+    from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
+
+    if available_compiler() is None:
+        pytest.skip("no NVRTC or nvcc")
+    assert kernels
+    ptx = compile_to_ptx("\n".join(kernels.values()), f"{name}.cu", arch="sm_90")
+    missing = [k for k in kernels if f".entry {k}(" not in ptx]
+    assert not missing, missing
