@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (device tool): GPU tests, then the runtime benchmark (looped,
 # blocked and GPU time), then the model suite (looped next to blocked), the coverage
-# benchmarks (COVERAGE=1) and the data-parallel step (DATA_PARALLEL=1) if asked.
+# benchmarks (COVERAGE=1), the data-parallel step (DATA_PARALLEL=1) and the library
+# programs (LIBRARIES=1) if asked.
 set -u
 export PYTHONPATH=.
 export PYTHONUNBUFFERED=1
@@ -29,6 +30,12 @@ if [ -n "${COVERAGE:-}" ]; then
   # Issue 13: embedding lookup / scatter-add against jax.jit, and the fuzzer's summary.
   timeout ${COVERAGE_TIMEOUT:-200} python3 -m nimblejax.bench.indexing --out $OUT/indexing.json 2>&1 | tee $OUT/indexing.log
   NIMBLE_FUZZ_EXAMPLES=${FUZZ_EXAMPLES:-300} timeout 300 python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/end_to_end/test_fuzz.py 2>&1 | grep -E "nimble fuzz|passed|failed" | tee $OUT/fuzz.log
+fi
+if [ -n "${LIBRARIES:-}" ]; then
+  # Issue 33: the library programs of tests/end_to_end/test_lib_*.py looped, jax.jit against
+  # nimble; equinox's checks as host callbacks (co-execution), then without (one plan).
+  timeout ${LIB_TIMEOUT:-300} python3 examples/gpu/benchmark_libraries.py --json $OUT/libraries.json 2>&1 | tee $OUT/libraries.log
+  EQX_ON_ERROR=nan timeout ${LIB_TIMEOUT:-300} python3 examples/gpu/benchmark_libraries.py --json $OUT/libraries_nan.json 2>&1 | tee $OUT/libraries_nan.log
 fi
 if [ -n "${DATA_PARALLEL:-}" ]; then
   # Issue 16: samples/s of the data-parallel step on 1 and all GPUs, nimble vs jax.jit.

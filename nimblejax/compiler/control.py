@@ -57,7 +57,7 @@ class ControlDecision:
 
     primitive: str
     source: str
-    choice: str  # "unrolled" | "select" | "while task" | "switch task"
+    choice: str  # "unrolled" | "select" | "constant" | "while task" | "switch task" | "inlined"
     reason: str
 
     def __str__(self) -> str:
@@ -309,6 +309,13 @@ def _cond(builder, eqn, ins, src) -> list[Atom]:
     branches = [open_jaxpr(b) for b in eqn.params["branches"]]
     if any(_effectful(j) for j, _ in branches):
         raise _refuse("cond", src, "a branch has side effects")
+    index, ops = ins[0], list(ins[1:])
+    if isinstance(index, Literal):  # known when planning: lax.platform_dependent's, say
+        k = int(np.clip(index.value, 0, len(branches) - 1))  # lax.switch clamps too
+        _decide(builder, "cond", src, "constant", f"the index is known when planning: "
+                f"branch {k} of {len(branches)} alone")
+        jaxpr, consts = branches[k]
+        return builder.inline(jaxpr, [builder.const(c) for c in consts] + ops, src)
     size = sum(body_size(j) for j, _ in branches)
     options = loops.graph_options()
     if options is not None and len(branches) > 1 and size >= loops.BRANCH_TASK_MIN_EQNS:
@@ -316,7 +323,6 @@ def _cond(builder, eqn, ins, src) -> list[Atom]:
                 f"{len(branches)} branches of {size} equations ≥ BRANCH_TASK_MIN_EQNS "
                 f"({loops.BRANCH_TASK_MIN_EQNS}): only the taken one runs")
         return loops.switch_node(builder, eqn, ins, src, options)
-    index, ops = ins[0], list(ins[1:])
     outs = [builder.inline(j, [builder.const(c) for c in consts] + ops, src)
             for j, consts in branches]
     _decide(builder, "cond", src, "select",

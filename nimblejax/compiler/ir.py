@@ -75,6 +75,10 @@ class Literal:
     def dtype(self) -> np.dtype:
         return self.value.dtype
 
+    # A 0-d operand to rules that read sizes (`x.at[i].add(1.0)`: a scatter's updates).
+    ndim = 0
+    size = 1
+
     def __repr__(self) -> str:
         return f"{self.value.item()!r}:{short_dtype(self.dtype)}"
 

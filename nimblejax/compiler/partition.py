@@ -17,6 +17,8 @@ what this module decides, inside one jax.jit):
    are chained, which keeps them in program order.
 3. tiny regions go back to XLA (`worth_a_plan`), and the depths are recomputed until
    no region changes.
+
+Equations whose results nothing reads (and without effects) are dropped first (`_live`).
 """
 from __future__ import annotations
 
@@ -150,7 +152,20 @@ def _partition(closed: Any, classify: Classify, prefix: str) -> Program:
     steps: list[Step] = []
     _flatten(jaxpr, env, classify, steps, prefix, "<unknown>")
     outputs = tuple(_read(env, v) for v in jaxpr.outvars)
-    return Program(inputs, outputs, _group(steps, outputs, prefix))
+    return Program(inputs, outputs, _group(_live(steps, outputs), outputs, prefix))
+
+
+def _live(steps: list[Step], outputs: tuple) -> list[Step]:
+    """The steps the outputs or an effect need. A jaxpr keeps dead equations (XLA drops
+    them when it compiles): numpyro's argument validation leaves an `eigh` whose result
+    nothing reads. Kept, it would be named as left to XLA and cut the regions around it."""
+    live = {a for a in outputs if isinstance(a, Value)}
+    kept = []
+    for s in reversed(steps):
+        if s.effectful or any(v in live for v in s.outs if v is not None):
+            kept.append(s)
+            live.update(a for a in s.ins if isinstance(a, Value))
+    return kept[::-1]
 
 
 def _read(env: dict, v: Any) -> Atom:

@@ -7,7 +7,8 @@ Every primitive of JAX is in exactly one group:
 - lowered: a rule in the lowering registry (compiler/lowering/registry.py);
 - rewritten: replaced by other primitives before lowering: canonicalization
   (compiler/canonicalize/), loops and conds flattened (compiler/control.py), random
-  numbers expanded into threefry arithmetic (compiler/prng.py);
+  numbers expanded into threefry arithmetic (compiler/prng.py), `platform_index`
+  resolved to CUDA's branch (compiler/trace.py);
 - inlined: call-like primitives whose body is copied into the graph, and identities
   (compiler/trace.py); primitives of other libraries whose `impl` is JAX (equinox's)
   are inlined too (trace.library_impl), but are not JAX's and not in this table;
@@ -44,7 +45,8 @@ def handled() -> dict[str, frozenset[str]]:
 
     return {
         LOWERED: frozenset(RULES),
-        REWRITTEN: frozenset(CANONICALIZED | control.PRIMITIVES | prng.RANDOM_PRIMITIVES),
+        REWRITTEN: frozenset(CANONICALIZED | control.PRIMITIVES | prng.RANDOM_PRIMITIVES
+                             | trace.RESOLVED),
         INLINED: frozenset(set(trace.INLINED) | trace.IDENTITY),
         NOT_SUPPORTED_GROUP: frozenset(NOT_SUPPORTED),
     }

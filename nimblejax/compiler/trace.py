@@ -18,6 +18,7 @@ import numpy as np
 
 from nimblejax.compiler import control
 from nimblejax.compiler import prng
+from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.ir import Atom, Graph, Literal, Node, Var
 from nimblejax.compiler.jaxprs import open_jaxpr
 
@@ -40,6 +41,11 @@ INLINED = {
 # Primitives that are the identity on values (`name`: jax.ad_checkpoint.checkpoint_name,
 # a tag for remat policies).
 IDENTITY = frozenset({"stop_gradient", "optimization_barrier", "name"})
+# `platform_index` (lax.platform_dependent; jnp.diagonal's Mosaic branch, which numpyro's
+# MultivariateNormal reaches) is known when nimble plans: a plan runs on CUDA. It becomes
+# the index of CUDA's branch, a literal, and the `cond` it feeds keeps that branch alone.
+PLATFORM = "cuda"
+RESOLVED = frozenset({"platform_index"})
 
 
 def make_graph(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> tuple[Graph, Any]:
@@ -99,6 +105,8 @@ class GraphBuilder:
                 outs = self.inline(body, [self.const(c) for c in consts] + ins, src)
             elif name in IDENTITY:
                 outs = ins[: len(eqn.outvars)]
+            elif name in RESOLVED:
+                outs = [platform_index(eqn.params["platforms"], src)]
             elif name in control.PRIMITIVES:  # unrolled loop or select (compiler/control.py)
                 outs = control.inline_control(self, eqn, ins, src)
             elif name in prng.RANDOM_PRIMITIVES or prng.touches_keys(eqn):
@@ -121,6 +129,20 @@ class GraphBuilder:
                 if not _is_dropvar(v):
                     env[v] = a
         return [read(v) for v in jaxpr.outvars]
+
+
+def platform_index(platforms: Sequence[Any], src: str) -> Literal:
+    """The branch of lax.platform_dependent a CUDA plan takes: the first that names CUDA
+    or is the default (None), as JAX's lowering picks it. The CPU interpreter runs the
+    same plan, so it takes CUDA's branch too (jax.jit on the CPU takes the CPU's)."""
+    for i, names in enumerate(platforms):
+        if names is None or PLATFORM in names:
+            return Literal(np.asarray(i, np.int32))
+    raise UnsupportedPrimitiveError(
+        f"nimblejax cannot plan primitive 'platform_index' (from {src}): "
+        f"lax.platform_dependent has no branch for {PLATFORM!r} and no default "
+        f"(its branches: {platforms}). Use nimble.jit(..., backend=\"jax\") to run this "
+        f"function with plain jax.jit.")
 
 
 def library_impl(eqn: Any) -> Any:

@@ -197,6 +197,40 @@ def test_switch_three_branches_index_clamped(backend, index):
     check(f, (np.int32(index), rand(np.random.default_rng(9), 5)), backend)
 
 
+# ---- lax.platform_dependent: the branch a CUDA plan takes, known when planning --------
+def on_platform(x):
+    """jnp.diagonal's pattern (numpyro's MultivariateNormal reaches it): a Mosaic branch
+    and a default one; CUDA's branch is the default's."""
+    return lax.platform_dependent(x, mosaic=lambda a: a * 0.0 - 1.0, default=lambda a: jnp.tanh(a) * 3.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_platform_dependent_takes_the_default_branch(backend):
+    x = rand(np.random.default_rng(11), 4, 5)
+    check(on_platform, (x,), backend)
+    check(lambda a: jnp.diagonal(a @ a.T) + jnp.diagonal(a, offset=1), (x,), backend)
+    (decision,) = decisions(on_platform, x)
+    assert decision.choice == "constant" and "branch 1 of 2 alone" in decision.reason
+
+
+def test_platform_dependent_takes_cudas_branch_on_the_interpreter_too():
+    """The interpreter runs the plan a GPU runs: CUDA's branch, not the CPU's."""
+    def f(x):
+        return lax.platform_dependent(x, cpu=lambda a: a * 2.0, cuda=lambda a: jnp.sin(a) * 3.0)
+
+    x = rand(np.random.default_rng(12), 6)
+    got = nimble.jit(f, backend="interpret", fallback="error")(x)
+    np.testing.assert_allclose(got, jax.jit(lambda a: jnp.sin(a) * 3.0)(x), rtol=1e-6)
+
+
+def test_platform_dependent_without_a_cuda_branch_is_refused():
+    def f(x):
+        return lax.platform_dependent(x, cpu=lambda a: a * 2.0, tpu=lambda a: a * 4.0)
+
+    with pytest.raises(nimble.UnsupportedPrimitiveError, match="no branch for 'cuda'"):
+        nimble.jit(f, backend="interpret", fallback="error")(rand(np.random.default_rng(13), 3))
+
+
 def test_cond_is_a_select_and_explain_shows_the_decisions():
     def f(p, x):
         y = lax.cond(p > 0, jnp.sin, jnp.cos, x)

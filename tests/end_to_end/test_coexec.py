@@ -263,6 +263,23 @@ def test_tiny_regions_are_left_to_xla():
     assert any("too small" in s.why for s in program.xla_steps())
 
 
+def test_dead_equations_are_dropped_before_partitioning():
+    """numpyro's argument validation leaves an eigh nothing reads (XLA drops it): it is
+    not left to XLA, and the GEMM feeding only it is not planned."""
+    def f(a, w):
+        s = a @ a.T + 4.0 * jnp.eye(a.shape[0])
+        jnp.linalg.eigh(w @ w.T)  # dead
+        return jnp.tanh(jnp.linalg.cholesky(s) @ w).sum(axis=0)
+
+    a, w = args_cholesky(6, n=5)
+    g = nimble.jit(f, backend="interpret")
+    close(g(a, w), jax.jit(f)(a, w))
+    program = g.partition(a, w)
+    assert "eigh" in primitives(jax.make_jaxpr(f)(a, w))  # the jaxpr keeps it
+    assert {s.name for s in program.xla_steps()} == {"cholesky"}
+    assert sum(s.name == "dot_general" for r in program.regions() for s in r.steps) == 2
+
+
 def test_explain_lists_regions_and_what_went_to_xla():
     a, m = args_newton()
     text = str(nimble.explain(nimble.jit(newton_sqrt, backend="interpret", loops="unroll"), a, m))

@@ -220,6 +220,34 @@ def test_fused_scatter_kernels_compile_for_hopper_and_before():
     assert "v4.f32" not in ampere and all(f".entry {n}(" in ampere for n in kernels)
 
 
+# ---- a scatter whose update is a literal scalar ---------------------------------------------
+LITERAL_UPDATES = {"add": lambda x, i: x.at[i].add(1.5), "set": lambda x, i: x.at[i].set(-2.0),
+                   "mul": lambda x, i: x.at[i].multiply(3.0), "max": lambda x, i: x.at[i].max(0.25),
+                   "min": lambda x, i: x.at[i].min(-0.25)}
+
+
+@pytest.mark.parametrize("op", sorted(LITERAL_UPDATES))
+def test_scatter_of_a_literal_update_matches_jax(op):
+    """`x.at[i].add(1.5)`: the update is a jaxpr literal, not a buffer (the gradient of a
+    diffrax solve reaches it): interpreter, then its kernels on the CPU (both builds) and
+    compiled by NVRTC, against jax.jit."""
+    fn = LITERAL_UPDATES[op]
+    x, i = _vals(np.random.default_rng(12), jnp.float32, (V,)), np.int32(3)
+    assert "Literal" in repr(jax.make_jaxpr(fn)(x, i).eqns[-1].invars[2].__class__)
+    want = jax.jit(fn)(x, i)
+    _assert_scatter_close(nimble.jit(fn, backend="interpret", fallback="error")(x, i), want, op)
+    plan = nimble.jit(fn, backend="interpret").plan(x, i)
+    if kernel_emulator.compiler() is not None:
+        for arch in (None, 900):
+            lib = kernel_emulator.build(kernel_emulator.kernels(plan), arch=arch)
+            _assert_scatter_close(kernel_emulator.run(plan, (x, i), lib)[0][0], want, op)
+    from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
+
+    if available_compiler() is not None:
+        source = "\n".join(k.source for t in plan.tasks if t.kernel for k in t.kernel.launches)
+        compile_to_ptx(source, f"literal_scatter_{op}.cu", arch="sm_90")
+
+
 # ---- a scatter that is the last reader of its operand's buffer updates it in place ----------
 def _gemm_then_scatters(a, w, i, u):
     x = a @ w                                 # a buffer of the plan's own (a GEMM's output)
