@@ -207,7 +207,7 @@ class NimbleFunction:
         from nimblejax.runtime import coexec
 
         leaves, _key, in_tree, statics = self._flatten(args, kwargs, abstract_ok=True)
-        return coexec.partition_function(self._flat_fun(in_tree, statics, []), leaves)
+        return coexec.partition_function(self._flat_fun(in_tree, statics, []), leaves, self.options)
 
     @property
     def cache_size(self) -> int:
@@ -323,7 +323,7 @@ class NimbleFunction:
         precision = _PRECISION.value
         body = xla_op.Body((id(self), in_tree, statics, donated, precision), flat_fun,
                            self._plan_flat, self._make_runner(), self._runners, self._plans, donated,
-                           arena="resident")
+                           arena="resident", options=self.options)
         avals = tuple(jax.core.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type) for s in specs)
         try:
             plan, _ = body.plan(avals)
@@ -360,7 +360,7 @@ class NimbleFunction:
         fallback = None if self.options.fallback == "error" else coexec.fallback
         body = xla_op.Body((id(self), in_tree, statics, donated, precision), flat_fun,
                            self._plan_flat, self._make_runner(), self._runners, self._plans, donated,
-                           fallback=fallback, owned=True)
+                           fallback=fallback, owned=True, options=self.options)
         try:
             outs = xla_op.call(body, leaves)
         except UnsupportedPrimitiveError:

@@ -24,12 +24,22 @@ from nimblejax.compiler.partition import (CUSTOM_RULES, Const, Program, Region, 
 CallRegion = Callable[[Region, list], list]
 
 
-def partition_function(flat_fun: Callable, args: Sequence[Any]) -> Program:
-    """`flat_fun` traced at `args`' types and partitioned by nimble's own checker."""
+def partition_function(flat_fun: Callable, args: Sequence[Any], options: Any = None) -> Program:
+    """`flat_fun` traced at `args`' types and partitioned by nimble's own checker, which
+    judges each equation as planning under `options` would: with loops="graph", a
+    `while` nimble can plan (no side effects, every body equation lowered) is a WHILE
+    task inside a region, not XLA's loop (a diffrax solve beside an equinox callback)."""
     # A tracer's own type: inside shard_map it carries the mesh axes it varies over.
     specs = [jax.typeof(a) if isinstance(a, jax.core.Tracer) else
              jax.ShapeDtypeStruct(_shape(a), _dtype(a), weak_type=_weak(a)) for a in args]
-    return partition(jax.make_jaxpr(flat_fun)(*specs), nimble_classify)
+    closed = jax.make_jaxpr(flat_fun)(*specs)
+    if options is None:
+        return partition(closed, nimble_classify)
+    from nimblejax.compiler import loops
+    from nimblejax.compiler.pipeline import SUB_PLANNER
+
+    with loops.planning(options, SUB_PLANNER):
+        return partition(closed, nimble_classify)
 
 
 def _shape(a: Any) -> tuple:
@@ -201,7 +211,7 @@ def run(body: Any, operands: Sequence[Any], warned: set, warn: Callable[[str], N
     """A nimble function's flat body (an xla_op.Body nimble cannot plan whole),
     partitioned and evaluated; `warn` is called once per message (`warned` holds those
     given), naming the primitives left to XLA and their lines."""
-    program = partition_function(body.flat_fun, operands)
+    program = partition_function(body.flat_fun, operands, body.options)
     message = f"nimblejax: {summary(program)}. Pass fallback='error' to refuse them."
     if message not in warned:
         warned.add(message)
@@ -260,7 +270,7 @@ def fallback(body: Any, operands: list) -> list:
     """A Body nimble cannot plan (xla_op.Body.fallback), partitioned and run: its regions
     planned, the rest left to XLA. When nimble takes every equation one by one but not
     together, the whole body runs as plain JAX (and no region repeats it forever)."""
-    program = partition_function(body.flat_fun, operands)
+    program = partition_function(body.flat_fun, operands, body.options)
     if not program.xla_steps():
         return list(body.flat_fun(*operands))
     return evaluate(program, operands, region_caller(body, operands))

@@ -66,6 +66,9 @@ class Body:
     # (api.py) handles this body's own failure; the bodies derived from it fall back.
     fallback: Optional[Callable] = field(default=None, compare=False)
     owned: bool = field(default=False, compare=False)
+    # The owner's Options: co-execution classifies equations under them (a `while` is a
+    # WHILE task in a region under loops="graph"). Planning itself goes through plan_fn.
+    options: Any = field(default=None, compare=False)
 
     def __hash__(self) -> int:
         return hash(self.key)
@@ -75,7 +78,7 @@ class Body:
 
     def derive(self, tag: tuple, flat_fun: Callable) -> "Body":
         return Body(self.key + (tag,), flat_fun, self.plan_fn, self.make_runner, self.runners,
-                    self.plans, fallback=self.fallback)
+                    self.plans, fallback=self.fallback, options=self.options)
 
     def out_shapes(self, avals) -> list:
         return jax.eval_shape(self.flat_fun, *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)

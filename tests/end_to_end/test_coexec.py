@@ -129,6 +129,31 @@ def test_while_with_a_run_time_trip_count_is_xlas_loop_around_a_nimble_body():
     assert "nimble_call" in primitives(loop.params["body_jaxpr"])
 
 
+def newton_beside_cholesky(a, m, s):
+    """A run-time while nimble can plan, beside a cholesky it leaves to XLA."""
+    root, n = newton_sqrt(a, m)
+    return root, n, jnp.linalg.cholesky(s @ s.T + 4.0 * jnp.eye(s.shape[0]))
+
+
+def test_while_beside_an_xla_equation_is_a_while_task_in_a_region():
+    a, m = args_newton()
+    s = rand(np.random.default_rng(9), 6, 6)
+    f = nimble.jit(newton_beside_cholesky, backend="interpret")  # loops="graph"
+    got, want = f(a, m, s), jax.jit(newton_beside_cholesky)(a, m, s)
+    close(got, want)
+    assert int(got[1]) == int(want[1]) > 2
+    program = f.partition(a, m, s)
+    left = {st.name for st in program.xla_steps()}
+    assert "cholesky" in left and "while" not in left  # (a tiny select beside it too)
+    (loop,) = [r for r in program.regions() if any(st.name == "while" for st in r.steps)]
+    plan = nimble.explain(f, a, m, s).plans[loop.name]
+    assert [t.kind.value for t in plan.tasks].count("while") == 1
+    # Under loops="unroll" the loop cannot be planned: XLA's loop around nimble bodies.
+    g = nimble.jit(newton_beside_cholesky, backend="interpret", loops="unroll")
+    close(g(a, m, s), want)
+    assert "while" in {st.name for st in g.partition(a, m, s).xla_steps()}
+
+
 def test_debug_prints_keep_their_order(capfd):
     r = np.random.default_rng(4)
     x, w = rand(r, 8, 16), rand(r, 8, 4)
@@ -176,7 +201,7 @@ def test_a_custom_jvp_rule_around_a_partitioned_loop_is_kept():
         return jnp.sum(jnp.tanh(w @ sqrt_newton(jnp.abs(a) + 1.0)))
 
     a, w = args_newton(12)
-    g = nimble.jit(f, backend="interpret")
+    g = nimble.jit(f, backend="interpret", loops="unroll")  # the loop left to XLA
     close(g(a, w), jax.jit(f)(a, w))
     close(jax.grad(g, argnums=(0, 1))(a, w), jax.jit(jax.grad(f, argnums=(0, 1)))(a, w), tol=1e-4)
     assert "custom_jvp_call" in {s.name for s in g.partition(a, w).xla_steps()}

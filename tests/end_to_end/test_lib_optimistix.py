@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from tests.helpers.libraries import assert_kernels_compile, close, inlined, no_host_callbacks, report_kernels  # noqa: F401 (a fixture)
+from tests.helpers.libraries import (assert_kernels_compile, close, inlined,  # noqa: F401
+                                     no_host_callbacks, report_kernels, while_tasks)
 
 optx = pytest.importorskip("optimistix")
 pytestmark = pytest.mark.filterwarnings("ignore:nimblejax. .* nimble region")
@@ -59,7 +60,7 @@ def test_bfgs_minimise_matches_jax_jit():
     assert int(steps) == int(want_steps) > 2
     np.testing.assert_allclose(got, target, atol=1e-4)  # the minimiser
     report = nimble.explain(f, y0, target)
-    assert "xla while" in str(report) and report.regions
+    assert "xla while" not in str(report) and while_tasks(report) == 1  # callbacks to XLA
     assert "unvmap_any" in inlined(report)
 
 

@@ -86,3 +86,9 @@ def assert_kernels_compile(kernels: dict[str, str], name: str) -> None:
     ptx = compile_to_ptx("\n".join(kernels.values()), f"{name}.cu", arch="sm_90")
     missing = [k for k in kernels if f".entry {k}(" not in ptx]
     assert not missing, missing
+
+
+def while_tasks(report) -> int:
+    """WHILE tasks in a co-execution report's region plans (a loop nimble planned inside
+    a region, beside what went to XLA)."""
+    return sum([t.kind.value for t in p.tasks].count("while") for p in report.plans.values())
