@@ -94,7 +94,7 @@ class Launchers:
         tasks = [t for t in self.plan.tasks if t.kind == "gemm"]
         if not tasks or not self.use_lt:
             return None, {}
-        from nimblejax.runtime.libs import cublaslt
+        from nimblejax.runtime.libs import cublaslt, fill
 
         handle = cublaslt.LtHandle()
         gemms = {}
@@ -107,7 +107,7 @@ class Launchers:
                                                bias=bias, residual=residual)
                 gemms[t] = cublaslt.LtGemm(handle, t.gemm, ws.nbytes, buffers=buffers)
         finally:
-            cublaslt.release_fill()  # the timing's operands, shared by the plan's GEMMs
+            fill.release_fill()  # the timing's operands, shared by the plan's GEMMs
         return handle, gemms
 
     def _cudnn_convs(self):

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from nimblejax.compiler.lowering.task import Epilogue, GemmCall
-from nimblejax.runtime.libs import cublaslt
+from nimblejax.runtime.libs import cublaslt, fill
 
 WORKSPACE_BYTES = 4 << 20
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_random_values_fill_every_element_in_range(dtype):
-    x = cublaslt.random_values(np, 4099, dtype)  # numpy has CuPy's array API used here
+    x = fill.random_values(np, 4099, dtype)  # numpy has CuPy's array API used here
     if dtype == "bfloat16":
         assert x.dtype == np.uint16
         x = (x.astype(np.uint32) << 16).view(np.float32)
@@ -29,7 +29,7 @@ def test_random_values_fill_every_element_in_range(dtype):
     assert abs(values.mean()) < 0.05 and 0.5 < values.std() < 0.65
     assert len(np.unique(values)) > (2000 if dtype == "float32" else 200)
     with pytest.raises(ValueError, match="int8"):
-        cublaslt.random_values(np, 4, "int8")
+        fill.random_values(np, 4, "int8")
 
 
 @dataclass
@@ -134,21 +134,21 @@ class _HostCupy:
 
 
 def test_fill_values_repeat_one_block_grow_and_are_released(monkeypatch):
-    monkeypatch.setattr(cublaslt, "_FILL", {})
-    monkeypatch.setattr(cublaslt, "_BLOCKS", {})
-    monkeypatch.setattr(cublaslt, "FILL_BLOCK", 4)
+    monkeypatch.setattr(fill, "_FILL", {})
+    monkeypatch.setattr(fill, "_BLOCKS", {})
+    monkeypatch.setattr(fill, "FILL_BLOCK", 4)
     cupy = _HostCupy()
-    small = cublaslt.fill_values(cupy, 10, "float32")
-    block = cublaslt.random_values(np, 4, "float32")
+    small = fill.fill_values(cupy, 10, "float32")
+    block = fill.random_values(np, 4, "float32")
     assert np.array_equal(small.values, np.concatenate([block, block, block[:2]]))
     assert cupy.copies == 3  # the block, then 4 and 2 values of what is filled
-    assert cublaslt.fill_values(cupy, 8, "float32") is small  # long enough: reused
-    grown = cublaslt.fill_values(cupy, 15, "float32")
+    assert fill.fill_values(cupy, 8, "float32") is small  # long enough: reused
+    grown = fill.fill_values(cupy, 15, "float32")
     assert grown.size == 20 and np.array_equal(grown.values[:10], small.values)  # doubled
     assert np.array_equal(grown.values, np.resize(block, 20))
-    assert cublaslt.fill_values(cupy, 3, "bfloat16").dtype == np.uint16  # one per dtype
-    cublaslt.release_fill()
-    assert cublaslt._FILL == {} and cublaslt._BLOCKS == {}
+    assert fill.fill_values(cupy, 3, "bfloat16").dtype == np.uint16  # one per dtype
+    fill.release_fill()
+    assert fill._FILL == {} and fill._BLOCKS == {}
 
 
 # ---- GPU ------------------------------------------------------------------------------

@@ -1,0 +1,71 @@
+"""Operands for timing GEMM algorithms: pseudo-random values of a GEMM's dtypes, in
+[-1, 1) as XLA's autotuner fills its buffers (cublaslt.LtGemm._filled reads them).
+
+One device array per dtype serves every GEMM of a plan, grown to the largest operand and
+freed (`release_fill`) once the plan's GEMMs are timed. Its values are made without a
+CuPy kernel: a block hashed on the host, tiled on the device by copies.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+def random_values(xp, elements: int, dtype: str):
+    """`elements` pseudo-random values in [-1, 1) of a GEMM dtype (a uint16 array
+    holding the bits where the dtype is bfloat16, which CuPy lacks): a hash of each
+    element's index, computed with the array module `xp` (numpy: see fill_values)."""
+    h = xp.arange(max(int(elements), 1), dtype=xp.uint32)
+    for mul in (0x9E3779B1, 0x45D9F3B):  # an integer hash (multiply, xor-shift)
+        h = h * xp.uint32(mul)
+        h ^= h >> xp.uint32(16)
+    x = (h >> xp.uint32(8)).astype(xp.float32) * xp.float32(2.0 ** -23) - xp.float32(1.0)
+    if dtype == "float32":
+        return x
+    if dtype == "float16":
+        return x.astype(xp.float16)
+    if dtype == "bfloat16":  # the upper half of a float32 is a bfloat16 (truncated)
+        return (x.view(xp.uint32) >> xp.uint32(16)).astype(xp.uint16)
+    raise ValueError(f"no random fill for GEMM dtype {dtype!r}")
+
+
+# dtype -> a device array of random_values, as long as the largest operand asked for so
+# far; the timing of every GEMM of a plan reads its operands from it (cublaslt.LtGemm._filled).
+_FILL: dict[str, object] = {}
+FILL_BLOCK = 1 << 20  # values hashed on the host per dtype; longer fills repeat them
+_BLOCKS: dict[str, object] = {}  # dtype -> FILL_BLOCK values on the device
+
+
+def fill_values(cupy, elements: int, dtype: str):
+    """A device array of at least `elements` random values of `dtype`, made on the host
+    and copied on the current stream: no CuPy kernel to compile (CuPy's elementwise
+    kernels took 1.5 s of ResNet-50's cold first call), and made once for all of a
+    plan's GEMMs. FILL_BLOCK values are hashed once and repeated: ResNet-50's largest
+    operand at batch 32 holds 26 M. Read-only: a GEMM's output gets a copy of its own."""
+    have = _FILL.get(dtype)
+    if have is None or have.size < elements:
+        grown = max(int(elements), 2 * have.size if have is not None else 0)
+        if dtype not in _BLOCKS:
+            _BLOCKS[dtype] = cupy.asarray(random_values(np, FILL_BLOCK, dtype))
+        have = _FILL[dtype] = _tiled(cupy, _BLOCKS[dtype], grown)
+    return have
+
+
+def _tiled(cupy, block, elements: int):
+    """`elements` values: `block` repeated, by device-to-device copies on the current
+    stream, each copying all that is filled so far (log2(elements / block) copies)."""
+    out = cupy.empty(elements, dtype=block.dtype)
+    rt, stream = cupy.cuda.runtime, cupy.cuda.get_current_stream().ptr
+    item = block.itemsize
+    filled = min(elements, block.size)
+    rt.memcpyAsync(out.data.ptr, block.data.ptr, filled * item, rt.memcpyDeviceToDevice, stream)
+    while filled < elements:
+        n = min(filled, elements - filled)
+        rt.memcpyAsync(out.data.ptr + filled * item, out.data.ptr, n * item,
+                       rt.memcpyDeviceToDevice, stream)
+        filled += n
+    return out
+
+
+def release_fill() -> None:
+    """Frees the fill arrays (once a plan's GEMMs are timed)."""
+    _FILL.clear()
+    _BLOCKS.clear()
