@@ -131,6 +131,8 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
             gid = row_target(node, consumers, outputs, owner, roots, rows, row_outputs)
             if gid is not None:  # one reduction of its consumers' row kernel
                 owner[node], depth[node], rows[gid] = frozenset([gid]), 0, node.outputs[0].size
+                if node.outputs[0] in outputs:  # which writes it too
+                    row_outputs.setdefault(gid, []).append(node)
                 continue
         new_group(node)
 

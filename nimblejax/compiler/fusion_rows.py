@@ -70,6 +70,8 @@ def row_target(node: Node, consumers: Mapping[Var, list[Node]], outputs, owner,
                roots: Mapping[int, Node], rows: Mapping[int, int],
                written: Mapping[int, list[Node]] | None = None) -> int | None:
     """The group that reduction `node` joins as one of a row kernel's reductions, or None.
+    A reduction that is a graph output joins too: the kernel then writes it, one value
+    per row (a while loop's step that returns its convergence measure beside the test).
 
     `owner` maps each node already placed (all of node's consumers are: the walk is
     backwards) to its groups, `roots` each group to its root, `rows` each row group so far
@@ -79,8 +81,10 @@ def row_target(node: Node, consumers: Mapping[Var, list[Node]], outputs, owner,
         return None
     out = node.outputs[0]
     users = consumers.get(out, [])
-    if not users or out in outputs:  # a graph output is written: it roots its own kernel
+    if not users:
         return None
+    if out in outputs and len((written or {}).get(next(iter(owner[users[0]])), ())) >= MAX_ROW_OUTPUTS:
+        return None  # a graph output: the row kernel writes it too (fusion.py), up to the cap
     gids = {g for u in users for g in owner[u]}
     if len(gids) != 1 or any(len(owner[u]) != 1 for u in users):
         return None  # read by several kernels: it must be written, once

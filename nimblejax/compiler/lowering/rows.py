@@ -160,8 +160,9 @@ def _extra_passes(nodes: tuple[Node, ...], reductions: list[Node], extra: tuple[
     position = {r.outputs[0]: k for k, r in enumerate(reductions)}
     lengths = [r.inputs[0].size // n_rows for r in reductions] + [per_out]
     passes: dict[int | None, list[Var]] = {}
-    for v in extra:
-        after = 1 + max((position[u] for u in _reads(v, made, position)), default=-1)
+    for v in extra:  # (a reduction's own value: after its pass)
+        after = 1 + max((position[u] for u in _reads(v, made, position) | ({v} & position.keys())),
+                        default=-1)
         k = next((k for k in range(after, len(lengths)) if lengths[k] == v.size // n_rows), None)
         passes.setdefault(k, []).append(v)
     return passes

@@ -165,13 +165,35 @@ def test_a_reduction_read_in_another_row_is_not_joined():
     check_emulated(f, x)
 
 
-def test_a_reduction_that_is_an_output_is_written_by_its_own_kernel():
+def test_a_reduction_that_is_an_output_is_written_by_the_row_kernel():
     f = lambda x: (softmax(x), jnp.max(x, axis=-1))  # noqa: E731
     x = rand(r, 8, 32)
     plan = plan_of(f, x)
-    assert sum(g.kind == "row" for g in plan.groups) == 1 and len(kernel_names(plan)) == 2
+    (g,) = plan.groups
+    assert g.kind == "row" and len(kernel_names(plan)) == 1 and len(g.outputs) == 2
     check_numbers(f, x)
     check_emulated(f, x)
+    x = rand(r, 5, 300)  # rows longer than a block's threads: the max written once a row
+    check_numbers(f, x)
+    check_emulated(f, x)
+
+
+def test_a_while_step_with_its_convergence_measure_is_one_kernel():
+    """Newton's step: the next iterate, max |step| (both carried) and the test on them."""
+    def step(x, a, k):
+        nx = 0.5 * (x + a / x)
+        err = jnp.max(jnp.abs(nx - x))
+        return nx, err, k + 1, (err > 1e-6) & (k + 1 < 100)
+
+    a = np.abs(rand(r, 256)) * 50 + 0.5
+    args = (a * 0.7 + 1.0, a, np.int32(3))
+    plan = plan_of(step, *args)
+    (row,) = [g for g in plan.groups if g.kind == "row"]
+    # One row kernel writes the iterate, the measure and the test; the counter, placed
+    # before the reduction joined (fusion walks backwards), is a kernel of its own.
+    assert len(row.outputs) == 3 and len(kernel_names(plan)) == 2
+    check_numbers(step, *args)
+    check_emulated(step, *args)
 
 
 def test_few_rows_of_much_work_keep_their_separate_kernels():
