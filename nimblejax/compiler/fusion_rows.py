@@ -83,12 +83,12 @@ def row_target(node: Node, consumers: Mapping[Var, list[Node]], outputs, owner,
     users = consumers.get(out, [])
     if not users:
         return None
-    if out in outputs and len((written or {}).get(next(iter(owner[users[0]])), ())) >= MAX_ROW_OUTPUTS:
-        return None  # a graph output: the row kernel writes it too (fusion.py), up to the cap
     gids = {g for u in users for g in owner[u]}
     if len(gids) != 1 or any(len(owner[u]) != 1 for u in users):
         return None  # read by several kernels: it must be written, once
     (gid,) = gids
+    if out in outputs and len((written or {}).get(gid, ())) >= MAX_ROW_OUTPUTS:
+        return None  # a graph output: the row kernel writes it too (fusion.py), up to the cap
     root, n_rows = roots[gid], out.size
     if rows.get(gid, n_rows) != n_rows or not _root_takes_rows(root, n_rows):
         return None
