@@ -19,8 +19,9 @@ Captured (the plan's graph is being captured on the task's stream), a WHILE task
 A SWITCH task is a kernel that sets one handle per branch (the clamped index equal to
 k) and one IF node per branch, whose body copies the operands in, runs the branch plan
 and copies its results out (IF nodes need a 12.3 driver, SWITCH nodes 12.8).
-Not captured (the warm-up run, eager mode), the same runs from the host, which reads
-each condition back (a synchronization per iteration: correct, not fast).
+Not captured (eager mode), the same runs from the host, which reads each condition
+back (a synchronization per iteration: correct, not fast). The warm-up run before
+capture reads none (`warming`): its arena holds no inputs yet.
 
 cuda-bindings 13 added edge data to cuGraphAddNode, cuStreamUpdateCaptureDependencies
 and cuStreamGetCaptureInfo (12.x: no `dependencyData`, and the info has no edge data);
@@ -28,8 +29,10 @@ and cuStreamGetCaptureInfo (12.x: no `dependencyData`, and the info has no edge 
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import inspect
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -118,6 +121,23 @@ class CarryTable:
         self.address = self.buffer.data.ptr
 
 
+# The warm-up run before capture (executable.py) launches a plan on whatever its arena
+# holds: no inputs yet. A loop whose trip count comes from data could then run for ever
+# (a Newton iteration on garbage never converges), so under `warming()` a WHILE task runs
+# its step once and a SWITCH task each branch once, reading no condition: every launch
+# is made once outside capture, which is what the warm-up is for.
+_WARMING = contextvars.ContextVar("nimblejax_warming", default=False)
+
+
+@contextlib.contextmanager
+def warming() -> Iterator[None]:
+    token = _WARMING.set(True)
+    try:
+        yield
+    finally:
+        _WARMING.reset(token)
+
+
 def driver_version() -> int:
     from cuda.bindings import driver
 
@@ -195,8 +215,12 @@ class ControlLaunchers:
 
     def _host_while(self, run: "_TaskLaunch", stream: Any) -> None:
         self._copy(run.copy_in, stream)
-        pred = _read_bool(run.pred0, stream)
+        pred = True if _WARMING.get() else _read_bool(run.pred0, stream)
         self._join(stream, self.private)
+        if _WARMING.get():  # one step, no condition read (see warming)
+            run.step.launch_all(self.private)
+            self._copy(run.next_carry, self.private)
+            pred = False
         while pred:
             run.step.launch_all(self.private)
             self._copy(run.next_carry, self.private)
@@ -221,12 +245,16 @@ class ControlLaunchers:
                 self._copy(copy_out, self.private)
 
     def _host_switch(self, run: "_TaskLaunch", stream: Any) -> None:
-        index = loops.branch_index(_read(run.index, np.int32, stream), len(run.branches))
-        sub, copy_in, copy_out = run.branches[index]
+        if _WARMING.get():  # every branch once, no index read (see warming)
+            taken = run.branches
+        else:
+            taken = [run.branches[loops.branch_index(_read(run.index, np.int32, stream),
+                                                     len(run.branches))]]
         self._join(stream, self.private)
-        self._copy(copy_in, self.private)
-        sub.launch_all(self.private)
-        self._copy(copy_out, self.private)
+        for sub, copy_in, copy_out in taken:
+            self._copy(copy_in, self.private)
+            sub.launch_all(self.private)
+            self._copy(copy_out, self.private)
         self._join(self.private, stream)
 
     def _join(self, before: Any, after: Any) -> None:

@@ -111,10 +111,18 @@ class Executable:
         else:
             self.launch_tasks()
 
+    def _warm_up(self) -> None:
+        """Every launch once outside capture (modules loaded, launches checked), on an
+        arena that holds no inputs yet: loops and branches read no condition."""
+        from nimblejax.runtime.conditional import warming
+
+        with warming():
+            self.launch_tasks()
+        self.streams[0].synchronize()
+
     def _capture(self) -> None:
         s0 = self.streams[0]
-        self.launch_tasks()  # warm-up: loads modules, checks launches outside capture
-        s0.synchronize()
+        self._warm_up()
         s0.begin_capture()
         try:
             self.launch_tasks()
@@ -125,8 +133,7 @@ class Executable:
     def _capture_raw(self) -> None:
         rt = self.cupy.cuda.runtime
         s0 = self.streams[0]
-        self.launch_tasks()  # warm-up, as in _capture
-        s0.synchronize()
+        self._warm_up()
         rt.streamBeginCapture(s0.ptr)
         try:
             self.launch_tasks()
