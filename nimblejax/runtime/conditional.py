@@ -214,17 +214,14 @@ class ControlLaunchers:
         self._copy(run.copy_out, stream)
 
     def _host_while(self, run: "_TaskLaunch", stream: Any) -> None:
+        warming = _WARMING.get()  # one step, no condition read (see warming)
         self._copy(run.copy_in, stream)
-        pred = True if _WARMING.get() else _read_bool(run.pred0, stream)
+        pred = warming or _read_bool(run.pred0, stream)
         self._join(stream, self.private)
-        if _WARMING.get():  # one step, no condition read (see warming)
-            run.step.launch_all(self.private)
-            self._copy(run.next_carry, self.private)
-            pred = False
         while pred:
             run.step.launch_all(self.private)
             self._copy(run.next_carry, self.private)
-            pred = _read_bool(run.flag, self.private)
+            pred = not warming and _read_bool(run.flag, self.private)
         self._copy(run.copy_out, self.private)
         self._join(self.private, stream)
 

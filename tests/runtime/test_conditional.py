@@ -30,6 +30,53 @@ def test_runtime_ptx_is_made_by_nvrtc_for_the_device_arch():
     assert b".target sm_90" in ptx and b"nimble_set_while" in ptx
 
 
+class _Step:
+    def __init__(self) -> None:
+        self.launches = 0
+
+    def launch_all(self, stream) -> None:
+        self.launches += 1
+
+
+def _host_loop(monkeypatch, flags: list):
+    """ControlLaunchers' host-driven WHILE over fakes: each read of the condition pops
+    `flags`; copies and joins do nothing."""
+    launchers = object.__new__(conditional.ControlLaunchers)
+    launchers.private = "private"
+    monkeypatch.setattr(launchers, "_copy", lambda pairs, stream: None, raising=False)
+    monkeypatch.setattr(launchers, "_join", lambda a, b: None, raising=False)
+    reads = []
+    monkeypatch.setattr(conditional, "_read_bool", lambda address, stream: reads.append(address)
+                        or flags.pop(0))
+    run = type("run", (), {"copy_in": [], "copy_out": [], "next_carry": [], "pred0": "pred0",
+                           "flag": "flag", "step": _Step()})()
+    return launchers, run, reads
+
+
+def test_the_warm_up_runs_a_loops_step_once_and_reads_no_condition(monkeypatch):
+    launchers, run, reads = _host_loop(monkeypatch, [])
+    with conditional.warming():  # the arena holds no inputs: reading would be garbage
+        launchers._host_while(run, "stream")
+    assert run.step.launches == 1 and reads == []
+    launchers, run, reads = _host_loop(monkeypatch, [True, True, True, False])
+    launchers._host_while(run, "stream")  # a real host-driven run (eager mode)
+    assert run.step.launches == 3 and reads == ["pred0", "flag", "flag", "flag"]
+
+
+def test_the_warm_up_runs_every_branch_once_and_reads_no_index(monkeypatch):
+    launchers, _, _ = _host_loop(monkeypatch, [])
+    reads = []
+    monkeypatch.setattr(conditional, "_read", lambda address, dtype, stream: reads.append(address)
+                        or np.int32(7))
+    subs = [_Step(), _Step(), _Step()]
+    run = type("run", (), {"index": "index", "branches": [(sub, [], []) for sub in subs]})()
+    with conditional.warming():
+        launchers._host_switch(run, "stream")
+    assert [sub.launches for sub in subs] == [1, 1, 1] and reads == []
+    launchers._host_switch(run, "stream")  # index 7 clamped to the last branch
+    assert [sub.launches for sub in subs] == [1, 1, 2] and reads == ["index"]
+
+
 def test_driver_calls_take_edge_data_as_the_installed_bindings_say():
     driver = pytest.importorskip("cuda.bindings.driver")
     takes = conditional._takes_edge_data(driver.cuGraphAddNode)
