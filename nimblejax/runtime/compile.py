@@ -63,8 +63,8 @@ def _compile_modules(modules: list[list[str]]) -> None:
         with cupy.cuda.Device(device):
             return _compile_together(sources)
 
-    if len(modules) == 1:
-        built = [len(modules[0]) > 1 and _compile_together(modules[0])]
+    if len(modules) == 1:  # no thread for one module
+        built = [_compile_together(modules[0])]
     else:
         with ThreadPoolExecutor(len(modules), thread_name_prefix="nimblejax-nvrtc") as pool:
             built = list(pool.map(build, modules))

@@ -384,11 +384,8 @@ def test_emulated_long_rows_write_the_second_output_from_global_memory():
 # ---- NVRTC -------------------------------------------------------------------------------------
 def sources() -> dict[str, str]:
     found = {}
-    for fn, make in CASES.values():
-        for t in plan_of(fn, *make()).tasks:
-            if t.name.startswith("nimble_row_"):
-                found[t.name] = t.kernel.source
-    programs = [(ln_and_residual, ln_args(2, 12000))] + [random_program(k)[:2] for k in range(24)]
+    programs = ([(fn, make()) for fn, make in CASES.values()] + [(ln_and_residual, ln_args(2, 12000))]
+                + [random_program(k)[:2] for k in range(24)])
     for fn, args in programs:
         for t in plan_of(fn, *args).tasks:
             if t.name.startswith("nimble_row_"):
