@@ -43,7 +43,15 @@ def task_category(task) -> str:
 
 
 def task_times(exe, repeats: int = 5, spin_ms: float = 50.0) -> list[dict]:
-    """Median GPU µs of every launched task of executable `exe`, in launch order."""
+    """Median GPU µs of every launched task of executable `exe`, in launch order, on the
+    GPU that holds its streams (a plan runs on every GPU it may be placed on)."""
+    import cupy
+
+    with cupy.cuda.Device(getattr(exe, "device", cupy.cuda.Device().id)):
+        return _task_times(exe, repeats, spin_ms)
+
+
+def _task_times(exe, repeats: int, spin_ms: float) -> list[dict]:
     import cupy
 
     sched = exe.plan.schedule

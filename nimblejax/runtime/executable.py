@@ -39,6 +39,7 @@ class Executable:
         self.plan, self.output, self.eager = plan, output, eager
         self.donate = sorted(donate)
         self.cupy = cupy
+        self.device = cupy.cuda.Device().id  # the GPU its arena, streams and graph live on
         self.lock = threading.Lock()
         self.stats = {"calls": 0, "graph_launches": 0, "task_launches": 0, "input_copies": 0}
         self.arena = allocate(plan.memory.arena_bytes, "the arena")

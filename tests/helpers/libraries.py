@@ -9,6 +9,11 @@ import numpy as np
 import pytest
 
 
+# float32 dots run TF32-like on the GPU (jax's default precision) in both jax.jit and
+# nimble, with different GEMM algorithms: ~1e-3 relative apart, as docs/design.md says.
+GPU_TOL = 2e-3
+
+
 def close(got, want, tol: float = 1e-5) -> None:
     """The same tree, shapes and dtypes; floats within `tol` (relative and absolute),
     integers, booleans and PRNG keys bit for bit."""
