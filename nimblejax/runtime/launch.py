@@ -141,7 +141,7 @@ class Launchers:
                 raise KernelLaunchError(f"launching {k.name} (from {task.source}) failed: {e}") from e
         elif task.kind == "cudnn":
             ws = self.cudnn_workspaces[s]
-            self.convs[task].forward(self.cudnn_handles[s], *self.args[task], ws.data.ptr, ws.nbytes)
+            self.convs[task].run(self.cudnn_handles[s], *self.args[task], ws.data.ptr, ws.nbytes)
         elif task in self.lt:
             ws = self.workspaces[s]
             a, b, c, bias, residual = self.args[task]

@@ -85,6 +85,29 @@ def test_convolution_on_the_cudnn_path_becomes_one_cudnn_call_in_nhwc():
     assert names(new).count("nimble_cudnn_conv") == 1
 
 
+def test_filter_gradient_becomes_one_cudnn_backward_filter_call():
+    """jax.grad's filter-gradient convolution (its window the whole activation map) is
+    cuDNN's backward-filter call on x and dy as they are: no im2col, no pad where cuDNN's
+    symmetric padding gives dy's size; on the GEMM path where the batch is small."""
+    rng = np.random.default_rng(5)
+    grad_w = jax.grad(lambda x, w: jnp.sum(jnp.tanh(conv(x, w))), argnums=1)
+    args = [rand(rng, conv_mod.CUDNN_MIN_BATCH, 9, 9, 4), rand(rng, 3, 3, 4, 6)]
+    new = check(grad_w, args, Options(conv="cudnn"), rtol=1e-4)
+    assert names(new).count("nimble_cudnn_conv_filter_grad") == 1
+    assert not {"nimble_im2col", "pad", "conv_general_dilated"} & set(names(new))
+    (node,) = [n for n in trace(grad_w, *args).nodes if n.name == "conv_general_dilated"
+               and n.inputs[1].shape == (conv_mod.CUDNN_MIN_BATCH, 9, 9, 6)]
+    assert conv_mod.conv_path(node, Options(conv="auto", cudnn=True)) == "cudnn_filter_grad"
+    assert conv_mod.conv_path(node, Options(conv="auto", cudnn=False)) == "gemm"
+    small = [n for n in trace(grad_w, rand(rng, 1, 9, 9, 4), args[1]).nodes
+             if n.name == "conv_general_dilated" and n.inputs[1].shape == (1, 9, 9, 6)]
+    assert conv_mod.conv_path(small[0], Options(conv="auto", cudnn=True)) == "gemm"
+    # Stride 2 with "SAME" padding (0, 1): x is padded explicitly by one row and column.
+    grad_s2 = jax.grad(lambda x, w: jnp.sum(jnp.tanh(conv(x, w, (2, 2)))), argnums=1)
+    new = check(grad_s2, [rand(rng, 2, 8, 8, 4), args[1]], Options(conv="cudnn"), rtol=1e-4)
+    assert names(new).count("nimble_cudnn_conv_filter_grad") == 1 and "nimble_im2col" not in names(new)
+
+
 def test_depthwise_convolution_stays_one_node():
     rng = np.random.default_rng(3)
     new = check(lambda x, w: conv(x, w, feature_group_count=4),

@@ -228,6 +228,21 @@ rec("conv_general_dilated", lambda x, w: conv(x, w, (1, 1), "SAME"),
     dt(jnp.bfloat16, 2, 6, 6, 4), dt(jnp.bfloat16, 3, 3, 4, 4), label="bf16")
 rec("conv_general_dilated", jax.grad(lambda x, w: jnp.sum(conv(x, w, (2, 2)) ** 2), argnums=(0, 1)),
     f32(2, 8, 8, 3), f32(3, 3, 3, 4), label="grad")
+# Filter gradients (cuDNN's backward-filter call on the cuDNN path): symmetric padding,
+# an explicit pad or crop where cuDNN's symmetric padding would change dy's size, dilation,
+# another layout, bf16.
+for label, kw, xs, ws in [("same", {}, (2, 9, 9, 3), (3, 3, 3, 4)),
+                          ("7x7-s2", dict(strides=(2, 2)), (2, 16, 16, 3), (7, 7, 3, 4)),
+                          ("pad-s2", dict(strides=(2, 2), padding=((1, 1), (1, 1))), (2, 8, 8, 3), (3, 3, 3, 4)),
+                          ("dilated", dict(rhs_dilation=(2, 2)), (2, 9, 9, 3), (3, 3, 3, 4)),
+                          ("1x1-s2", dict(strides=(2, 2)), (2, 9, 9, 3), (1, 1, 3, 4)),
+                          ("valid", dict(padding="VALID"), (2, 7, 7, 8), (3, 3, 8, 4)),
+                          ("nchw", dict(padding=((1, 0), (2, 1)), rhs_dilation=(2, 1), dn=("NCHW", "OIHW", "NCHW")),
+                           (2, 3, 9, 7), (5, 3, 3, 2))]:
+    rec("conv_general_dilated", jax.grad(lambda x, w, kw=kw: jnp.sum(jnp.tanh(conv(x, w, **kw))), argnums=1),
+        f32(*xs), f32(*ws), label=f"filter-grad-{label}")
+rec("conv_general_dilated", jax.grad(lambda x, w: jnp.sum(jnp.tanh(conv(x, w).astype(jnp.float32))), argnums=1),
+    dt(jnp.bfloat16, 2, 6, 6, 4), dt(jnp.bfloat16, 3, 3, 4, 4), label="filter-grad-bf16")
 rec("conv_general_dilated", jax.grad(lambda x, w: jnp.sum(conv(x, w, feature_group_count=4) ** 2),
                                      argnums=(0, 1)),
     f32(2, 6, 6, 4), f32(3, 3, 1, 4), label="grad-depthwise")
@@ -252,6 +267,8 @@ rec("select_and_scatter_add", jax.grad(lambda x: jnp.sum(lax.reduce_window(
 # nimble_cudnn_conv is emitted by the cuDNN rewrite (where cuDNN is installed, or with
 # NIMBLE_CONV=cudnn; test_conv_paths_match_jax forces both paths).
 rec("nimble_cudnn_conv", lambda x, w: conv(x, w, (2, 2)), f32(1, 7, 6, 2), f32(3, 3, 2, 3), label="internal")
+rec("nimble_cudnn_conv_filter_grad", jax.grad(lambda x, w: jnp.sum(conv(x, w) ** 2), argnums=1),
+    f32(2, 7, 6, 2), f32(3, 3, 2, 3), label="internal")
 # nimble_while / nimble_switch are nimblejax's WHILE and SWITCH tasks, made only under
 # loops="graph" (tests/compiler/test_loop_tasks.py runs them); under the default these
 # records run through co-execution and a select.

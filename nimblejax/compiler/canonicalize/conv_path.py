@@ -6,6 +6,8 @@
 - "cudnn": 2-D convolutions cuDNN's forward API takes, where options allow cuDNN and the
   batch is large enough (measured, see CUDNN_MIN_BATCH), become transposes to NHWC/KRSC
   around one `nimble_cudnn_conv`;
+- "cudnn_filter_grad": the filter gradients `jax.grad` emits, whose window is the whole
+  activation map, become one `nimble_cudnn_conv_filter_grad` (conv_filter_grad.py);
 - "gemm": everything else becomes transposes to (N, spatial..., C), `nimble_im2col`
   (patches), one batched dot_general and transposes back. Every layout, stride,
   padding, lhs/rhs dilation, feature_group_count and batch_group_count that JAX emits
@@ -25,6 +27,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 
+from nimblejax.compiler.canonicalize import conv_filter_grad as filter_grad
 from nimblejax.compiler.canonicalize.dot import compute_mode
 from nimblejax.compiler.canonicalize.registry import rewrites
 from nimblejax.compiler.ir import Node, Var
@@ -87,9 +90,10 @@ def conv_specs(node: Node):
 
 def conv_path(node: Node, options: Options) -> str:
     """'direct' for depthwise-like convolutions (1 input channel per group: a GEMM per
-    group would be a batch of tiny matrices); 'cudnn' for the 2-D convolutions cuDNN's
-    forward API takes, where cuDNN is found (options.conv=cudnn|im2col overrides),
-    unless the batch is small (CUDNN_MIN_BATCH); else 'gemm' (im2col + cuBLAS)."""
+    group would be a batch of tiny matrices); 'cudnn_filter_grad' for filter gradients
+    (conv_filter_grad.py) and 'cudnn' for the 2-D convolutions cuDNN's forward API takes,
+    where cuDNN is found (options.conv=cudnn|im2col overrides), unless the batch is small
+    (CUDNN_MIN_BATCH); else 'gemm' (im2col + cuBLAS)."""
     lhs_spec, rhs_spec, _ = conv_specs(node)
     x, w = node.inputs
     cg = w.shape[rhs_spec[1]]
@@ -97,6 +101,8 @@ def conv_path(node: Node, options: Options) -> str:
         return "direct"
     if _is_plain_1x1(node):
         return "gemm"  # already a GEMM, no im2col: measured faster than XLA's cuDNN call
+    if filter_grad.eligible(node):  # the window is the activation map: never im2col'd well
+        return "cudnn_filter_grad" if use_cudnn(options, filter_grad.batch(node)) else "gemm"
     if _cudnn_eligible(node) and use_cudnn(options, _batch(node)):
         return "cudnn"
     return "gemm"
@@ -165,6 +171,8 @@ def rewrite_conv(node: Node, options: Options) -> list[Node]:
     out = node.outputs[0]
     if path == "cudnn":
         fn = lambda a, b: _via_cudnn(a, b, node, out)  # noqa: E731
+    elif path == "cudnn_filter_grad":
+        fn = lambda a, b: filter_grad.via_cudnn(a, b, node, _math(node))  # noqa: E731
     else:
         fn = lambda a, b: _decomposed(a, b, node.params, out.shape)  # noqa: E731
     closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -245,6 +253,11 @@ def _cudnn_impl(x, w, *, padding, strides, dilation, groups, math, out_dtype):
         precision=lax.Precision.HIGHEST if math == "f32" else None)
 
 
+def _math(node: Node) -> str:
+    """cuDNN's math for a convolution: tensor ops for half types, else as XLA's dots."""
+    return "half" if dtypes.is_half(node.inputs[0].dtype) else compute_mode(node)
+
+
 def _via_cudnn(x, w, node: Node, out: Var):
     p = node.params
     lhs_spec, rhs_spec, out_spec = conv_specs(node)
@@ -255,10 +268,9 @@ def _via_cudnn(x, w, node: Node, out: Var):
     extra = [(lo - m, hi - m) for (lo, hi), m in zip(p["padding"], sym)]
     if any(e != (0, 0) for e in extra):
         x = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] + [(a, b, 0) for a, b in extra] + [(0, 0, 0)])
-    math = "half" if dtypes.is_half(node.inputs[0].dtype) else compute_mode(node)
     y = cudnn_conv_p.bind(x, w, padding=sym, strides=tuple(p["window_strides"]),
                           dilation=tuple(p["rhs_dilation"]), groups=p["feature_group_count"],
-                          math=math, out_dtype=np.dtype(out.dtype))
+                          math=_math(node), out_dtype=np.dtype(out.dtype))
     perm = [0] * 4
     perm[out_spec[0]], perm[out_spec[1]], perm[out_spec[2]], perm[out_spec[3]] = 0, 3, 1, 2
     return _transpose(y, tuple(perm))

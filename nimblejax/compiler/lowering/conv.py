@@ -1,6 +1,7 @@
-"""Convolution lowering rules: the im2col gather kernel, the cuDNN call record, and a
-direct generated kernel for depthwise-like convolutions. Which path a convolution
-takes is decided before fusion, in compiler/canonicalize/conv_path.py.
+"""Convolution lowering rules: the im2col gather kernel, the cuDNN call records (forward
+and filter gradient), and a direct generated kernel for depthwise-like convolutions.
+Which path a convolution takes is decided before fusion, in
+compiler/canonicalize/conv_path.py.
 """
 from __future__ import annotations
 
@@ -55,6 +56,17 @@ def cudnn_conv(node: Node):
     return ConvCall(tuple(x.shape), tuple(w.shape), tuple(y.shape), tuple(p["padding"]),
                     tuple(p["strides"]), tuple(p["dilation"]), p["groups"], dtypes.name(x.dtype),
                     dtypes.name(y.dtype), p["math"], x=x, w=w, y=y)
+
+
+@register("nimble_cudnn_conv_filter_grad", kind=RuleKind.CUDNN)
+def cudnn_conv_filter_grad(node: Node):
+    """dW of a forward convolution from x and dy (canonicalize/conv_filter_grad.py)."""
+    p = node.params
+    x, dy = node.inputs
+    dw = node.outputs[0]
+    return ConvCall(tuple(x.shape), tuple(dw.shape), tuple(dy.shape), tuple(p["padding"]),
+                    tuple(p["strides"]), tuple(p["dilation"]), 1, dtypes.name(x.dtype),
+                    dtypes.name(dw.dtype), p["math"], mode="filter_grad", x=x, w=dw, y=dy)
 
 
 # ---- the direct kernel (depthwise) -----------------------------------------------------

@@ -209,7 +209,9 @@ class GemmCall:
 @dataclass(frozen=True)
 class ConvCall:
     """y (N,OH,OW,K) NHWC = conv(x (N,H,W,C) NHWC, w (K,R,S,C/G) KRSC), symmetric
-    padding: a cuDNN forward convolution. math: 'tf32' | 'f32' | 'half'."""
+    padding: a cuDNN forward convolution (mode 'forward': reads x and w, writes y), or
+    its filter gradient (mode 'filter_grad': reads x and y, the output gradient, writes
+    w). math: 'tf32' | 'f32' | 'half'."""
 
     x_shape: tuple[int, int, int, int]
     w_shape: tuple[int, int, int, int]
@@ -221,6 +223,7 @@ class ConvCall:
     dtype: str
     out_dtype: str
     math: str
+    mode: str = "forward"
     x: Optional[Var] = field(default=None, compare=False, repr=False)
     w: Optional[Var] = field(default=None, compare=False, repr=False)
     y: Optional[Var] = field(default=None, compare=False, repr=False)

@@ -1,4 +1,5 @@
-"""A thin ctypes layer over cuDNN's convolution API (cudnnConvolutionForward).
+"""A thin ctypes layer over cuDNN's convolution API (cudnnConvolutionForward, and
+cudnnConvolutionBackwardFilter for the filter gradients of `jax.grad`).
 
 Why ctypes: CuPy 14 has no cuDNN, the cuDNN frontend would have to travel as a wheel,
 and the dozen calls needed are a stable C API. cuDNN itself is already on any machine
@@ -6,7 +7,7 @@ where JAX runs on CUDA (the nvidia-cudnn wheel JAX depends on). One handle per s
 stream and workspace set before capture, as for cuBLAS.
 
 The algorithm of each convolution shape is chosen by measuring
-(cudnnFindConvolutionForwardAlgorithm) once, outside capture, and cached. The shape is the
+(cudnnFind...Algorithm) once, outside capture, and cached. The shape is the
 plan's `ConvCall` record (its operands are not used here). `loader` finds and loads
 libcudnn on first use, never at import.
 """
@@ -27,7 +28,10 @@ FORMAT_NHWC = 1
 CROSS_CORRELATION = 1
 DEFAULT_MATH, TENSOR_OP_MATH, FMA_MATH = 0, 1, 3
 WORKSPACE_LIMIT = 64 << 20
-GEMM_ALGOS = (0, 1, 2)  # cudnnConvolutionFwdAlgo_t: IMPLICIT_GEMM, IMPLICIT_PRECOMP_GEMM, GEMM
+# The algorithms without FFT or Winograd transforms, which lose too much precision on
+# half types: cudnnConvolutionFwdAlgo_t IMPLICIT_GEMM, IMPLICIT_PRECOMP_GEMM, GEMM;
+# cudnnConvolutionBwdFilterAlgo_t ALGO_0, ALGO_1, ALGO_3.
+GEMM_ALGOS = {"forward": (0, 1, 2), "filter_grad": (0, 1, 3)}
 
 
 class CudnnError(loader.LibraryError):
@@ -42,7 +46,7 @@ class CudnnError(loader.LibraryError):
 _check = CudnnError.check
 
 
-class _Perf(ctypes.Structure):  # cudnnConvolutionFwdAlgoPerf_t
+class _Perf(ctypes.Structure):  # cudnnConvolutionFwdAlgoPerf_t (BwdFilter's: the same layout)
     _fields_ = [("algo", ctypes.c_int), ("status", ctypes.c_int), ("time", ctypes.c_float),
                 ("memory", ctypes.c_size_t), ("determinism", ctypes.c_int),
                 ("mathType", ctypes.c_int), ("reserved", ctypes.c_int * 3)]
@@ -120,19 +124,31 @@ class Conv:
             return _algo_cache[key]
         perf = (_Perf * 8)()
         count = ctypes.c_int()
-        _check("cudnnFindConvolutionForwardAlgorithm", _library().cudnnFindConvolutionForwardAlgorithm(
-            handle.raw, self.x, self.w, self.conv, self.y, 8, ctypes.byref(count), perf))
+        L, mode = _library(), self.call.mode
+        if mode == "filter_grad":
+            _check("cudnnFindConvolutionBackwardFilterAlgorithm", L.cudnnFindConvolutionBackwardFilterAlgorithm(
+                handle.raw, self.x, self.y, self.conv, self.w, 8, ctypes.byref(count), perf))
+        else:
+            _check("cudnnFindConvolutionForwardAlgorithm", L.cudnnFindConvolutionForwardAlgorithm(
+                handle.raw, self.x, self.w, self.conv, self.y, 8, ctypes.byref(count), perf))
         for p in perf[: count.value]:
             # FFT and Winograd algorithms lose too much precision on half types (seen
             # failing jax.jit comparisons for bfloat16): implicit GEMMs only there.
-            accurate = self.call.dtype == "float32" or p.algo in GEMM_ALGOS
+            accurate = self.call.dtype == "float32" or p.algo in GEMM_ALGOS[mode]
             if p.status == 0 and p.memory <= WORKSPACE_LIMIT and accurate:
                 _algo_cache[key] = (p.algo, p.memory, p.mathType)
                 return _algo_cache[key]
         raise CudnnError(f"no cuDNN algorithm runs {self.call}")
 
-    def forward(self, handle: Handle, x: int, w: int, y: int, workspace: int, workspace_bytes: int) -> None:
+    def run(self, handle: Handle, x: int, w: int, y: int, workspace: int, workspace_bytes: int) -> None:
+        """Forward: y from x and w; filter gradient: w from x and y (the output gradient)."""
         one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        if self.call.mode == "filter_grad":
+            _check("cudnnConvolutionBackwardFilter", _library().cudnnConvolutionBackwardFilter(
+                handle.raw, ctypes.byref(one), self.x, ctypes.c_void_p(x), self.y, ctypes.c_void_p(y),
+                self.conv, self.algo, ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes),
+                ctypes.byref(zero), self.w, ctypes.c_void_p(w)))
+            return
         _check("cudnnConvolutionForward", _library().cudnnConvolutionForward(
             handle.raw, ctypes.byref(one), self.x, ctypes.c_void_p(x), self.w, ctypes.c_void_p(w),
             self.conv, self.algo, ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes),
