@@ -35,12 +35,12 @@ MAX_FILTER = 11
 
 
 @filter_grad_p.def_abstract_eval
-def _abstract(x, dy, *, w_shape, padding, strides, dilation, math, out_dtype):
+def _abstract(x, dy, *, w_shape, padding, strides, dilation, groups, math, out_dtype):
     return jax.core.ShapedArray(w_shape, out_dtype)
 
 
 @filter_grad_p.def_impl
-def _impl(x, dy, *, w_shape, padding, strides, dilation, math, out_dtype):
+def _impl(x, dy, *, w_shape, padding, strides, dilation, groups, math, out_dtype):
     """Reference semantics (the CPU interpreter): the VJP of the forward convolution
     x (NHWC) * w (KRSC) -> y (NHWC) with respect to w, at dy."""
     x = jnp.asarray(x)
@@ -48,7 +48,8 @@ def _impl(x, dy, *, w_shape, padding, strides, dilation, math, out_dtype):
     def forward(w):
         return lax.conv_general_dilated(
             x, w, strides, [(p, p) for p in padding], rhs_dilation=dilation,
-            dimension_numbers=("NHWC", "OHWI", "NHWC"), preferred_element_type=out_dtype,
+            dimension_numbers=("NHWC", "OHWI", "NHWC"), feature_group_count=groups,
+            preferred_element_type=out_dtype,
             precision=lax.Precision.HIGHEST if math == "f32" else None)
 
     _, vjp = jax.vjp(forward, jnp.zeros(w_shape, x.dtype))
@@ -62,13 +63,14 @@ def _specs(node: Node):
 
 
 def eligible(node: Node) -> bool:
-    """A 2-D float convolution in filter-gradient form: one dtype, no groups, no lhs
+    """A 2-D float convolution in filter-gradient form: one dtype, no feature groups
+    (a grouped or depthwise convolution's filter gradient has batch groups), no lhs
     dilation, a window (rhs spatial) larger than its output in some axis, an output no
     larger than MAX_FILTER in each, and a non-negative low padding."""
     x, w = node.inputs
     out = node.outputs[0]
     p = node.params
-    if x.ndim != 4 or p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
+    if x.ndim != 4 or p["feature_group_count"] != 1:
         return False
     if any(d != 1 for d in p["lhs_dilation"]) or any(lo < 0 for lo, _ in p["padding"]):
         return False
@@ -112,10 +114,13 @@ def via_cudnn(x, dy, node: Node, math: str):
                     (0, (lo, (need - 1) * strides[j] + (filt[j] - 1) * dilation[j] + 1 - size - lo)))
     if any(extra is not None for _, extra in pads):
         x = _pad_exactly(x, [extra or (0, 0) for _, extra in pads])
+    # The forward convolution's groups are this one's batch groups: group g of x's
+    # channels (its lhs batch) with group g of dy's channels (its output features).
+    groups = p["batch_group_count"]
     dw = filter_grad_p.bind(
-        x, dy, w_shape=(dy.shape[3],) + filt + (x.shape[3],), padding=tuple(lo for lo, _ in pads),
-        strides=strides, dilation=dilation, math=math, out_dtype=np.dtype(out.dtype))
-    # dw is (K, R, S, C): the node's output has C as its batch, K as its feature.
+        x, dy, w_shape=(dy.shape[3],) + filt + (x.shape[3] // groups,), padding=tuple(lo for lo, _ in pads),
+        strides=strides, dilation=dilation, groups=groups, math=math, out_dtype=np.dtype(out.dtype))
+    # dw is (K, R, S, C/G): the node's output has C/G as its batch, K as its feature.
     perm = [0] * 4
     perm[out_spec[0]], perm[out_spec[1]], perm[out_spec[2]], perm[out_spec[3]] = 3, 0, 1, 2
     return _transpose(dw, perm)

@@ -65,7 +65,7 @@ def cudnn_conv_filter_grad(node: Node):
     x, dy = node.inputs
     dw = node.outputs[0]
     return ConvCall(tuple(x.shape), tuple(dw.shape), tuple(dy.shape), tuple(p["padding"]),
-                    tuple(p["strides"]), tuple(p["dilation"]), 1, dtypes.name(x.dtype),
+                    tuple(p["strides"]), tuple(p["dilation"]), p["groups"], dtypes.name(x.dtype),
                     dtypes.name(dw.dtype), p["math"], mode="filter_grad", x=x, w=dw, y=dy)
 
 
