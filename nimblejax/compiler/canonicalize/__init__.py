@@ -4,7 +4,8 @@ forms lowering expects, each rewrite registered for its primitives beside it
 
 - convolutions → im2col + GEMM, a cuDNN call, or kept for the direct kernel (conv_path.py:
   the one place a convolution's path is decided);
-- long reductions with few outputs → two reductions (split.py);
+- reductions over axes of size 1 → a reshape; long reductions with few outputs → two
+  reductions (reductions.py, split.py);
 - split → one slice per output (slices.py);
 - stack, unstack, tile → reshapes, slices, broadcasts and a concatenate (stacking.py);
 - independent dots sharing an operand → one dot and free slices of its result
@@ -26,7 +27,7 @@ that nothing reads (the unused outputs of an unstack or a split) are dropped at 
 from __future__ import annotations
 
 # Each rewrite module registers its rewrites on import.
-from nimblejax.compiler.canonicalize import conv_path, dot, slices, split, stacking  # noqa: F401
+from nimblejax.compiler.canonicalize import conv_path, dot, reductions, slices, stacking  # noqa: F401
 from nimblejax.compiler.canonicalize.merge_dots import merge_dots
 from nimblejax.compiler.canonicalize.registry import REWRITES, sweep
 from nimblejax.compiler.ir import Graph

@@ -12,7 +12,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from nimblejax.compiler.canonicalize.registry import rewrites
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
 from nimblejax.options import Options
@@ -24,8 +23,9 @@ TARGET_THREADS = 32768   # column reductions: outputs of the first reduction
 TARGET_ROWS = 2048       # row reductions: rows of the first reduction
 
 
-@rewrites(*SPLITTABLE)
 def split_reduction(node: Node, options: Options) -> list[Node]:
+    """[reshape, reduce, reduce] for a long reduction with few outputs, else [node]
+    (registered in reductions.py)."""
     if dtypes.name(node.inputs[0].dtype) not in ("float32", "int32"):
         return [node]
     x, out = node.inputs[0], node.outputs[0]
@@ -51,16 +51,22 @@ def split_reduction(node: Node, options: Options) -> list[Node]:
     shape = tuple(lead) + (reduced // chunk, chunk) + tuple(tail)
     first, second = len(lead) + 1, len(lead)
     op = SPLITTABLE[node.name]
-    fn = lambda a: op(op(a.reshape(shape), axis=first), axis=second)  # noqa: E731
+    return replace_with(node, lambda a: op(op(a.reshape(shape), axis=first), axis=second))
+
+
+def replace_with(node: Node, fn) -> list[Node]:
+    """The nodes of `fn` traced on the node's one input, ending in the node's own output
+    (so its readers need no change); [node] where the trace ends otherwise."""
     from nimblejax.compiler.trace import GraphBuilder
 
+    x, out = node.inputs[0], node.outputs[0]
     closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, x.dtype))
     builder = GraphBuilder()
     (result,) = builder.inline(closed.jaxpr, [x], outer=node.source)
     nodes = builder.nodes
-    last = nodes[-1]
-    if last.outputs[0] is not result or result.shape != out.shape or result.dtype != out.dtype:
+    if not nodes or nodes[-1].outputs[0] is not result or result.shape != out.shape or result.dtype != out.dtype:
         return [node]
+    last = nodes[-1]
     nodes[-1] = Node(last.primitive, last.inputs, (out,), last.params, node.source)
     return [Node(n.primitive, n.inputs, n.outputs, n.params, node.source) for n in nodes]
 
