@@ -30,8 +30,8 @@ def task_family(task) -> str:
         return "cublas gemm"
     if task.kind == "cudnn":
         c = task.conv
-        if c.mode == "filter_grad":
-            return "cudnn conv filter grad"
+        if c.mode != "forward":
+            return f"cudnn conv {c.mode.replace('_', ' ')}"
         return "cudnn conv depthwise" if c.groups > 1 and c.groups == c.x.shape[-1] else "cudnn conv"
     name = re.sub(r"_[0-9a-f]{4}$", "", task.kernel.name).removeprefix("nimble_")
     return name

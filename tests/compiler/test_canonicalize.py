@@ -151,6 +151,22 @@ def test_long_reduction_with_few_outputs_is_split_in_two():
     assert names(small).count("reduce_sum") == 1
 
 
+def test_strided_input_gradient_becomes_one_cudnn_backward_data_call():
+    """The input gradient of a stride-2 convolution (lhs dilation 2) is cuDNN's
+    backward-data call on dy and the flipped filter; with "SAME" padding on an even size
+    cuDNN's dx has a row and a column more, sliced off."""
+    rng = np.random.default_rng(6)
+    grad_x = jax.grad(lambda x, w: jnp.sum(jnp.tanh(conv(x, w, (2, 2)))))
+    for size, sliced in ((8, True), (9, False)):
+        new = check(grad_x, [rand(rng, 2, size, size, 4), rand(rng, 3, 3, 4, 6)], Options(conv="cudnn"),
+                    rtol=1e-4)
+        assert names(new).count("nimble_cudnn_conv_data_grad") == 1
+        assert "nimble_im2col" not in names(new) and ("slice" in names(new)) is sliced
+    (node,) = [n for n in trace(grad_x, rand(rng, 1, 8, 8, 4), rand(rng, 3, 3, 4, 6)).nodes
+               if n.name == "conv_general_dilated" and any(d > 1 for d in n.params["lhs_dilation"])]
+    assert conv_mod.conv_path(node, Options(conv="auto", cudnn=True)) == "gemm"  # batch 1
+
+
 def test_reduction_over_unit_axes_is_a_reshape():
     """A (C,) gradient reshaped to (1, 1, 1, C) and summed over the unit axes (as
     ResNet-50's train step has a hundred times): no kernel, bit for bit (-0.0 too)."""

@@ -243,6 +243,15 @@ for label, kw, xs, ws in [("same", {}, (2, 9, 9, 3), (3, 3, 3, 4)),
                            (2, 3, 9, 7), (5, 3, 3, 2))]:
     rec("conv_general_dilated", jax.grad(lambda x, w, kw=kw: jnp.sum(jnp.tanh(conv(x, w, **kw))), argnums=1),
         f32(*xs), f32(*ws), label=f"filter-grad-{label}")
+# Input gradients of strided convolutions (cuDNN's backward-data call on the cuDNN path):
+# "SAME" on an even size (cuDNN computes a row more, sliced off), odd, 1x1, VALID stride 3.
+for label, kw, xs, ws in [("s2-even", dict(strides=(2, 2)), (2, 8, 8, 3), (3, 3, 3, 4)),
+                          ("s2-odd", dict(strides=(2, 2)), (2, 9, 9, 3), (3, 3, 3, 4)),
+                          ("7x7-s2", dict(strides=(2, 2), precision=HIGHEST), (2, 16, 16, 3), (7, 7, 3, 4)),
+                          ("1x1-s2", dict(strides=(2, 2)), (2, 8, 8, 3), (1, 1, 3, 4)),
+                          ("valid-s3", dict(strides=(3, 3), padding="VALID"), (2, 9, 9, 8), (3, 3, 8, 4))]:
+    rec("conv_general_dilated", jax.grad(lambda x, w, kw=kw: jnp.sum(jnp.tanh(conv(x, w, **kw)))),
+        f32(*xs), f32(*ws), label=f"data-grad-{label}")
 for label, groups, ws in [("depthwise", 4, (3, 3, 1, 8)), ("grouped", 2, (3, 3, 2, 6))]:
     rec("conv_general_dilated", jax.grad(lambda x, w, g=groups: jnp.sum(jnp.tanh(conv(
         x, w, (2, 2), feature_group_count=g))), argnums=1), f32(2, 9, 9, 4), f32(*ws), label=f"filter-grad-{label}")
@@ -274,6 +283,8 @@ rec("select_and_scatter_add", jax.grad(lambda x: jnp.sum(lax.reduce_window(
 rec("nimble_cudnn_conv", lambda x, w: conv(x, w, (2, 2)), f32(1, 7, 6, 2), f32(3, 3, 2, 3), label="internal")
 rec("nimble_cudnn_conv_filter_grad", jax.grad(lambda x, w: jnp.sum(conv(x, w) ** 2), argnums=1),
     f32(2, 7, 6, 2), f32(3, 3, 2, 3), label="internal")
+rec("nimble_cudnn_conv_data_grad", jax.grad(lambda x, w: jnp.sum(conv(x, w, (2, 2)) ** 2)),
+    f32(2, 8, 6, 2), f32(3, 3, 2, 3), label="internal")
 # nimble_while / nimble_switch are nimblejax's WHILE and SWITCH tasks, made only under
 # loops="graph" (tests/compiler/test_loop_tasks.py runs them); under the default these
 # records run through co-execution and a select.

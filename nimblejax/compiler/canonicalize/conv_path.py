@@ -8,6 +8,8 @@
   around one `nimble_cudnn_conv`;
 - "cudnn_filter_grad": the filter gradients `jax.grad` emits, whose window is the whole
   activation map, become one `nimble_cudnn_conv_filter_grad` (conv_filter_grad.py);
+- "cudnn_data_grad": the input gradients of strided convolutions (lhs dilation) become
+  one `nimble_cudnn_conv_data_grad` (conv_data_grad.py);
 - "gemm": everything else becomes transposes to (N, spatial..., C), `nimble_im2col`
   (patches), one batched dot_general and transposes back. Every layout, stride,
   padding, lhs/rhs dilation, feature_group_count and batch_group_count that JAX emits
@@ -27,6 +29,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 
+from nimblejax.compiler.canonicalize import conv_data_grad as data_grad
 from nimblejax.compiler.canonicalize import conv_filter_grad as filter_grad
 from nimblejax.compiler.canonicalize.dot import compute_mode
 from nimblejax.compiler.canonicalize.registry import rewrites
@@ -91,7 +94,8 @@ def conv_specs(node: Node):
 def conv_path(node: Node, options: Options) -> str:
     """'direct' for depthwise-like convolutions (1 input channel per group: a GEMM per
     group would be a batch of tiny matrices); 'cudnn_filter_grad' for filter gradients
-    (conv_filter_grad.py) and 'cudnn' for the 2-D convolutions cuDNN's forward API takes,
+    (conv_filter_grad.py), 'cudnn_data_grad' for strided convolutions' input gradients
+    (conv_data_grad.py) and 'cudnn' for the 2-D convolutions cuDNN's forward API takes,
     where cuDNN is found (options.conv=cudnn|im2col overrides), unless the batch is small
     (CUDNN_MIN_BATCH); else 'gemm' (im2col + cuBLAS)."""
     lhs_spec, rhs_spec, _ = conv_specs(node)
@@ -103,6 +107,8 @@ def conv_path(node: Node, options: Options) -> str:
         return "gemm"  # already a GEMM, no im2col: measured faster than XLA's cuDNN call
     if filter_grad.eligible(node):  # the window is the activation map: never im2col'd well
         return "cudnn_filter_grad" if use_cudnn(options, filter_grad.batch(node)) else "gemm"
+    if data_grad.eligible(node):  # a strided convolution's input gradient (lhs dilation)
+        return "cudnn_data_grad" if use_cudnn(options, data_grad.batch(node)) else "gemm"
     if _cudnn_eligible(node) and use_cudnn(options, _batch(node)):
         return "cudnn"
     return "gemm"
@@ -173,6 +179,8 @@ def rewrite_conv(node: Node, options: Options) -> list[Node]:
         fn = lambda a, b: _via_cudnn(a, b, node, out)  # noqa: E731
     elif path == "cudnn_filter_grad":
         fn = lambda a, b: filter_grad.via_cudnn(a, b, node, _math(node))  # noqa: E731
+    elif path == "cudnn_data_grad":
+        fn = lambda a, b: data_grad.via_cudnn(a, b, node, _math(node))  # noqa: E731
     else:
         fn = lambda a, b: _decomposed(a, b, node.params, out.shape)  # noqa: E731
     closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, x.dtype),

@@ -44,7 +44,7 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
         kernel = row_kernel(root, group.nodes, group.row_outputs)
     elif group.kind is GroupKind.CUDNN:
         call = rule_for(root).fn(root)
-        kind = "conv_wgrad" if call.mode == "filter_grad" else "conv"
+        kind = {"filter_grad": "conv_wgrad", "data_grad": "conv_dgrad"}.get(call.mode, "conv")
         name = f"cudnn_{kind}_{call.x.shape[1]}x{call.x.shape[2]}x{call.x.shape[3]}_k{call.w.shape[1]}"
         return Task(name, TaskKind.CUDNN, group.inputs, group.outputs, group.nodes, conv=call)
     elif group.kind is GroupKind.GEMM:

@@ -69,6 +69,17 @@ def cudnn_conv_filter_grad(node: Node):
                     dtypes.name(dw.dtype), p["math"], mode="filter_grad", x=x, w=dw, y=dy)
 
 
+@register("nimble_cudnn_conv_data_grad", kind=RuleKind.CUDNN)
+def cudnn_conv_data_grad(node: Node):
+    """dx of a forward convolution from dy and w (canonicalize/conv_data_grad.py)."""
+    p = node.params
+    dy, w = node.inputs
+    dx = node.outputs[0]
+    return ConvCall(tuple(dx.shape), tuple(w.shape), tuple(dy.shape), tuple(p["padding"]),
+                    tuple(p["strides"]), tuple(p["dilation"]), 1, dtypes.name(w.dtype),
+                    dtypes.name(dx.dtype), p["math"], mode="data_grad", x=dx, w=w, y=dy)
+
+
 # ---- the direct kernel (depthwise) -----------------------------------------------------
 @register("conv_general_dilated", kind=RuleKind.KERNEL)
 def direct_conv(node: Node) -> Kernel:

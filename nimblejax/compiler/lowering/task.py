@@ -209,9 +209,10 @@ class GemmCall:
 @dataclass(frozen=True)
 class ConvCall:
     """y (N,OH,OW,K) NHWC = conv(x (N,H,W,C) NHWC, w (K,R,S,C/G) KRSC), symmetric
-    padding: a cuDNN forward convolution (mode 'forward': reads x and w, writes y), or
-    its filter gradient (mode 'filter_grad': reads x and y, the output gradient, writes
-    w). math: 'tf32' | 'f32' | 'half'."""
+    padding: a cuDNN forward convolution (mode 'forward': reads x and w, writes y), its
+    filter gradient (mode 'filter_grad': reads x and y, the output gradient, writes w) or
+    its input gradient (mode 'data_grad': reads w and y, writes x). math: 'tf32' | 'f32'
+    | 'half'."""
 
     x_shape: tuple[int, int, int, int]
     w_shape: tuple[int, int, int, int]

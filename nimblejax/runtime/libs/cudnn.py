@@ -1,5 +1,5 @@
 """A thin ctypes layer over cuDNN's convolution API (cudnnConvolutionForward, and
-cudnnConvolutionBackwardFilter for the filter gradients of `jax.grad`).
+cudnnConvolutionBackwardFilter / BackwardData for the gradients `jax.grad` emits).
 
 Why ctypes: CuPy 14 has no cuDNN, the cuDNN frontend would have to travel as a wheel,
 and the dozen calls needed are a stable C API. cuDNN itself is already on any machine
@@ -30,8 +30,9 @@ DEFAULT_MATH, TENSOR_OP_MATH, FMA_MATH = 0, 1, 3
 WORKSPACE_LIMIT = 64 << 20
 # The algorithms without FFT or Winograd transforms, which lose too much precision on
 # half types: cudnnConvolutionFwdAlgo_t IMPLICIT_GEMM, IMPLICIT_PRECOMP_GEMM, GEMM;
-# cudnnConvolutionBwdFilterAlgo_t ALGO_0, ALGO_1, ALGO_3.
-GEMM_ALGOS = {"forward": (0, 1, 2), "filter_grad": (0, 1, 3)}
+# cudnnConvolutionBwdFilterAlgo_t ALGO_0, ALGO_1, ALGO_3; cudnnConvolutionBwdDataAlgo_t
+# ALGO_0, ALGO_1.
+GEMM_ALGOS = {"forward": (0, 1, 2), "filter_grad": (0, 1, 3), "data_grad": (0, 1)}
 
 
 class CudnnError(loader.LibraryError):
@@ -46,7 +47,7 @@ class CudnnError(loader.LibraryError):
 _check = CudnnError.check
 
 
-class _Perf(ctypes.Structure):  # cudnnConvolutionFwdAlgoPerf_t (BwdFilter's: the same layout)
+class _Perf(ctypes.Structure):  # cudnnConvolutionFwdAlgoPerf_t (BwdFilter's and BwdData's: the same layout)
     _fields_ = [("algo", ctypes.c_int), ("status", ctypes.c_int), ("time", ctypes.c_float),
                 ("memory", ctypes.c_size_t), ("determinism", ctypes.c_int),
                 ("mathType", ctypes.c_int), ("reserved", ctypes.c_int * 3)]
@@ -128,6 +129,9 @@ class Conv:
         if mode == "filter_grad":
             _check("cudnnFindConvolutionBackwardFilterAlgorithm", L.cudnnFindConvolutionBackwardFilterAlgorithm(
                 handle.raw, self.x, self.y, self.conv, self.w, 8, ctypes.byref(count), perf))
+        elif mode == "data_grad":
+            _check("cudnnFindConvolutionBackwardDataAlgorithm", L.cudnnFindConvolutionBackwardDataAlgorithm(
+                handle.raw, self.w, self.y, self.conv, self.x, 8, ctypes.byref(count), perf))
         else:
             _check("cudnnFindConvolutionForwardAlgorithm", L.cudnnFindConvolutionForwardAlgorithm(
                 handle.raw, self.x, self.w, self.conv, self.y, 8, ctypes.byref(count), perf))
@@ -141,13 +145,20 @@ class Conv:
         raise CudnnError(f"no cuDNN algorithm runs {self.call}")
 
     def run(self, handle: Handle, x: int, w: int, y: int, workspace: int, workspace_bytes: int) -> None:
-        """Forward: y from x and w; filter gradient: w from x and y (the output gradient)."""
+        """Forward: y from x and w; filter gradient: w from x and y (the output gradient);
+        data gradient: x from w and y."""
         one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
         if self.call.mode == "filter_grad":
             _check("cudnnConvolutionBackwardFilter", _library().cudnnConvolutionBackwardFilter(
                 handle.raw, ctypes.byref(one), self.x, ctypes.c_void_p(x), self.y, ctypes.c_void_p(y),
                 self.conv, self.algo, ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes),
                 ctypes.byref(zero), self.w, ctypes.c_void_p(w)))
+            return
+        if self.call.mode == "data_grad":
+            _check("cudnnConvolutionBackwardData", _library().cudnnConvolutionBackwardData(
+                handle.raw, ctypes.byref(one), self.w, ctypes.c_void_p(w), self.y, ctypes.c_void_p(y),
+                self.conv, self.algo, ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes),
+                ctypes.byref(zero), self.x, ctypes.c_void_p(x)))
             return
         _check("cudnnConvolutionForward", _library().cudnnConvolutionForward(
             handle.raw, ctypes.byref(one), self.x, ctypes.c_void_p(x), self.w, ctypes.c_void_p(w),
