@@ -59,16 +59,24 @@ def train_rows(batches=(32, 64, 128)):
     return rows
 
 
-def conv_rows(n=32):
+def conv_rows(n=32, grad: str = "forward"):
+    """Per ResNet-50 convolution shape, nimble's GPU µs against XLA's for the forward
+    convolution, or its filter ("filter") or input ("input") gradient alone."""
     rows = []
     for size, cin, cout, k, s in RESNET50_CONVS:
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.standard_normal((n, size, size, cin)), jnp.float32)
         w = jnp.asarray(rng.standard_normal((k, k, cin, cout)) * 0.05, jnp.float32)
 
-        def conv(x, w, s=s):
+        def forward(x, w, s=s):
             return lax.conv_general_dilated(x, w, (s, s), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
 
+        if grad == "forward":
+            conv = forward
+        else:
+            dy = jnp.asarray(rng.standard_normal(jax.eval_shape(forward, x, w).shape), jnp.float32)
+            at = 1 if grad == "filter" else 0
+            conv = lambda x, w, dy=dy, fwd=forward, at=at: jax.vjp(fwd, x, w)[1](dy)[at]  # noqa: E731
         f = nimble.jit(conv, backend="cuda")
         f(x, w)
         gpu = nimble_gpu_us(f, calls=50)
@@ -84,6 +92,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     ap.add_argument("--skip-convs", action="store_true")
+    ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument("--conv-grads", action="store_true",
+                    help="also each convolution's filter and input gradient alone, against XLA's")
     opts = ap.parse_args()
     require_gpu(__file__)
     import cupy
@@ -92,11 +103,11 @@ def main() -> None:
     print(f"GPU: {dev}; jax {jax.__version__}")
     print("| model | batch | jax.jit µs | nimble µs | speedup | nimble GPU µs | tasks | streams | max rel err |")
     print("|---|---|---|---|---|---|---|---|---|")
-    out = {"gpu": dev, "train": train_rows()}
-    if not opts.skip_convs:
-        print("| ResNet-50 conv (batch 32, f32) | nimble path | nimble GPU µs | XLA µs | ratio |")
+    out = {"gpu": dev, "train": [] if opts.skip_train else train_rows()}
+    for grad in ["forward"] * (not opts.skip_convs) + ["filter", "input"] * opts.conv_grads:
+        print(f"| ResNet-50 conv, {grad} (batch 32, f32) | nimble path | nimble GPU µs | XLA µs | ratio |")
         print("|---|---|---|---|---|")
-        out["convs"] = conv_rows()
+        out[f"convs_{grad}"] = conv_rows(grad=grad)
     if opts.json:
         with open(opts.json, "w") as fh:
             json.dump(out, fh, indent=1)
