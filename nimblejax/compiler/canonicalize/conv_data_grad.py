@@ -29,6 +29,12 @@ from nimblejax.compiler.ir import Node
 
 data_grad_p = Primitive("nimble_cudnn_conv_data_grad")
 
+# cuDNN's NHWC kernels for a dx of few channels are slow: the input gradient of
+# ResNet-50's first convolution (224x224x3, 7x7, stride 2, batch 32) took 18.7 ms against
+# XLA's 0.73 ms on an H100 (examples/gpu/benchmark_train.py --conv-grads). Deeper
+# layers (64 channels and more) ran at 0.3-1.15x XLA's time.
+MIN_CHANNELS = 8
+
 
 @data_grad_p.def_abstract_eval
 def _abstract(dy, w, *, x_shape, padding, strides, dilation, math, out_dtype):
@@ -78,8 +84,8 @@ def _forward_geometry(node: Node):
 
 def eligible(node: Node) -> bool:
     """A 2-D float convolution of one dtype with lhs dilation (a strided convolution's
-    input gradient), no groups, window stride 1, whose geometry a forward convolution
-    with symmetric padding has."""
+    input gradient), no groups, window stride 1, at least MIN_CHANNELS input channels,
+    whose geometry a forward convolution with symmetric padding has."""
     dy, w = node.inputs
     out, p = node.outputs[0], node.params
     if dy.ndim != 4 or p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
@@ -90,7 +96,8 @@ def eligible(node: Node) -> bool:
     if not (dtypes.name(dy.dtype) in floats
             and dtypes.name(dy.dtype) == dtypes.name(w.dtype) == dtypes.name(out.dtype)):
         return False
-    return _forward_geometry(node) is not None
+    _, _, out_spec = _specs(node)
+    return out.shape[out_spec[1]] >= MIN_CHANNELS and _forward_geometry(node) is not None
 
 
 def batch(node: Node) -> int:
