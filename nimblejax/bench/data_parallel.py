@@ -2,18 +2,21 @@
 body of `jax.shard_map`, JAX's own collectives (NCCL on GPUs) between devices.
 
     PYTHONPATH=. python3 -m nimblejax.bench.data_parallel [--models mlp,resnet50]
-        [--per-device-batch 32] [--devices 1,2] [--json out.json]
+        [--per-device-batch 32] [--devices 1,2] [--rounds 5] [--json out.json]
 
 For each model and device count n, one SGD step over a global batch of n x per-device
 batch: per-device loss and gradients (nimble.jit or jax.jit), `lax.pmean` of them over
 the data axis, parameters updated. Reports samples/s of the looped step (the new
-parameters fed back, a fresh batch each call, one block at the end) for both, and the
-scaling from 1 to n devices.
+parameters fed back, a fresh batch each call, one block at the end) for both, the
+scaling from 1 to n devices, and what the pmean costs: the step time less that of the
+same step without it (each device keeps its own gradients). The four loops alternate in
+rounds in one process (the host is shared); medians over the rounds.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from typing import Callable, Sequence
 
 import jax
@@ -22,12 +25,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
-def shard_map(f: Callable, mesh: Mesh, in_specs, out_specs) -> Callable:
-    """jax.shard_map (jax ≥ 0.7) or its experimental predecessor."""
+def shard_map(f: Callable, mesh: Mesh, in_specs, out_specs, check: bool = True) -> Callable:
+    """jax.shard_map (jax ≥ 0.7) or its experimental predecessor. check=False: outputs
+    declared replicated need not be (each device keeps its own)."""
     sm = getattr(jax, "shard_map", None)
     if sm is None:
         from jax.experimental.shard_map import shard_map as sm
-    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+        return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check)
+    return sm(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check)
 
 
 def cross_entropy(apply: Callable) -> Callable:
@@ -42,16 +48,20 @@ def cross_entropy(apply: Callable) -> Callable:
     return loss
 
 
-def dp_step(grad_fn: Callable, mesh: Mesh, lr: float = 0.01, axis: str = "data") -> Callable:
+def dp_step(grad_fn: Callable, mesh: Mesh, lr: float = 0.01, axis: str = "data",
+            reduce: bool = True) -> Callable:
     """step(params, x, labels) -> (params, loss): `grad_fn(params, x, labels) -> (loss,
-    grads)` on each device's shard of the batch, gradients averaged with pmean."""
+    grads)` on each device's shard of the batch, gradients averaged with pmean.
+    reduce=False leaves the pmean out (each device keeps its own gradients): the same
+    step without its collective, to show what the collective costs."""
 
     def local(params, x, labels):
         loss, grads = grad_fn(params, x, labels)
-        loss, grads = jax.lax.pmean((loss, grads), axis)
+        if reduce:
+            loss, grads = jax.lax.pmean((loss, grads), axis)
         return jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads), loss
 
-    step = shard_map(local, mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(P(), P()))
+    step = shard_map(local, mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(P(), P()), check=reduce)
     return jax.jit(step, donate_argnums=(0,))
 
 
@@ -66,9 +76,12 @@ def build(model: str, batch: int, rng: np.random.Generator):
 
 
 def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
-            backend: str = "cuda") -> dict:
+            backend: str = "cuda", rounds: int = 5) -> dict:
+    """One row: jax.jit's and nimble's step, and each without its pmean, looped (the
+    parameters fed back, a fresh batch each call) in alternating rounds in this process
+    (the host is shared); medians over the rounds."""
     import nimblejax as nimble
-    from nimblejax.bench.timing import looped_us
+    from nimblejax.bench.timing import fed_back_us
 
     devices = jax.devices()[:n_devices]
     mesh = Mesh(np.array(devices), ("data",))
@@ -78,22 +91,25 @@ def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
     loss = cross_entropy(apply)
     data = NamedSharding(mesh, P("data"))
     batches = [(jax.device_put(x + 0.01 * i, data), jax.device_put(labels, data)) for i in range(4)]
-    row = dict(model=model, devices=n_devices, per_device_batch=per_device)
-    for name, grad_fn in (("jax", jax.value_and_grad(loss)),
-                          ("nimble", nimble.jit(jax.value_and_grad(loss), backend=backend))):
-        step = dp_step(grad_fn, mesh)
-        state = {"i": 0}
-
-        def feed(args, out, state=state):
-            state["i"] += 1
-            xb, lb = batches[state["i"] % len(batches)]
-            return (out[0], xb, lb)
-
-        start = jax.device_put(params, NamedSharding(mesh, P()))
-        us = looped_us(step, [(jax.tree_util.tree_map(jnp.copy, start), *batches[0])], feed=feed,
-                       calls=calls, repeats=3)
-        row[f"{name}_step_us"] = us
-        row[f"{name}_samples_per_s"] = batch / (us * 1e-6)
+    start = jax.device_put(params, NamedSharding(mesh, P()))
+    grads = {"jax": jax.value_and_grad(loss), "nimble": nimble.jit(jax.value_and_grad(loss), backend=backend)}
+    loops = {}
+    for name, grad_fn in grads.items():
+        for variant, reduce in (("step", True), ("local", False)):
+            step = dp_step(grad_fn, mesh, reduce=reduce)
+            state = [jax.tree_util.tree_map(jnp.copy, start)]
+            fed_back_us(step, state, batches, 3)  # compile and warm up
+            loops[f"{name}_{variant}_us"] = (step, state)
+    times: dict = {key: [] for key in loops}
+    for _ in range(rounds):
+        for key, (step, state) in loops.items():
+            times[key].append(fed_back_us(step, state, batches, calls))
+    row = dict(model=model, devices=n_devices, per_device_batch=per_device, rounds=rounds)
+    for key, values in times.items():
+        row[key] = statistics.median(values)
+    for name in grads:
+        row[f"{name}_collective_us"] = row[f"{name}_step_us"] - row[f"{name}_local_us"]
+        row[f"{name}_samples_per_s"] = batch / (row[f"{name}_step_us"] * 1e-6)
     row["speedup"] = row["jax_step_us"] / row["nimble_step_us"]
     return row
 
@@ -104,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--per-device-batch", type=int, default=32)
     ap.add_argument("--devices", default=None, help="device counts, e.g. 1,2 (default: 1 and all)")
     ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backend", default="cuda", help="nimble backend (interpret: a CPU check)")
     ap.add_argument("--json", default=None)
     opts = ap.parse_args(argv)
@@ -111,20 +128,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     counts = [int(c) for c in opts.devices.split(",")] if opts.devices else sorted({1, total})
     rows = []
     print(f"{jax.devices()[0].device_kind} x{total}; per-device batch {opts.per_device_batch}")
-    print("| model | GPUs | jax.jit samples/s | nimble samples/s | nimble / jax | nimble scaling |")
-    print("|---|---|---|---|---|---|")
+    print("| model | GPUs | jax.jit samples/s | nimble samples/s | nimble / jax | jax.jit scaling "
+          "| nimble scaling | jax.jit step µs (pmean) | nimble step µs (pmean) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for model in opts.models.split(","):
-        base = None
+        base: dict = {}
         for n in counts:
             if n > total:
-                print(f"| {model} | {n} | (only {total} device(s)) | | | |")
+                print(f"| {model} | {n} | (only {total} device(s)) | | | | | | |")
                 continue
-            row = measure(model, n, opts.per_device_batch, opts.calls, opts.backend)
-            base = base or row["nimble_samples_per_s"]
-            row["nimble_scaling"] = row["nimble_samples_per_s"] / base
+            row = measure(model, n, opts.per_device_batch, opts.calls, opts.backend, opts.rounds)
+            for name in ("jax", "nimble"):
+                base.setdefault(name, row[f"{name}_samples_per_s"])
+                row[f"{name}_scaling"] = row[f"{name}_samples_per_s"] / base[name]
             rows.append(row)
             print(f"| {model} | {n} | {row['jax_samples_per_s']:.0f} | {row['nimble_samples_per_s']:.0f} "
-                  f"| {row['speedup']:.2f}x | {row['nimble_scaling']:.2f}x |", flush=True)
+                  f"| {row['speedup']:.2f}x | {row['jax_scaling']:.2f}x | {row['nimble_scaling']:.2f}x "
+                  f"| {row['jax_step_us']:.0f} ({row['jax_collective_us']:.0f}) "
+                  f"| {row['nimble_step_us']:.0f} ({row['nimble_collective_us']:.0f}) |", flush=True)
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, devices=total, rows=rows), f, indent=1)

@@ -52,6 +52,22 @@ def looped_us(fn: Callable, arg_sets: Sequence[tuple], feed: Optional[Callable] 
     return statistics.median(per) * 1e6
 
 
+def fed_back_us(fn: Callable, state: list, batches: Sequence[tuple], calls: int,
+                block_each: bool = False) -> float:
+    """µs per call of a training loop: `fn(state[0], *batch) -> (new state, ...)`, the
+    new state fed back (and `state[0]` updated, so the next loop goes on from it), a
+    fresh batch each call; one block at the end, or after each call with block_each."""
+    t0 = time.perf_counter()
+    out = None
+    for i in range(calls):
+        out = fn(state[0], *batches[i % len(batches)])
+        state[0] = out[0]
+        if block_each:
+            jax.block_until_ready(out)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def blocked_us(fn: Callable, arg_sets: Sequence[tuple], calls: int = 200, warmup: int = 5) -> float:
     """Median µs of one call including block_until_ready, a fresh argument set each call."""
     for i in range(warmup):

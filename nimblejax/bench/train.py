@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from typing import Callable, Sequence
 
 import jax
@@ -35,24 +34,10 @@ def make_step(apply: Callable, lr: float = 0.01) -> Callable:
     return step
 
 
-def _loop(fn: Callable, state: list, batches: list, calls: int, block_each: bool) -> float:
-    """µs per step; `state[0]` holds the parameters and is fed back (donated)."""
-    t0 = time.perf_counter()
-    out = None
-    for i in range(calls):
-        x, labels = batches[i % len(batches)]
-        out = fn(state[0], x, labels)
-        state[0] = out[0]
-        if block_each:
-            jax.block_until_ready(out)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / calls * 1e6
-
-
 def measure(model: str, batch: int, rounds: int, calls: int, profile: bool) -> dict:
     import nimblejax as nimble
     from nimblejax.bench.data_parallel import build
-    from nimblejax.bench.timing import nimble_gpu_us
+    from nimblejax.bench.timing import fed_back_us, nimble_gpu_us
 
     rng = np.random.default_rng(0)
     apply, params, x, labels = build(model, batch, rng)
@@ -65,13 +50,13 @@ def measure(model: str, batch: int, rounds: int, calls: int, profile: bool) -> d
               for a, b in zip(jax.tree_util.tree_leaves(first["nimble"]), jax.tree_util.tree_leaves(first["jax"])))
     states = {k: [first[k][0]] for k in fns}
     for k, f in fns.items():  # warm-up
-        _loop(f, states[k], batches, 3, False)
+        fed_back_us(f, states[k], batches, 3)
     looped: dict = {k: [] for k in fns}
     blocked: dict = {k: [] for k in fns}
     for _ in range(rounds):
         for k, f in fns.items():
-            looped[k].append(_loop(f, states[k], batches, calls, False))
-            blocked[k].append(_loop(f, states[k], batches, max(5, calls // 2), True))
+            looped[k].append(fed_back_us(f, states[k], batches, calls))
+            blocked[k].append(fed_back_us(f, states[k], batches, max(5, calls // 2), block_each=True))
     row = dict(model=model, batch=batch, max_rel_err=err)
     for k in fns:
         row[f"{k}_looped_us"] = statistics.median(looped[k])
