@@ -120,14 +120,17 @@ def nimble_gpu_us(nimble_fn, calls: int = 200) -> Optional[float]:
     if not exes:
         return None
     exe = exes[-1]
-    s0 = exe.streams[0]
-    if exe.raw_exec:  # captured for the XLA FFI handler
-        import cupy
+    import cupy
 
-        return cuda_event_us(lambda: cupy.cuda.runtime.graphLaunch(exe.raw_exec, s0.ptr), s0, calls)
-    if exe.graph is not None:
-        return cuda_event_us(lambda: exe.graph.launch(s0), s0, calls)
-    return cuda_event_us(exe.launch_tasks, s0, max(20, calls // 10))
+    # A plan is placed on every GPU it may run on: time it on the one holding exe's
+    # streams (events of another device's context cannot be recorded on them).
+    with cupy.cuda.Device(getattr(exe, "device", cupy.cuda.Device().id)):
+        s0 = exe.streams[0]
+        if exe.raw_exec:  # captured for the XLA FFI handler
+            return cuda_event_us(lambda: cupy.cuda.runtime.graphLaunch(exe.raw_exec, s0.ptr), s0, calls)
+        if exe.graph is not None:
+            return cuda_event_us(lambda: exe.graph.launch(s0), s0, calls)
+        return cuda_event_us(exe.launch_tasks, s0, max(20, calls // 10))
 
 
 def concurrent_jax(fn: Callable, args: tuple) -> Optional[Callable]:

@@ -16,7 +16,8 @@ captured nodes hold the addresses inside an undocumented parameter blob. A buffe
 them touches keeps its copy. So does:
 - a donated operand: XLA writes a result into its buffer, and the graph may write that
   result while another stream still reads the operand;
-- a result that shares its buffer with another result, an operand or a constant;
+- a result that shares its buffer with another result, an operand or a constant, and
+  an operand a result views;
 - a buffer named by many kernel nodes and small enough that one batched copy costs less
   than patching every node each call (`MAX_PATCHED_NODES`, `ALWAYS_BELOW_BYTES`).
 
@@ -86,8 +87,12 @@ def analyze(plan: Plan, donated: frozenset = frozenset()) -> InPlace:
         nodes = sum(len(s.task.kernel.launches) for s in sites[buf])
         return nodes <= MAX_PATCHED_NODES or buf.nbytes >= ALWAYS_BELOW_BYTES
 
+    # An operand whose buffer a result views (a reshape of it returned) is copied in: the
+    # result is copied out of that arena slot.
+    viewed = {root(a) for a in _buffer_outputs(plan)}
     inputs = frozenset(i for i, v in enumerate(plan.graph.inputs)
-                       if i not in donated and root(v) == v and v not in written and patchable(v))
+                       if i not in donated and root(v) == v and v not in written and v not in viewed
+                       and patchable(v))
     shared = _shared_roots(plan, root)
     outputs = frozenset(a for a in _buffer_outputs(plan)
                         if root(a) not in shared and patchable(root(a)))

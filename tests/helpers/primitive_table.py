@@ -244,11 +244,12 @@ for label, kw, xs, ws in [("same", {}, (2, 9, 9, 3), (3, 3, 3, 4)),
     rec("conv_general_dilated", jax.grad(lambda x, w, kw=kw: jnp.sum(jnp.tanh(conv(x, w, **kw))), argnums=1),
         f32(*xs), f32(*ws), label=f"filter-grad-{label}")
 # Input gradients of strided convolutions (cuDNN's backward-data call on the cuDNN path):
-# "SAME" on an even size (cuDNN computes a row more, sliced off), odd, 7x7, 1x1, VALID
-# stride 3 (full float32: each element sums few products that nearly cancel, so TF32
-# errs ~1%); 8 channels, the fewest that path takes.
-for label, kw, xs, ws in [("s2-even", dict(strides=(2, 2)), (2, 8, 8, 8), (3, 3, 8, 4)),
-                          ("s2-odd", dict(strides=(2, 2)), (2, 9, 9, 8), (3, 3, 8, 4)),
+# "SAME" on an even size (cuDNN computes a row more, sliced off), odd, 7x7, 1x1 (TF32),
+# VALID stride 3; 8 channels, the fewest that path takes. All but the 1x1 in full
+# float32: each element sums a few products that nearly cancel, and TF32 errs by 1-4%
+# there on both sides (seen on an H100).
+for label, kw, xs, ws in [("s2-even", dict(strides=(2, 2), precision=HIGHEST), (2, 8, 8, 8), (3, 3, 8, 4)),
+                          ("s2-odd", dict(strides=(2, 2), precision=HIGHEST), (2, 9, 9, 8), (3, 3, 8, 4)),
                           ("7x7-s2", dict(strides=(2, 2), precision=HIGHEST), (2, 16, 16, 8), (7, 7, 8, 4)),
                           ("1x1-s2", dict(strides=(2, 2)), (2, 8, 8, 8), (1, 1, 8, 4)),
                           ("valid-s3", dict(strides=(3, 3), padding="VALID", precision=HIGHEST), (2, 9, 9, 8), (3, 3, 8, 4))]:

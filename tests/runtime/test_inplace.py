@@ -59,6 +59,17 @@ def test_a_buffer_holding_two_results_is_copied():
     assert ip.outputs == set()
 
 
+def test_an_operand_a_result_views_is_copied_in():
+    """A result that is a view of an operand (a reshape of it, or a reduction over unit
+    axes) is copied out of the operand's arena slot, so the operand must be copied in
+    (seen on the GPU: `jnp.any(a, axis=())` returned False for True)."""
+    plan = plan_of(lambda x, y: (x.reshape(-1), jnp.tanh(x) * y), (8, 4), (8, 4))
+    ip = inplace.analyze(plan)
+    assert 0 not in ip.inputs and 1 in ip.inputs
+    plan = plan_of(lambda x: (jnp.sum(x, axis=()), -x), ())  # a reshape of a scalar
+    assert plan.storage and inplace.analyze(plan).inputs == set()
+
+
 def test_small_buffers_read_by_many_kernels_are_copied_large_ones_not():
     def fan_out(x):
         return [jnp.sort(x * float(k)) for k in range(inplace.MAX_PATCHED_NODES + 2)]
