@@ -2,15 +2,20 @@
 body of `jax.shard_map`, JAX's own collectives (NCCL on GPUs) between devices.
 
     PYTHONPATH=. python3 -m nimblejax.bench.data_parallel [--models mlp,resnet50]
-        [--per-device-batch 32] [--devices 1,2] [--rounds 5] [--json out.json]
+        [--per-device-batch 32] [--devices 1,2] [--calls 30] [--rounds 5]
+        [--backend cuda] [--json out.json]
 
 For each model and device count n, one SGD step over a global batch of n x per-device
 batch: per-device loss and gradients (nimble.jit or jax.jit), `lax.pmean` of them over
-the data axis, parameters updated. Reports samples/s of the looped step (the new
-parameters fed back, a fresh batch each call, one block at the end) for both, the
-scaling from 1 to n devices, and what the pmean costs: the step time less that of the
-same step without it (each device keeps its own gradients). The four loops alternate in
-rounds in one process (the host is shared); medians over the rounds.
+the data axis, parameters updated (donated). Four loops per row, all built and warmed
+up first: each step with its pmean, and each without it (each device keeps its own
+gradients; the same shard_map otherwise). They alternate in rounds in one process (the
+host is shared), `--calls` steps a loop (the new parameters fed back, a batch from a
+pool of distinct ones each call, one block at the end); medians over the rounds.
+Reports samples/s of both steps, nimble / jax.jit, each one's scaling from the first
+device count to n, and each step's µs with what its pmean costs (the step less the step
+without it), so that a missed scaling or speed target shows where the time goes. The
+JSON keeps every round's µs and how far the two steps' updates differ.
 """
 from __future__ import annotations
 
@@ -51,9 +56,9 @@ def cross_entropy(apply: Callable) -> Callable:
 def dp_step(grad_fn: Callable, mesh: Mesh, lr: float = 0.01, axis: str = "data",
             reduce: bool = True) -> Callable:
     """step(params, x, labels) -> (params, loss): `grad_fn(params, x, labels) -> (loss,
-    grads)` on each device's shard of the batch, gradients averaged with pmean.
-    reduce=False leaves the pmean out (each device keeps its own gradients): the same
-    step without its collective, to show what the collective costs."""
+    grads)` on each device's shard of the batch, gradients averaged with pmean, the
+    parameters donated. reduce=False leaves the pmean out (each device keeps its own
+    gradients and parameters): the same program less its collective."""
 
     def local(params, x, labels):
         loss, grads = grad_fn(params, x, labels)
@@ -61,7 +66,12 @@ def dp_step(grad_fn: Callable, mesh: Mesh, lr: float = 0.01, axis: str = "data",
             loss, grads = jax.lax.pmean((loss, grads), axis)
         return jax.tree_util.tree_map(lambda p, g: p - lr * g, params, grads), loss
 
-    step = shard_map(local, mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(P(), P()), check=reduce)
+    # Replication checks off for both variants: with them on, jax.grad of the replicated
+    # params over a sharded batch psums each gradient itself (the transpose of the
+    # implicit pvary), so jax.jit's step would all-reduce every leaf inside the backward
+    # pass and again in the pmean (n x the mean gradient), while nimble's plan, opaque to
+    # that, reduces once. Off, both reduce once, and only where the pmean is.
+    step = shard_map(local, mesh, in_specs=(P(), P(axis), P(axis)), out_specs=(P(), P()), check=False)
     return jax.jit(step, donate_argnums=(0,))
 
 
@@ -75,11 +85,17 @@ def build(model: str, batch: int, rng: np.random.Generator):
     return fn, params, x, labels
 
 
+def rel_err(got, want) -> float:
+    """Largest |got - want| of any leaf, relative to that leaf's largest |want|."""
+    return max(float(jnp.max(jnp.abs(g - w)) / (jnp.max(jnp.abs(w)) + 1e-30))
+               for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)))
+
+
 def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
             backend: str = "cuda", rounds: int = 5) -> dict:
-    """One row: jax.jit's and nimble's step, and each without its pmean, looped (the
-    parameters fed back, a fresh batch each call) in alternating rounds in this process
-    (the host is shared); medians over the rounds."""
+    """One row: jax.jit's and nimble's step, and each without its pmean, all four built
+    and warmed up first, then looped in alternating rounds in this process (the host is
+    shared, so drift hits all four alike); medians over the rounds."""
     import nimblejax as nimble
     from nimblejax.bench.timing import fed_back_us
 
@@ -90,28 +106,49 @@ def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
     apply, params, x, labels = build(model, batch, rng)
     loss = cross_entropy(apply)
     data = NamedSharding(mesh, P("data"))
+    # Distinct batch objects, so that no cache keyed on argument identity can help.
     batches = [(jax.device_put(x + 0.01 * i, data), jax.device_put(labels, data)) for i in range(4)]
     start = jax.device_put(params, NamedSharding(mesh, P()))
     grads = {"jax": jax.value_and_grad(loss), "nimble": nimble.jit(jax.value_and_grad(loss), backend=backend)}
-    loops = {}
+    loops: dict = {}
     for name, grad_fn in grads.items():
         for variant, reduce in (("step", True), ("local", False)):
             step = dp_step(grad_fn, mesh, reduce=reduce)
-            state = [jax.tree_util.tree_map(jnp.copy, start)]
+            state = [jax.tree_util.tree_map(jnp.copy, start)]  # each loop donates its own
             fed_back_us(step, state, batches, 3)  # compile and warm up
             loops[f"{name}_{variant}_us"] = (step, state)
+    row = dict(model=model, devices=n_devices, per_device_batch=per_device, calls=calls, rounds=rounds)
+    # Same start, same batches: after the warm-up both steps must have moved the params
+    # alike (a step that reduced twice would show as an error of about 1 - 1/n).
+    moved = {k: jax.tree_util.tree_map(jnp.subtract, loops[k][1][0], start) for k in ("jax_step_us", "nimble_step_us")}
+    row["max_rel_err"] = rel_err(moved["nimble_step_us"], moved["jax_step_us"])
     times: dict = {key: [] for key in loops}
-    for _ in range(rounds):
-        for key, (step, state) in loops.items():
+    order = list(loops)
+    for r in range(rounds):
+        for key in order if r % 2 == 0 else order[::-1]:  # no loop always runs first
+            step, state = loops[key]
             times[key].append(fed_back_us(step, state, batches, calls))
-    row = dict(model=model, devices=n_devices, per_device_batch=per_device, rounds=rounds)
     for key, values in times.items():
         row[key] = statistics.median(values)
     for name in grads:
         row[f"{name}_collective_us"] = row[f"{name}_step_us"] - row[f"{name}_local_us"]
         row[f"{name}_samples_per_s"] = batch / (row[f"{name}_step_us"] * 1e-6)
     row["speedup"] = row["jax_step_us"] / row["nimble_step_us"]
+    row["rounds_us"] = times  # every round's µs/call, to judge the noise
     return row
+
+
+HEADER = ("| model | GPUs | jax.jit samples/s | nimble samples/s | nimble / jax | jax.jit scaling "
+          "| nimble scaling | jax.jit step µs (of which pmean) | nimble step µs (of which pmean) |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+
+
+def table_row(row: dict) -> str:
+    """One markdown row; the pmean's share is the step less the step without it."""
+    return (f"| {row['model']} | {row['devices']} | {row['jax_samples_per_s']:.0f} "
+            f"| {row['nimble_samples_per_s']:.0f} | {row['speedup']:.2f}x | {row['jax_scaling']:.2f}x "
+            f"| {row['nimble_scaling']:.2f}x | {row['jax_step_us']:.0f} ({row['jax_collective_us']:.0f}) "
+            f"| {row['nimble_step_us']:.0f} ({row['nimble_collective_us']:.0f}) |")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,20 +156,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--models", default="mlp,resnet50")
     ap.add_argument("--per-device-batch", type=int, default=32)
     ap.add_argument("--devices", default=None, help="device counts, e.g. 1,2 (default: 1 and all)")
-    ap.add_argument("--calls", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--calls", type=int, default=30, help="steps per timed loop")
+    ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians over them)")
     ap.add_argument("--backend", default="cuda", help="nimble backend (interpret: a CPU check)")
     ap.add_argument("--json", default=None)
     opts = ap.parse_args(argv)
     total = len(jax.devices())
     counts = [int(c) for c in opts.devices.split(",")] if opts.devices else sorted({1, total})
     rows = []
-    print(f"{jax.devices()[0].device_kind} x{total}; per-device batch {opts.per_device_batch}")
-    print("| model | GPUs | jax.jit samples/s | nimble samples/s | nimble / jax | jax.jit scaling "
-          "| nimble scaling | jax.jit step µs (pmean) | nimble step µs (pmean) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"{jax.devices()[0].device_kind} x{total}; per-device batch {opts.per_device_batch}, "
+          f"{opts.rounds} rounds of {opts.calls} steps")
+    print(HEADER)
     for model in opts.models.split(","):
-        base: dict = {}
+        base: dict = {}  # samples/s at the first device count, what scaling is relative to
         for n in counts:
             if n > total:
                 print(f"| {model} | {n} | (only {total} device(s)) | | | | | | |")
@@ -142,10 +178,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 base.setdefault(name, row[f"{name}_samples_per_s"])
                 row[f"{name}_scaling"] = row[f"{name}_samples_per_s"] / base[name]
             rows.append(row)
-            print(f"| {model} | {n} | {row['jax_samples_per_s']:.0f} | {row['nimble_samples_per_s']:.0f} "
-                  f"| {row['speedup']:.2f}x | {row['jax_scaling']:.2f}x | {row['nimble_scaling']:.2f}x "
-                  f"| {row['jax_step_us']:.0f} ({row['jax_collective_us']:.0f}) "
-                  f"| {row['nimble_step_us']:.0f} ({row['nimble_collective_us']:.0f}) |", flush=True)
+            print(table_row(row), flush=True)
+            if row["max_rel_err"] > 0.05:  # loose: TF32 matmuls on GPUs differ by ~1e-3
+                print(f"  ({model} on {n}: jax.jit's and nimble's updates differ by "
+                      f"{row['max_rel_err']:.2g} relative; not the same step)")
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, devices=total, rows=rows), f, indent=1)

@@ -71,18 +71,25 @@ def data_parallel(backend: str, mesh: Mesh, rng: np.random.Generator, sizes, row
     params = init(rng, sizes, scale)
     loss = cross_entropy(mlp)
     step = dp_step(nimble.jit(jax.value_and_grad(loss), backend=backend), mesh, lr=lr)
+    # jax.jit's own gradients in the same step (the benchmark's baseline): reduced once,
+    # not also by shard_map's replication checks (which would apply n x the gradient).
+    jax_step = dp_step(jax.value_and_grad(loss), mesh, lr=lr)
     ref = single_step(jax.value_and_grad(loss), lr=lr)
     p_dp = jax.device_put(params, NamedSharding(mesh, P()))
-    p_ref = jax.tree_util.tree_map(jnp.copy, params)  # the step donates p_dp's buffers
+    p_jax = jax.tree_util.tree_map(jnp.copy, p_dp)  # the steps donate their params
+    p_ref = jax.tree_util.tree_map(jnp.copy, params)  # (p_dp's may be params' buffers)
     shape = "→".join(map(str, sizes))
     for i in range(steps):
         xb = jnp.asarray(rng.normal(size=(batch, d_in)), jnp.float32)
         lb = jnp.asarray(rng.integers(0, classes, (batch,)), jnp.int32)
-        p_dp, l_dp = step(p_dp, jax.device_put(xb, NamedSharding(mesh, P("data"))),
-                          jax.device_put(lb, NamedSharding(mesh, P("data"))))
+        xs, ls = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (xb, lb))
+        p_dp, l_dp = step(p_dp, xs, ls)
+        p_jax, l_jax = jax_step(p_jax, xs, ls)
         p_ref, l_ref = ref(p_ref, xb, lb)
         close((p_dp, l_dp), (p_ref, l_ref), f"data-parallel step {i + 1} on {n} device(s), "
               f"MLP {shape}, {rows} rows per device", rtol=rtol, atol=atol)
+        close((p_jax, l_jax), (p_ref, l_ref), f"jax.jit's data-parallel step {i + 1}",
+              rtol=rtol, atol=atol)
 
 
 def main(backend: str) -> None:

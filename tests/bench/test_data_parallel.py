@@ -1,0 +1,23 @@
+"""bench.data_parallel on the CPU (one host device, nimble's interpreter): the table's
+columns, and the JSON's step, no-pmean and collective times and agreeing updates."""
+from __future__ import annotations
+
+import json
+
+from nimblejax.bench import data_parallel
+
+
+def test_rows_time_both_steps_with_and_without_pmean(tmp_path, capsys):
+    out = tmp_path / "dp.json"
+    assert data_parallel.main(["--models", "mlp", "--per-device-batch", "2", "--devices", "1",
+                               "--calls", "1", "--rounds", "2", "--backend", "interpret",
+                               "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "jax.jit scaling" in printed and "nimble step µs (of which pmean)" in printed
+    (row,) = json.loads(out.read_text())["rows"]
+    for name in ("jax", "nimble"):
+        assert row[f"{name}_step_us"] > 0 and row[f"{name}_local_us"] > 0
+        assert row[f"{name}_collective_us"] == row[f"{name}_step_us"] - row[f"{name}_local_us"]
+        assert row[f"{name}_scaling"] == 1.0
+        assert len(row["rounds_us"][f"{name}_step_us"]) == 2
+    assert row["max_rel_err"] < 1e-3  # the same step: jax.jit's gradients reduced once
