@@ -24,7 +24,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 
-from nimblejax.compiler import dtypes
+from nimblejax.compiler.canonicalize.conv_common import conv_specs, forward_vjp, one_float_dtype, transpose
 from nimblejax.compiler.ir import Node
 
 data_grad_p = Primitive("nimble_cudnn_conv_data_grad")
@@ -45,28 +45,14 @@ def _abstract(dy, w, *, x_shape, padding, strides, dilation, math, out_dtype):
 def _impl(dy, w, *, x_shape, padding, strides, dilation, math, out_dtype):
     """Reference semantics (the CPU interpreter): the VJP of the forward convolution
     x (NHWC) * w (KRSC) -> y (NHWC) with respect to x, at dy."""
-    w = jnp.asarray(w)
-
-    def forward(x):
-        return lax.conv_general_dilated(
-            x, w, strides, [(p, p) for p in padding], rhs_dilation=dilation,
-            dimension_numbers=("NHWC", "OHWI", "NHWC"), preferred_element_type=out_dtype,
-            precision=lax.Precision.HIGHEST if math == "f32" else None)
-
-    _, vjp = jax.vjp(forward, jnp.zeros(x_shape, w.dtype))
-    (dx,) = vjp(jnp.asarray(dy).astype(out_dtype))
-    return dx.astype(out_dtype)
-
-
-def _specs(node: Node):
-    dn = node.params["dimension_numbers"]
-    return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
+    return forward_vjp(jnp.zeros(x_shape, jnp.asarray(w).dtype), w, dy, 0, padding=padding, strides=strides,
+                       dilation=dilation, groups=1, math=math, out_dtype=out_dtype)
 
 
 def _forward_geometry(node: Node):
     """Per spatial axis (stride, dilation, padding, cuDNN's dx size), or None where no
     symmetric forward convolution gives dy's size."""
-    lhs_spec, rhs_spec, out_spec = _specs(node)
+    lhs_spec, rhs_spec, out_spec = conv_specs(node)
     dy, w = node.inputs
     out, p = node.outputs[0], node.params
     axes = []
@@ -92,31 +78,25 @@ def eligible(node: Node) -> bool:
         return False
     if all(d == 1 for d in p["lhs_dilation"]) or any(s != 1 for s in p["window_strides"]):
         return False
-    floats = ("float32", "float16", "bfloat16")
-    if not (dtypes.name(dy.dtype) in floats
-            and dtypes.name(dy.dtype) == dtypes.name(w.dtype) == dtypes.name(out.dtype)):
+    if not one_float_dtype(dy, w, out):
         return False
-    _, _, out_spec = _specs(node)
+    _, _, out_spec = conv_specs(node)
     return out.shape[out_spec[1]] >= MIN_CHANNELS and _forward_geometry(node) is not None
 
 
 def batch(node: Node) -> int:
-    lhs_spec, _, _ = _specs(node)
+    lhs_spec, _, _ = conv_specs(node)
     return node.inputs[0].shape[lhs_spec[0]]
-
-
-def _transpose(x, perm):
-    return x if tuple(perm) == tuple(range(x.ndim)) else lax.transpose(x, tuple(perm))
 
 
 def via_cudnn(dy, rhs, node: Node, math: str):
     """The node's value as [transposes to NHWC/KRSC, a flip of the filter,
     nimble_cudnn_conv_data_grad, a slice where cuDNN's dx is larger, a transpose]."""
-    lhs_spec, rhs_spec, out_spec = _specs(node)
+    lhs_spec, rhs_spec, out_spec = conv_specs(node)
     out = node.outputs[0]
     geometry = _forward_geometry(node)
-    dy = _transpose(dy, (lhs_spec[0], lhs_spec[2], lhs_spec[3], lhs_spec[1]))           # N, P, Q, K
-    w = lax.rev(_transpose(rhs, (rhs_spec[1], rhs_spec[2], rhs_spec[3], rhs_spec[0])), (1, 2))  # K, R, S, C
+    dy = transpose(dy, (lhs_spec[0], lhs_spec[2], lhs_spec[3], lhs_spec[1]))           # N, P, Q, K
+    w = lax.rev(transpose(rhs, (rhs_spec[1], rhs_spec[2], rhs_spec[3], rhs_spec[0])), (1, 2))  # K, R, S, C
     n, c = out.shape[out_spec[0]], out.shape[out_spec[1]]
     x_shape = (n, geometry[0][3], geometry[1][3], c)
     dx = data_grad_p.bind(
@@ -127,4 +107,4 @@ def via_cudnn(dy, rhs, node: Node, math: str):
         dx = lax.slice(dx, (0, 0, 0, 0), want)
     perm = [0] * 4
     perm[out_spec[0]], perm[out_spec[1]], perm[out_spec[2]], perm[out_spec[3]] = 0, 3, 1, 2
-    return _transpose(dx, perm)
+    return transpose(dx, perm)

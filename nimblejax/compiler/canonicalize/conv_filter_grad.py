@@ -25,7 +25,7 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 
-from nimblejax.compiler import dtypes
+from nimblejax.compiler.canonicalize.conv_common import conv_specs, forward_vjp, one_float_dtype, transpose
 from nimblejax.compiler.ir import Node
 
 filter_grad_p = Primitive("nimble_cudnn_conv_filter_grad")
@@ -43,23 +43,8 @@ def _abstract(x, dy, *, w_shape, padding, strides, dilation, groups, math, out_d
 def _impl(x, dy, *, w_shape, padding, strides, dilation, groups, math, out_dtype):
     """Reference semantics (the CPU interpreter): the VJP of the forward convolution
     x (NHWC) * w (KRSC) -> y (NHWC) with respect to w, at dy."""
-    x = jnp.asarray(x)
-
-    def forward(w):
-        return lax.conv_general_dilated(
-            x, w, strides, [(p, p) for p in padding], rhs_dilation=dilation,
-            dimension_numbers=("NHWC", "OHWI", "NHWC"), feature_group_count=groups,
-            preferred_element_type=out_dtype,
-            precision=lax.Precision.HIGHEST if math == "f32" else None)
-
-    _, vjp = jax.vjp(forward, jnp.zeros(w_shape, x.dtype))
-    (dw,) = vjp(jnp.asarray(dy).astype(out_dtype))
-    return dw.astype(out_dtype)
-
-
-def _specs(node: Node):
-    dn = node.params["dimension_numbers"]
-    return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
+    return forward_vjp(x, jnp.zeros(w_shape, jnp.asarray(x).dtype), dy, 1, padding=padding, strides=strides,
+                       dilation=dilation, groups=groups, math=math, out_dtype=out_dtype)
 
 
 def eligible(node: Node) -> bool:
@@ -74,12 +59,9 @@ def eligible(node: Node) -> bool:
         return False
     if any(d != 1 for d in p["lhs_dilation"]) or any(lo < 0 for lo, _ in p["padding"]):
         return False
-    floats = ("float32", "float16", "bfloat16")
-    # One dtype throughout: cuDNN's legacy API takes x, dy and dW of one type.
-    if not (dtypes.name(x.dtype) in floats
-            and dtypes.name(x.dtype) == dtypes.name(w.dtype) == dtypes.name(out.dtype)):
+    if not one_float_dtype(x, w, out):
         return False
-    _, rhs_spec, out_spec = _specs(node)
+    _, rhs_spec, out_spec = conv_specs(node)
     window = [w.shape[d] for d in rhs_spec[2:]]
     filt = [out.shape[d] for d in out_spec[2:]]
     return all(f <= MAX_FILTER for f in filt) and any(k > f for k, f in zip(window, filt))
@@ -87,23 +69,19 @@ def eligible(node: Node) -> bool:
 
 def batch(node: Node) -> int:
     """The forward batch: the dimension the filter gradient sums over."""
-    lhs_spec, _, _ = _specs(node)
+    lhs_spec, _, _ = conv_specs(node)
     return node.inputs[0].shape[lhs_spec[1]]
-
-
-def _transpose(x, perm):
-    return x if tuple(perm) == tuple(range(x.ndim)) else lax.transpose(x, tuple(perm))
 
 
 def via_cudnn(x, dy, node: Node, math: str):
     """The node's value as [transposes to NHWC, pad, nimble_cudnn_conv_filter_grad,
     transpose back] (traced by the caller into graph nodes)."""
     p = node.params
-    lhs_spec, rhs_spec, out_spec = _specs(node)
+    lhs_spec, rhs_spec, out_spec = conv_specs(node)
     out = node.outputs[0]
     # Forward roles: x is (N=lhs feature, H, W, C=lhs batch); dy is (N, P, Q, K).
-    x = _transpose(x, (lhs_spec[1], lhs_spec[2], lhs_spec[3], lhs_spec[0]))
-    dy = _transpose(dy, (rhs_spec[1], rhs_spec[2], rhs_spec[3], rhs_spec[0]))
+    x = transpose(x, (lhs_spec[1], lhs_spec[2], lhs_spec[3], lhs_spec[0]))
+    dy = transpose(dy, (rhs_spec[1], rhs_spec[2], rhs_spec[3], rhs_spec[0]))
     strides, dilation = tuple(p["rhs_dilation"]), tuple(p["window_strides"])
     filt = tuple(out.shape[d] for d in out_spec[2:])
     pads = []
@@ -123,7 +101,7 @@ def via_cudnn(x, dy, node: Node, math: str):
     # dw is (K, R, S, C/G): the node's output has C/G as its batch, K as its feature.
     perm = [0] * 4
     perm[out_spec[0]], perm[out_spec[1]], perm[out_spec[2]], perm[out_spec[3]] = 3, 0, 1, 2
-    return _transpose(dw, perm)
+    return transpose(dw, perm)
 
 
 def _pad_exactly(x, spatial: list[tuple[int, int]]):

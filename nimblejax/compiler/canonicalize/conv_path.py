@@ -30,6 +30,7 @@ from jax import lax
 from jax.extend.core import Primitive
 
 from nimblejax.compiler.canonicalize import conv_data_grad as data_grad
+from nimblejax.compiler.canonicalize.conv_common import conv_specs, transpose
 from nimblejax.compiler.canonicalize import conv_filter_grad as filter_grad
 from nimblejax.compiler.canonicalize.dot import compute_mode
 from nimblejax.compiler.canonicalize.registry import rewrites
@@ -86,11 +87,6 @@ def _im2col_impl(x, *, kernel, strides, padding, lhs_dilation, rhs_dilation, gro
 
 
 # ---- the rewrite -----------------------------------------------------------------------
-def conv_specs(node: Node):
-    dn = node.params["dimension_numbers"]
-    return tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
-
-
 def conv_path(node: Node, options: Options) -> str:
     """'direct' for depthwise-like convolutions (1 input channel per group: a GEMM per
     group would be a batch of tiny matrices); 'cudnn_filter_grad' for filter gradients
@@ -198,8 +194,8 @@ def _decomposed(x, w, params, out_shape: Sequence[int]):
     dn = params["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = tuple(dn.lhs_spec), tuple(dn.rhs_spec), tuple(dn.out_spec)
     k = len(lhs_spec) - 2
-    x = _transpose(x, (lhs_spec[0],) + lhs_spec[2:] + (lhs_spec[1],))      # N, S..., C
-    w = _transpose(w, rhs_spec[2:] + (rhs_spec[1], rhs_spec[0]))           # KS..., Cg, O
+    x = transpose(x, (lhs_spec[0],) + lhs_spec[2:] + (lhs_spec[1],))      # N, S..., C
+    w = transpose(w, rhs_spec[2:] + (rhs_spec[1], rhs_spec[0]))           # KS..., Cg, O
     fg, bg = params["feature_group_count"], params["batch_group_count"]
     groups, mode = (fg, "feature") if fg > 1 else (bg, "batch")
     kernel = tuple(w.shape[:k])
@@ -227,11 +223,7 @@ def _decomposed(x, w, params, out_shape: Sequence[int]):
     perm[out_spec[1]] = k + 1
     for j, d in enumerate(out_spec[2:]):
         perm[d] = 1 + j
-    return _transpose(y, tuple(perm))
-
-
-def _transpose(x, perm: tuple[int, ...]):
-    return x if tuple(perm) == tuple(range(x.ndim)) else lax.transpose(x, tuple(perm))
+    return transpose(y, tuple(perm))
 
 
 # ---- the cuDNN path ----------------------------------------------------------------------
@@ -269,8 +261,8 @@ def _math(node: Node) -> str:
 def _via_cudnn(x, w, node: Node, out: Var):
     p = node.params
     lhs_spec, rhs_spec, out_spec = conv_specs(node)
-    x = _transpose(x, (lhs_spec[0], lhs_spec[2], lhs_spec[3], lhs_spec[1]))   # NHWC
-    w = _transpose(w, (rhs_spec[0], rhs_spec[2], rhs_spec[3], rhs_spec[1]))   # KRSC
+    x = transpose(x, (lhs_spec[0], lhs_spec[2], lhs_spec[3], lhs_spec[1]))   # NHWC
+    w = transpose(w, (rhs_spec[0], rhs_spec[2], rhs_spec[3], rhs_spec[1]))   # KRSC
     # cuDNN pads symmetrically: the asymmetric remainder is an explicit pad.
     sym = tuple(min(lo, hi) for lo, hi in p["padding"])
     extra = [(lo - m, hi - m) for (lo, hi), m in zip(p["padding"], sym)]
@@ -281,4 +273,4 @@ def _via_cudnn(x, w, node: Node, out: Var):
                           math=_math(node), out_dtype=np.dtype(out.dtype))
     perm = [0] * 4
     perm[out_spec[0]], perm[out_spec[1]], perm[out_spec[2]], perm[out_spec[3]] = 0, 3, 1, 2
-    return _transpose(y, tuple(perm))
+    return transpose(y, tuple(perm))

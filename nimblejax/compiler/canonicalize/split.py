@@ -28,7 +28,7 @@ def split_reduction(node: Node, options: Options) -> list[Node]:
     (registered in reductions.py)."""
     if dtypes.name(node.inputs[0].dtype) not in ("float32", "int32"):
         return [node]
-    x, out = node.inputs[0], node.outputs[0]
+    x = node.inputs[0]
     axes = tuple(sorted(int(a) for a in node.params["axes"]))
     k = len(axes)
     if k == 0 or axes != tuple(range(axes[0], axes[0] + k)):
