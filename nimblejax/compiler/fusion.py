@@ -57,6 +57,9 @@ class Group:
     row_outputs: tuple[Var, ...] = ()
     # A HORIZONTAL group's member groups (fusion_horizontal.py), each with its outputs.
     members: tuple["Group", ...] = ()
+    # A REDUCTION group's other roots (fusion_siblings.py): reductions of the same shape
+    # computed in the root's loop, each writing its own output (before the root's).
+    siblings: tuple[Node, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", GroupKind(self.kind))  # a string is checked
@@ -71,7 +74,7 @@ class Group:
             return tuple(v for g in self.members for v in g.outputs)
         if self.epilogue is not None:
             return (self.epilogue.output,)
-        return self.root.outputs + self.row_outputs
+        return tuple(n.outputs[0] for n in self.siblings) + self.root.outputs + self.row_outputs
 
 
 def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> list[Group]:

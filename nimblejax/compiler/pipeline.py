@@ -28,6 +28,7 @@ from nimblejax.compiler.buffers import Buffers, analyze_buffers
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize
 from nimblejax.compiler.fusion import Group, fuse
 from nimblejax.compiler.fusion_horizontal import pack_horizontal
+from nimblejax.compiler.fusion_siblings import merge_sibling_reductions
 from nimblejax.compiler.ir import Graph, fresh_ids
 from nimblejax.compiler.lowering import lower
 from nimblejax.compiler.lowering.registry import check_supported
@@ -77,7 +78,8 @@ def _canonicalize(p: Program, options: Options) -> Program:
 def _fuse(p: Program, options: Options) -> Program:
     # Plain cuBLAS has no epilogues: there a bias or activation stays a kernel. Neither
     # has the small-M kernel (lowering/gemm_small.py), which the library call is not.
-    groups = fuse(p.graph, gemm_epilogues=options.gemm != "cublas", small_gemm=options.small_gemm)
+    groups = merge_sibling_reductions(
+        fuse(p.graph, gemm_epilogues=options.gemm != "cublas", small_gemm=options.small_gemm))
     if options.horizontal:
         groups = pack_horizontal(groups)
     return dataclasses.replace(p, groups=tuple(groups))

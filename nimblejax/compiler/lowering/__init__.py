@@ -24,7 +24,7 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
     """`small_gemm`: whether small-M float GEMMs become the generated kernel
     (Options.small_gemm; lowering/gemm_small.py)."""
     root = group.root
-    inlined = {n.outputs[0]: n for n in group.nodes if n is not root}
+    inlined = {n.outputs[0]: n for n in group.nodes if n is not root and n not in group.siblings}
     if root.name in CONTROL_PRIMITIVES:  # a loop or branch kept as one (compiler/loops.py)
         kind = CONTROL_PRIMITIVES[root.name]
         name = f"{kind}_{root.outputs[0].id}" if root.outputs else str(kind)
@@ -39,7 +39,8 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
         kernel = horizontal_kernel(group.members)
     elif group.kind is GroupKind.REDUCTION:
         reducer = rule_for(root).fn(root.inputs[0].dtype)
-        kernel = reduction_kernel(root, inlined, reducer.combine, reducer.init, reducer.acc_type)
+        kernel = reduction_kernel(root, inlined, reducer.combine, reducer.init, reducer.acc_type,
+                                  siblings=group.siblings)
     elif group.kind is GroupKind.ROW:
         kernel = row_kernel(root, group.nodes, group.row_outputs)
     elif group.kind is GroupKind.CUDNN:

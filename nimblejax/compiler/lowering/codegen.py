@@ -255,13 +255,15 @@ def elementwise_kernel(root: Var, inlined: Mapping[Var, Node]) -> Kernel:
 
 
 def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init: str,
-                     acc_type: str) -> Kernel:
+                     acc_type: str, siblings: Sequence[Node] = ()) -> Kernel:
     """Row reductions (the innermost axis is reduced): one warp, or one 256-thread block
     for long rows, per output. Column reductions (the innermost axis is kept, as in
-    batch-norm statistics or a global average pool over H, W): column_reduction_kernel."""
+    batch-norm statistics or a global average pool over H, W): column_reduction_kernel,
+    which also computes `siblings` (fusion_siblings.py) in the same loop."""
     x, out, axes = node.inputs[0], node.outputs[0], tuple(sorted(node.params["axes"]))
     if x.ndim and (x.ndim - 1) not in axes:
-        return column_reduction_kernel(node, inlined, combine, init, acc_type)
+        return column_reduction_kernel(node, inlined, combine, init, acc_type, siblings)
+    assert not siblings, "sibling reductions are column reductions"
     n_out, n_red = out.size, _reduced_size(node)
     per_out = 256 if (n_red >= 4096 and n_out < 2048) else 32
     b = KernelBuilder(inlined)
@@ -271,7 +273,7 @@ def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init
     b.emit(f"if (o >= {n_out}) return;")
     out_idx = _output_index(b, node)
     b.emit(f"{acc_type} acc = {init};")
-    _accumulate(b, node, out_idx, combine, "lane", per_out)
+    _accumulate(b, (node,), ("acc",), out_idx, combine, "lane", per_out)
     b.forget()
     b.emit(f"for (int off = 16; off > 0; off >>= 1) {{ {acc_type} other = "
            f"__shfl_down_sync(0xffffffffu, acc, off); acc = {combine.format(a='acc', b='other')}; }}")
@@ -291,11 +293,14 @@ def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init
 
 
 def column_reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init: str,
-                            acc_type: str) -> Kernel:
+                            acc_type: str, siblings: Sequence[Node] = ()) -> Kernel:
     """A block per 32 neighbouring outputs (they differ in the innermost axis, so a warp
     reads 32 neighbouring elements): its 8 warps share the reduced elements, then add
     up through shared memory. split.py first cuts long columns into a first stage with
-    enough outputs to fill the GPU."""
+    enough outputs to fill the GPU. `siblings`: reductions of the same shape whose sums
+    the same loop computes beside node's, one accumulator and output each (the values
+    they read at an index are loaded once)."""
+    roots = (*siblings, node)
     out = node.outputs[0]
     n_out = out.size
     tx = min(32, 1 << max(0, (n_out - 1).bit_length()))
@@ -303,19 +308,24 @@ def column_reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: st
     b = KernelBuilder(inlined)
     b.emit(f"const int tx = threadIdx.x % {tx}, ty = threadIdx.x / {tx};")
     b.emit(f"const long long o = (long long)blockIdx.x * {tx} + tx;")
-    b.emit(f"{acc_type} acc = {init};")
+    accs = [f"acc{k}" if siblings else "acc" for k in range(len(roots))]
+    for acc in accs:
+        b.emit(f"{acc_type} {acc} = {init};")
     # No early return: every thread reaches the __syncthreads below.
     b.open(f"if (o < {n_out})")
-    _accumulate(b, node, _output_index(b, node), combine, "ty", ty)
+    _accumulate(b, roots, accs, _output_index(b, node), combine, "ty", ty)
     b.close()
     b.forget()
-    b.emit(f"__shared__ {acc_type} partial[{ty}][{tx + 1}];")
-    b.emit("partial[ty][tx] = acc;")
+    tiles = [f"partial{k}" if siblings else "partial" for k in range(len(roots))]
+    for acc, tile in zip(accs, tiles):
+        b.emit(f"__shared__ {acc_type} {tile}[{ty}][{tx + 1}];")
+        b.emit(f"{tile}[ty][tx] = {acc};")
     b.emit("__syncthreads();")
     b.open(f"if (ty == 0 && o < {n_out})")
-    b.emit(f"for (int w = 1; w < {ty}; ++w) {{ {acc_type} other = partial[w][tx]; "
-           f"acc = {combine.format(a='acc', b='other')}; }}")
-    b.store(out, "o", _cast_acc(acc_type, out.dtype))
+    for root, acc, tile in zip(roots, accs, tiles):
+        b.emit(f"for (int w = 1; w < {ty}; ++w) {{ {acc_type} other = {tile}[w][tx]; "
+               f"{acc} = {combine.format(a=acc, b='other')}; }}")
+        b.store(root.outputs[0], "o", _cast_acc(acc_type, root.outputs[0].dtype, acc))
     b.close()
     b.ops.append(node.name)
     return b.finish("reduce", out, -(-n_out // tx), BLOCK)
@@ -338,22 +348,25 @@ def _output_index(b: KernelBuilder, node: Node) -> Index:
     return b.index_vars("o", [x.shape[d] for d in _kept_axes(node)[1]])
 
 
-def _accumulate(b: KernelBuilder, node: Node, out_idx: Index, combine: str, start: str,
-                step: int) -> None:
-    """`acc = combine(acc, x[out_idx, r])` for r = start, start + step, … over the
-    reduced elements."""
-    x = node.inputs[0]
-    axes, kept = _kept_axes(node)
-    b.open(f"for (long long r = {start}; r < {_reduced_size(node)}; r += {step})")
+def _accumulate(b: KernelBuilder, nodes: Sequence[Node], accs: Sequence[str], out_idx: Index,
+                combine: str, start: str, step: int) -> None:
+    """`acc_k = combine(acc_k, x_k[out_idx, r])` for r = start, start + step, … over the
+    reduced elements, for reductions `nodes` of one shape (their values at an index
+    computed in one scope, so what they share is loaded once)."""
+    x = nodes[0].inputs[0]
+    axes, kept = _kept_axes(nodes[0])
+    b.open(f"for (long long r = {start}; r < {_reduced_size(nodes[0])}; r += {step})")
     red_idx = b.index_vars("r", [x.shape[a] for a in axes])
-    v = b.value(x, interleave(x.ndim, kept, out_idx, axes, red_idx))
-    b.emit(f"acc = {combine.format(a='acc', b=v)};")
+    idx = interleave(x.ndim, kept, out_idx, axes, red_idx)
+    for node, acc in zip(nodes, accs):
+        v = b.value(node.inputs[0], idx)
+        b.emit(f"{acc} = {combine.format(a=acc, b=v)};")
     b.close()
 
 
-def _cast_acc(acc_type: str, dtype) -> str:
+def _cast_acc(acc_type: str, dtype, acc: str = "acc") -> str:
     ctype = dtypes.compute_type(dtype)
-    return "acc" if ctype == acc_type else f"({ctype})acc"
+    return acc if ctype == acc_type else f"({ctype}){acc}"
 
 
 def _prod(xs) -> int:
