@@ -49,7 +49,7 @@ def task_times(exe, repeats: int = 5, spin_ms: float = 50.0) -> list[dict]:
     GPU that holds its streams (a plan runs on every GPU it may be placed on)."""
     import cupy
 
-    with cupy.cuda.Device(getattr(exe, "device", cupy.cuda.Device().id)):
+    with cupy.cuda.Device(exe.device):
         return _task_times(exe, repeats, spin_ms)
 
 

@@ -124,7 +124,7 @@ def nimble_gpu_us(nimble_fn, calls: int = 200) -> Optional[float]:
 
     # A plan is placed on every GPU it may run on: time it on the one holding exe's
     # streams (events of another device's context cannot be recorded on them).
-    with cupy.cuda.Device(getattr(exe, "device", cupy.cuda.Device().id)):
+    with cupy.cuda.Device(exe.device):
         s0 = exe.streams[0]
         if exe.raw_exec:  # captured for the XLA FFI handler
             return cuda_event_us(lambda: cupy.cuda.runtime.graphLaunch(exe.raw_exec, s0.ptr), s0, calls)

@@ -36,7 +36,7 @@ def make_step(apply: Callable, lr: float = 0.01) -> Callable:
 
 def measure(model: str, batch: int, rounds: int, calls: int, profile: bool) -> dict:
     import nimblejax as nimble
-    from nimblejax.bench.data_parallel import build
+    from nimblejax.bench.data_parallel import build, rel_err
     from nimblejax.bench.timing import fed_back_us, nimble_gpu_us
 
     rng = np.random.default_rng(0)
@@ -46,8 +46,7 @@ def measure(model: str, batch: int, rounds: int, calls: int, profile: bool) -> d
     fns = {"jax": jax.jit(step, donate_argnums=0), "nimble": nimble.jit(step, donate_argnums=0)}
     # The same start for both, checked against each other before timing.
     first = {k: f(jax.tree_util.tree_map(lambda p: p + 0, params), x, labels) for k, f in fns.items()}
-    err = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / (np.max(np.abs(np.asarray(b))) + 1e-30))
-              for a, b in zip(jax.tree_util.tree_leaves(first["nimble"]), jax.tree_util.tree_leaves(first["jax"])))
+    err = rel_err(first["nimble"], first["jax"])
     states = {k: [first[k][0]] for k in fns}
     for k, f in fns.items():  # warm-up
         fed_back_us(f, states[k], batches, 3)

@@ -48,11 +48,12 @@ def _partner(groups: list[Group], i: int, source: dict):
     a = groups[i]
     if not _column(a):
         return None
+    reads = _read(a, source)
     written: set = set()
     for j in range(i, len(groups)):
         b = groups[j]
         if (j > i and _column(b) and _alike(a.root, b.root) and not set(b.inputs) & written
-                and _read(a, source) & _read(b, source)
+                and reads & _read(b, source)
                 and 2 + len(a.siblings) + len(b.siblings) <= MAX_ROOTS):
             return j
         written.update(b.outputs)

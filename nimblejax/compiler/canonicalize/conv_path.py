@@ -33,7 +33,7 @@ from nimblejax.compiler.canonicalize import conv_data_grad as data_grad
 from nimblejax.compiler.canonicalize.conv_common import conv_specs, transpose
 from nimblejax.compiler.canonicalize import conv_filter_grad as filter_grad
 from nimblejax.compiler.canonicalize.dot import compute_mode
-from nimblejax.compiler.canonicalize.registry import rewrites
+from nimblejax.compiler.canonicalize.registry import replace_with, rewrites
 from nimblejax.compiler.ir import Node, Var
 from nimblejax.compiler import dtypes
 from nimblejax.options import Options
@@ -167,9 +167,6 @@ def rewrite_conv(node: Node, options: Options) -> list[Node]:
     path = conv_path(node, options)
     if path == "direct":
         return [node]
-    from nimblejax.compiler.trace import GraphBuilder
-
-    x, w = node.inputs
     out = node.outputs[0]
     if path == "cudnn":
         fn = lambda a, b: _via_cudnn(a, b, node, out)  # noqa: E731
@@ -179,15 +176,9 @@ def rewrite_conv(node: Node, options: Options) -> list[Node]:
         fn = lambda a, b: data_grad.via_cudnn(a, b, node, _math(node))  # noqa: E731
     else:
         fn = lambda a, b: _decomposed(a, b, node.params, out.shape)  # noqa: E731
-    closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                jax.ShapeDtypeStruct(w.shape, w.dtype))
-    builder = GraphBuilder()
-    (result,) = builder.inline(closed.jaxpr, [x, w], outer=node.source)
-    nodes = builder.nodes
-    last = nodes[-1]
-    assert last.outputs[0] is result, "the decomposition must end in the result"
-    nodes[-1] = Node(last.primitive, last.inputs, (out,), last.params, node.source)
-    return [Node(n.primitive, n.inputs, n.outputs, n.params, node.source) for n in nodes[:-1]] + [nodes[-1]]
+    nodes = replace_with(node, fn)
+    assert nodes[-1] is not node, "the decomposition must end in the result"
+    return nodes
 
 
 def _decomposed(x, w, params, out_shape: Sequence[int]):

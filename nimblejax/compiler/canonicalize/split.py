@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 
+from nimblejax.compiler.canonicalize.registry import replace_with
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
 from nimblejax.options import Options
@@ -52,23 +52,6 @@ def split_reduction(node: Node, options: Options) -> list[Node]:
     first, second = len(lead) + 1, len(lead)
     op = SPLITTABLE[node.name]
     return replace_with(node, lambda a: op(op(a.reshape(shape), axis=first), axis=second))
-
-
-def replace_with(node: Node, fn) -> list[Node]:
-    """The nodes of `fn` traced on the node's one input, ending in the node's own output
-    (so its readers need no change); [node] where the trace ends otherwise."""
-    from nimblejax.compiler.trace import GraphBuilder
-
-    x, out = node.inputs[0], node.outputs[0]
-    closed = jax.make_jaxpr(fn)(jax.ShapeDtypeStruct(x.shape, x.dtype))
-    builder = GraphBuilder()
-    (result,) = builder.inline(closed.jaxpr, [x], outer=node.source)
-    nodes = builder.nodes
-    if not nodes or nodes[-1].outputs[0] is not result or result.shape != out.shape or result.dtype != out.dtype:
-        return [node]
-    last = nodes[-1]
-    nodes[-1] = Node(last.primitive, last.inputs, (out,), last.params, node.source)
-    return [Node(n.primitive, n.inputs, n.outputs, n.params, node.source) for n in nodes]
 
 
 def _divisor_near(n: int, target: int) -> int:

@@ -47,37 +47,34 @@ def im2col_kernel(node: Node) -> Kernel:
     return loop_kernel("im2col", out, ["im2col"], body)
 
 
-# ---- the cuDNN call --------------------------------------------------------------
+# ---- the cuDNN calls --------------------------------------------------------------
+def _conv_call(node: Node, mode: str, x, w, y, groups: int) -> ConvCall:
+    """The ConvCall of a cuDNN node: x (N,H,W,C), w (K,R,S,C/G), y (N,P,Q,K), in the
+    first input's dtype and the output's."""
+    p = node.params
+    return ConvCall(tuple(x.shape), tuple(w.shape), tuple(y.shape), tuple(p["padding"]),
+                    tuple(p["strides"]), tuple(p["dilation"]), groups, dtypes.name(node.inputs[0].dtype),
+                    dtypes.name(node.outputs[0].dtype), p["math"], mode=mode, x=x, w=w, y=y)
+
+
 @register("nimble_cudnn_conv", kind=RuleKind.CUDNN)
 def cudnn_conv(node: Node):
-    p = node.params
-    x, w = node.inputs
-    y = node.outputs[0]
-    return ConvCall(tuple(x.shape), tuple(w.shape), tuple(y.shape), tuple(p["padding"]),
-                    tuple(p["strides"]), tuple(p["dilation"]), p["groups"], dtypes.name(x.dtype),
-                    dtypes.name(y.dtype), p["math"], x=x, w=w, y=y)
+    (x, w), y = node.inputs, node.outputs[0]
+    return _conv_call(node, "forward", x, w, y, node.params["groups"])
 
 
 @register("nimble_cudnn_conv_filter_grad", kind=RuleKind.CUDNN)
 def cudnn_conv_filter_grad(node: Node):
     """dW of a forward convolution from x and dy (canonicalize/conv_filter_grad.py)."""
-    p = node.params
-    x, dy = node.inputs
-    dw = node.outputs[0]
-    return ConvCall(tuple(x.shape), tuple(dw.shape), tuple(dy.shape), tuple(p["padding"]),
-                    tuple(p["strides"]), tuple(p["dilation"]), p["groups"], dtypes.name(x.dtype),
-                    dtypes.name(dw.dtype), p["math"], mode="filter_grad", x=x, w=dw, y=dy)
+    (x, dy), dw = node.inputs, node.outputs[0]
+    return _conv_call(node, "filter_grad", x, dw, dy, node.params["groups"])
 
 
 @register("nimble_cudnn_conv_data_grad", kind=RuleKind.CUDNN)
 def cudnn_conv_data_grad(node: Node):
     """dx of a forward convolution from dy and w (canonicalize/conv_data_grad.py)."""
-    p = node.params
-    dy, w = node.inputs
-    dx = node.outputs[0]
-    return ConvCall(tuple(dx.shape), tuple(w.shape), tuple(dy.shape), tuple(p["padding"]),
-                    tuple(p["strides"]), tuple(p["dilation"]), 1, dtypes.name(w.dtype),
-                    dtypes.name(dx.dtype), p["math"], mode="data_grad", x=dx, w=w, y=dy)
+    (dy, w), dx = node.inputs, node.outputs[0]
+    return _conv_call(node, "data_grad", dx, w, dy, 1)
 
 
 # ---- the direct kernel (depthwise) -----------------------------------------------------
