@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 from tests.helpers import kernel_emulator as emu
+from tests.helpers.libraries import assert_kernels_compile
 from tests.helpers.models import assert_tree_close, rand
 
 r = np.random.default_rng(11)
@@ -107,12 +107,10 @@ def test_emulated_kernels_match_jax(name):
     check(outs, fn, args)
 
 
-@pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
 def test_sibling_kernels_compile():
-    kernels = {t.kernel.name: t.kernel.source for fn, make in CASES.values()
-               for t in reduce_tasks(plan_of(fn, *make())) if len(t.outputs) > 1}
-    ptx = compile_to_ptx("\n".join(kernels.values()), "nimble_siblings.cu", arch="sm_90")
-    assert kernels and not [name for name in kernels if f".entry {name}(" not in ptx]
+    assert_kernels_compile({t.kernel.name: t.kernel.source for fn, make in CASES.values()
+                            for t in reduce_tasks(plan_of(fn, *make())) if len(t.outputs) > 1},
+                           "nimble_siblings")
 
 
 @pytest.mark.gpu
