@@ -33,7 +33,8 @@ from nimblejax.compiler.canonicalize import conv_data_grad as data_grad
 from nimblejax.compiler.canonicalize.conv_common import conv_specs, transpose
 from nimblejax.compiler.canonicalize import conv_filter_grad as filter_grad
 from nimblejax.compiler.canonicalize.dot import compute_mode
-from nimblejax.compiler.canonicalize.registry import replace_with, rewrites
+from nimblejax.compiler.canonicalize.registry import rewrites
+from nimblejax.compiler.canonicalize.replace import replace_with
 from nimblejax.compiler.ir import Node, Var
 from nimblejax.compiler import dtypes
 from nimblejax.options import Options

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 
-from nimblejax.compiler.canonicalize.registry import replace_with, rewrites
+from nimblejax.compiler.canonicalize.registry import rewrites
+from nimblejax.compiler.canonicalize.replace import replace_with
 from nimblejax.compiler.canonicalize.split import SPLITTABLE, split_reduction
 from nimblejax.compiler.ir import Node
 from nimblejax.options import Options

@@ -11,7 +11,7 @@ import math
 
 import jax.numpy as jnp
 
-from nimblejax.compiler.canonicalize.registry import replace_with
+from nimblejax.compiler.canonicalize.replace import replace_with
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
 from nimblejax.options import Options
