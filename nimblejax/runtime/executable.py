@@ -30,10 +30,12 @@ def make_executable(plan: Plan, output: str = "jax", eager: bool = False, gemm: 
 class Executable:
     """`capture="cupy"`: a CuPy Graph launched from Python (this module's call path);
     `capture="raw"`: a cudaGraphExec handle (`raw_exec`) for the XLA FFI handler to launch
-    from C++ (CuPy's Graph does not expose its handle)."""
+    from C++ (CuPy's Graph does not expose its handle). `bracket(stream, which)`, with a
+    raw capture, enqueues work before the tasks (which 0) and after them (1): the FFI
+    handler's copy nodes."""
 
     def __init__(self, plan: Plan, output: str = "jax", eager: bool = False, gemm: str = "lt",
-                 donate: frozenset = frozenset(), capture: str = "cupy") -> None:
+                 donate: frozenset = frozenset(), capture: str = "cupy", bracket=None) -> None:
         import cupy
 
         self.plan, self.output, self.eager = plan, output, eager
@@ -62,8 +64,11 @@ class Executable:
         self.copier = BatchCopier(self.cupy)
         self.graph = None
         self.raw_graph = self.raw_exec = 0
+        # Another exec of raw_graph that touches the arena alone (no XLA buffers, no
+        # copies): what Python may launch to time the plan (set by the FFI runner).
+        self.timing_exec = 0
         if capture == "raw":
-            self._capture_raw()
+            self._capture_raw(bracket)
         elif not eager:
             self._capture()
 
@@ -131,13 +136,17 @@ class Executable:
             graph = s0.end_capture()  # ends capture even on error, so s0 stays usable
         self.graph = graph
 
-    def _capture_raw(self) -> None:
+    def _capture_raw(self, bracket=None) -> None:
         rt = self.cupy.cuda.runtime
         s0 = self.streams[0]
         self._warm_up()
         rt.streamBeginCapture(s0.ptr)
         try:
+            if bracket is not None:
+                bracket(s0.ptr, 0)
             self.launch_tasks()
+            if bracket is not None:
+                bracket(s0.ptr, 1)
         finally:
             graph = rt.streamEndCapture(s0.ptr)
         self.raw_graph = graph
@@ -149,6 +158,9 @@ class Executable:
         launchers = getattr(self, "launchers", None)
         if launchers is not None:
             launchers.close()
+        if getattr(self, "timing_exec", 0):
+            self.cupy.cuda.runtime.graphExecDestroy(self.timing_exec)
+            self.timing_exec = 0
         if getattr(self, "raw_exec", 0):
             self.cupy.cuda.runtime.graphExecDestroy(self.raw_exec)
             self.cupy.cuda.runtime.graphDestroy(self.raw_graph)

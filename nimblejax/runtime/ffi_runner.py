@@ -3,7 +3,8 @@ emitted as an XLA custom call (runtime/ffi/handler.cc).
 
 Operands and results that only generated kernels touch are read and written in place:
 the handler re-points their kernel nodes to XLA's buffers each call (runtime/inplace.py
-decides which). The others are copied into and out of the plan's arena.
+decides which). The others are copied into and out of the plan's arena by the graph's
+first and last nodes, copy kernels whose tables the handler sets each call.
 """
 from __future__ import annotations
 
@@ -52,19 +53,33 @@ class FfiRunner(Runner):
 
         from nimblejax.runtime.executable import Executable
 
-        plan = self.plan
+        plan, library = self.plan, self.library
         with cupy.cuda.Device(ordinal):
-            exe = Executable(plan, output="cupy", gemm=self.gemm, capture="raw")
+            copy_fn = _copy_function(library, ordinal)
+            exe = Executable(plan, output="cupy", gemm=self.gemm, capture="raw",
+                             bracket=lambda stream, which: library.capture_copy_node(copy_fn, stream, which))
             in_dst = [exe.base + plan.offset(v) if _in_arena(plan, v) else 0 for v in plan.graph.inputs]
             in_bytes = [v.nbytes if _in_arena(plan, v) else 0 for v in plan.graph.inputs]
             out_src = [exe.base + plan.offset(a) for a in self.buffers]
-            self.id = self.library.register(exe.raw_exec, _copy_function(self.library, ordinal), in_dst, in_bytes,
-                                            out_src, [a.nbytes for a in self.buffers],
-                                            plan_id=self.id, device=ordinal)
+            self.id = library.register(exe.raw_exec, copy_fn, in_dst, in_bytes,
+                                       out_src, [a.nbytes for a in self.buffers],
+                                       plan_id=self.id, device=ordinal)
+            self._set_copy_nodes(exe, ordinal)
             self.inplace_on[ordinal] = self._set_inplace(exe, ordinal)
+            exe.timing_exec = cupy.cuda.runtime.graphInstantiate(exe.raw_graph)
+            library.disable_copy_nodes(self.id, ordinal, exe.timing_exec)
         self.exes[ordinal] = exe
         for sources, view in self.views.items():
             self._register_view(sources, view, ordinal)
+
+    def _set_copy_nodes(self, exe, ordinal: int) -> None:
+        """The copies in and out run as the graph's first and last nodes, whose tables
+        the handler sets each call (without the graph node entry points, copy kernels
+        are launched beside the graph and the two nodes copy nothing)."""
+        try:
+            self.library.set_copy_nodes(self.id, ordinal, exe.raw_graph)
+        except RuntimeError as e:
+            warnings.warn(f"nimblejax: {e}; copies are launched beside the graph", RuntimeWarning, stacklevel=3)
 
     def _set_inplace(self, exe, ordinal: int) -> inplace_mod.InPlace:
         """Find the kernel nodes of every in-place buffer in the captured graph and hand

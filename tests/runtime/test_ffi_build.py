@@ -28,6 +28,10 @@ EXPORTS = (
     "nimble_ffi_register",
     "nimble_ffi_unregister",
     "nimble_ffi_copy_kernel_source",
+    "nimble_ffi_capture_copy_node",
+    "nimble_ffi_set_copy_nodes",
+    "nimble_ffi_disable_copy_nodes",
+    "nimble_ffi_set_inplace",
 )
 
 
@@ -135,6 +139,11 @@ def test_init_without_libcuda_reports_it(library):
     with pytest.raises(RuntimeError, match="libcuda"):  # register inits first
         library.register(1, 1, [0], [4], [0], [4])
     library.unregister(12345)  # unknown id: a no-op, not a crash
+    with pytest.raises(RuntimeError, match="libcuda"):
+        library.capture_copy_node(1, 0, 0)
+    with pytest.raises(RuntimeError, match="libcuda"):
+        library.set_copy_nodes(1, 0, 1)
+    assert library.disable_copy_nodes(1, 0, 1) is False
 
 
 def test_register_validates_lengths(library):

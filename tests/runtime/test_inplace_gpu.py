@@ -43,6 +43,7 @@ def test_a_trivial_call_copies_nothing_and_sets_one_node_per_fresh_address():
     assert runner.inplace_on[0].inputs == {0} and len(runner.inplace_on[0].outputs) == 1
     s = stats(f)
     assert s["calls"] == 6 and s["copy_launches"] == 0
+    assert s["graph_copies"] == 0 and s["copy_node_sets"] == 0  # the copy nodes stay empty
     assert s["nodes_set"] <= 6  # one node; set only when an address changed
 
 
@@ -92,7 +93,26 @@ def test_gemm_operands_and_results_are_still_copied_and_correct():
         got = f(x, w)
         close(got[0], jnp.matmul(x, w), tol=2e-2)
         close(got[1], jnp.tanh(x))
-    assert stats(f)["copy_launches"] > 0
+    s = stats(f)  # copied by the graph's own copy nodes, not by launches beside it
+    assert s["copy_launches"] == 0 and s["graph_copies"] >= 3 and s["copy_node_sets"] >= 1
+
+
+def test_more_copies_than_a_copy_node_holds():
+    """70 donated leaves (a donated operand is always copied): 64 copies in the graph's
+    copy node, the rest launched beside it; every call's new table is set."""
+    def step(state, x):
+        return [v * 0.5 + x for v in state], sum(jnp.sum(v) for v in state)
+
+    f = nimble.jit(step, donate_argnums=0)
+    state = [rand(32) for _ in range(70)]
+    want = [jnp.copy(v) for v in state]
+    for _ in range(4):
+        x = rand(32)
+        (state, total), (want, w) = f(state, x), jax.jit(step)(want, x)
+        close(total, w, tol=1e-4)
+    close(state, want)
+    s = stats(f)
+    assert s["graph_copies"] >= 4 * 64 and s["copy_launches"] >= 4
 
 
 def test_donated_state_loop_matches_jax():

@@ -32,7 +32,7 @@ TARGET = "nimble_plan"
 
 _SOURCE = pathlib.Path(__file__).with_name("handler.cc")
 # Headers handler.cc includes from its own folder: part of the build's cache key.
-_HEADERS = ("driver.h", "copy_kernel.h", "graph_patch.h")
+_HEADERS = ("driver.h", "copy_kernel.h", "copy_node.h", "graph_patch.h", "node_exports.h")
 _LIB_NAME = "libnimble_ffi.so"
 # -fvisibility=hidden: only the symbols handler.cc marks for export are
 # visible, so the FFI header templates cannot clash with jaxlib's copies.
@@ -194,6 +194,12 @@ def _declare(lib: ctypes.CDLL) -> None:
         _int_p, _int_p, _int_p, _int_p,
     ]  # fmt: skip
     lib.nimble_ffi_set_inplace.restype = ctypes.c_int
+    lib.nimble_ffi_capture_copy_node.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.nimble_ffi_capture_copy_node.restype = ctypes.c_int
+    lib.nimble_ffi_set_copy_nodes.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
+    lib.nimble_ffi_set_copy_nodes.restype = ctypes.c_int
+    lib.nimble_ffi_disable_copy_nodes.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
+    lib.nimble_ffi_disable_copy_nodes.restype = ctypes.c_int
     lib.nimble_ffi_stats.argtypes = [ctypes.c_longlong, ctypes.c_int, _u64_p]
     lib.nimble_ffi_stats.restype = ctypes.c_int
     lib.nimble_ffi_unregister.argtypes = [ctypes.c_longlong]
@@ -333,15 +339,43 @@ class FfiLibrary:
         if rc != 0:
             raise RuntimeError(f"nimblejax: in-place registration failed: {self.last_error()}")
 
+    def capture_copy_node(self, copy_fn: int, stream: int, which: int) -> None:
+        """Launch the copy kernel ``copy_fn`` on ``stream`` while it captures a plan's
+        graph, with an empty table marked as the copies in (``which`` 0, before the
+        tasks) or out (1, after them): the nodes :meth:`set_copy_nodes` finds."""
+        if self._lib.nimble_ffi_capture_copy_node(ctypes.c_void_p(copy_fn), ctypes.c_void_p(stream),
+                                                  int(which)) != 0:
+            raise RuntimeError(f"nimblejax: capturing a copy node failed: {self.last_error()}")
+
+    def set_copy_nodes(self, plan_id: int, device: int, graph: int) -> int:
+        """Make plan ``plan_id`` on ``device`` copy through the marked copy nodes of the
+        CUgraph ``graph`` (its graph exec's), setting their tables each call instead of
+        launching copy kernels beside the graph. Returns which were found (bit 0: in,
+        bit 1: out)."""
+        found = self._lib.nimble_ffi_set_copy_nodes(int(plan_id), int(device), ctypes.c_void_p(graph))
+        if found < 0:
+            raise RuntimeError(f"nimblejax: finding the graph's copy nodes failed: {self.last_error()}")
+        return found
+
+    def disable_copy_nodes(self, plan_id: int, device: int, graph_exec: int) -> bool:
+        """Disable plan ``plan_id``'s copy nodes in ``graph_exec``, another exec of its
+        graph (for timing it alone); False where the driver cannot (the nodes then copy
+        their empty captured tables)."""
+        return self._lib.nimble_ffi_disable_copy_nodes(int(plan_id), int(device),
+                                                       ctypes.c_void_p(graph_exec)) == 0
+
     def stats(self, plan_id: int, device: int = 0) -> dict:
-        """Counters of a plan's arena on ``device``: calls, copy kernels launched, kernel
-        nodes re-pointed, host nanoseconds in the handler and, of those, in setting kernel
-        nodes, launching copy kernels and launching the graph (shared with its views)."""
-        out = (ctypes.c_ulonglong * 7)()
+        """Counters of a plan's arena on ``device``: calls, copy kernels launched beside
+        the graph, kernel nodes re-pointed, host nanoseconds in the handler and, of those,
+        in setting kernel nodes (re-pointed and copy nodes), launching copy kernels and
+        launching the graph; copies made by the graph's own copy nodes, and how often
+        those nodes' tables were set (shared with its views)."""
+        out = (ctypes.c_ulonglong * 9)()
         if self._lib.nimble_ffi_stats(int(plan_id), int(device), out) != 0:
             raise KeyError(f"plan {plan_id} is not registered for device {device}")
-        return {"calls": out[0], "copy_launches": out[1], "nodes_set": out[2], "handler_ns": out[3],
-                "set_nodes_ns": out[4], "copy_launch_ns": out[5], "graph_launch_ns": out[6]}
+        names = ("calls", "copy_launches", "nodes_set", "handler_ns", "set_nodes_ns", "copy_launch_ns",
+                 "graph_launch_ns", "graph_copies", "copy_node_sets")
+        return dict(zip(names, out))
 
     def unregister(self, plan_id: int) -> None:
         """Forget a plan on every device; a call already running on it finishes first."""

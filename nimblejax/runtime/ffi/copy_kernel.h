@@ -7,6 +7,15 @@
 namespace {
 
 constexpr int kMaxEntries = 64;  // copies per kernel launch
+constexpr unsigned kThreads = 256;
+constexpr unsigned long long kBytesPerBlock = kThreads * 16ull;  // uint4/thread
+constexpr unsigned kMaxBlocksX = 1024;  // enough blocks to fill an H100 (132 SMs) on large copies
+
+// Blocks in x of a copy launch whose largest entry has `max_bytes`.
+inline unsigned GridX(unsigned long long max_bytes) {
+  unsigned long long blocks = (max_bytes + kBytesPerBlock - 1) / kBytesPerBlock;
+  return blocks < 1 ? 1 : (blocks > kMaxBlocksX ? kMaxBlocksX : unsigned(blocks));
+}
 
 // Must match nimble_ffi_copy's parameter in kCopyKernelSource byte for byte;
 // it is passed by value through kernelParams.

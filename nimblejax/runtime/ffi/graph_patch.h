@@ -38,6 +38,8 @@ struct Driver {
   CUresult (*NodeGetType)(CUgraphNode, int*) = nullptr;
   CUresult (*KernelNodeGetParams)(CUgraphNode, KernelNodeParams*) = nullptr;
   CUresult (*ExecKernelNodeSetParams)(CUgraphExec, CUgraphNode, const KernelNodeParams*) = nullptr;
+  // CUDA 11.6+; without it a copy node with nothing to copy runs an empty table.
+  CUresult (*NodeSetEnabled)(CUgraphExec, CUgraphNode, unsigned) = nullptr;
   bool ok() const {
     return GraphGetNodes && NodeGetType && KernelNodeGetParams && ExecKernelNodeSetParams;
   }
@@ -56,6 +58,8 @@ inline void ResolvePatchDriver(void* lib) {
   g_patch_drv.ExecKernelNodeSetParams =
       reinterpret_cast<decltype(Driver::ExecKernelNodeSetParams)>(
           dlsym(lib, "cuGraphExecKernelNodeSetParams_v2"));
+  g_patch_drv.NodeSetEnabled = reinterpret_cast<decltype(Driver::NodeSetEnabled)>(
+      dlsym(lib, "cuGraphNodeSetEnabled"));
 }
 
 // One kernel node we may re-point: its launch parameters, with our own copy of its

@@ -19,13 +19,11 @@ namespace ffi = xla::ffi;
 
 #include "driver.h"  // and graph_patch.h
 #include "copy_kernel.h"
+#include "copy_node.h"
 
 namespace {
 
 constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
-constexpr unsigned kThreads = 256;
-constexpr unsigned long long kBytesPerBlock = kThreads * 16ull;  // uint4/thread
-constexpr unsigned kMaxBlocksX = 1024;  // enough blocks to fill an H100 (132 SMs) on large copies
 
 // One plan's arena and captured graph on one device. The arena addresses are
 // baked into graph, which is why calls of one arena are serialized (mutex on the
@@ -37,10 +35,13 @@ struct Arena {
   CUevent event = nullptr;
   CUstream last_stream = nullptr;  // stream of the previous call, if any
   nimble_patch::Patches patches;   // buffers read and written in place, not copied
+  CopyNode copy_nodes[2];          // the graph's copies in and out (copy_node.h)
+  int copy_nodes_found = 0;        // bit w: copy_nodes[w] is in the graph
   // Counters for tests and profiles: calls, copy kernels launched, kernel nodes set,
   // host nanoseconds in the handler (from lookup to the last enqueue), and of those in
-  // setting kernel nodes, launching copy kernels and launching the graph.
-  unsigned long long stats[7] = {0, 0, 0, 0, 0, 0, 0};
+  // setting kernel nodes, launching copy kernels and launching the graph; copies made
+  // by the graph's copy nodes, and how often those nodes were set.
+  unsigned long long stats[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
   std::mutex mu;
   ~Arena() {
     // Safe with work pending: the driver releases the event once it is done.
@@ -70,13 +71,20 @@ std::mutex g_plans_mu;
 std::map<std::pair<long long, int>, std::shared_ptr<Plan>> g_plans;
 long long g_next_id = 1;
 
-// Copies n (dst, src, bytes) entries with as few kernel launches as possible.
-ffi::Error CopyBatched(Arena& arena, CUstream stream,
-                       const std::vector<unsigned long long>& dst,
-                       const std::vector<unsigned long long>& src,
-                       const std::vector<unsigned long long>& bytes) {
+// The plan registered as `plan_id` for `device`, or null.
+std::shared_ptr<Plan> FindPlan(long long plan_id, int device) {
+  std::lock_guard<std::mutex> lock(g_plans_mu);
+  auto it = g_plans.find({plan_id, device});
+  return it == g_plans.end() ? nullptr : it->second;
+}
+
+// Copies the entries of `list` from `first` on with as few kernel launches as possible.
+ffi::Error CopyBatched(Arena& arena, CUstream stream, const CopyList& list, size_t first) {
+  const auto& dst = list.dst;
+  const auto& src = list.src;
+  const auto& bytes = list.bytes;
   CopyTable table;
-  size_t i = 0;
+  size_t i = first;
   while (i < dst.size()) {
     table.count = 0;
     unsigned long long max_bytes = 0;
@@ -89,9 +97,7 @@ ffi::Error CopyBatched(Arena& arena, CUstream stream,
       ++table.count;
     }
     if (table.count == 0) break;
-    unsigned long long blocks = (max_bytes + kBytesPerBlock - 1) / kBytesPerBlock;
-    unsigned grid_x = blocks < 1 ? 1 : (blocks > kMaxBlocksX ? kMaxBlocksX
-                                                            : unsigned(blocks));
+    unsigned grid_x = GridX(max_bytes);
     void* params[] = {&table};  // the driver copies the struct at launch
     CUresult rc = g_drv.LaunchKernel(arena.copy_fn, grid_x, table.count, 1,
                                      kThreads, 1, 1, 0, stream, params, nullptr);
@@ -115,12 +121,7 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
                     ffi::RemainingArgs args, ffi::RemainingRets rets) {
   auto started = std::chrono::steady_clock::now();
   // A plan exists only after a successful nimble_ffi_init (see register).
-  std::shared_ptr<Plan> plan;
-  {
-    std::lock_guard<std::mutex> lock(g_plans_mu);
-    auto it = g_plans.find({plan_id, device});
-    if (it != g_plans.end()) plan = it->second;
-  }
+  std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
   if (!plan) return ffi::Error(ffi::ErrorCode::kInvalidArgument,
                                "nimblejax: plan " + std::to_string(plan_id) +
                                    " is not registered for device " +
@@ -205,15 +206,26 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
   CUresult rc = patches.Flush(arena.graph, &failed);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuGraphExecKernelNodeSetParams", rc));
+  // The graph's own copy nodes take what they can; the rest is launched beside it.
+  size_t in_rest = 0, out_rest = 0;
+  for (int w = 0; w < 2 && rc == 0; ++w) {
+    if (!(arena.copy_nodes_found & (1 << w))) continue;
+    size_t& rest = w == 0 ? in_rest : out_rest;
+    rest = SetCopyNode(arena.copy_nodes[w], arena.graph, w == 0 ? in : out, 0,
+                       &arena.stats[8], &rc);
+    arena.stats[7] += rest;
+  }
+  if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
+                                 DriverError("setting a copy node", rc));
   split(4);
-  ffi::Error err = CopyBatched(arena, stream, in.dst, in.src, in.bytes);
+  ffi::Error err = CopyBatched(arena, stream, in, in_rest);
   if (err.failure()) return err;
   split(5);
   rc = g_drv.GraphLaunch(arena.graph, stream);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuGraphLaunch", rc));
   split(6);
-  err = CopyBatched(arena, stream, out.dst, out.src, out.bytes);
+  err = CopyBatched(arena, stream, out, out_rest);
   if (err.failure()) return err;
   split(5);
   rc = g_drv.EventRecord(arena.event, stream);
@@ -310,12 +322,7 @@ NIMBLE_EXPORT long long nimble_ffi_register_view(
     t_last_error = "nimble_ffi_register_view: invalid arguments";
     return -1;
   }
-  std::shared_ptr<Plan> base;
-  {
-    std::lock_guard<std::mutex> lock(g_plans_mu);
-    auto it = g_plans.find({base_id, device});
-    if (it != g_plans.end()) base = it->second;
-  }
+  std::shared_ptr<Plan> base = FindPlan(base_id, device);
   if (!base) {
     t_last_error = "nimble_ffi_register_view: plan " + std::to_string(base_id) +
                    " is not registered for device " + std::to_string(device);
@@ -334,94 +341,15 @@ NIMBLE_EXPORT long long nimble_ffi_register_view(
   return AddPlan(view_id, device, std::move(plan));
 }
 
-// Lists up to `max` kernel nodes of `graph` (node handles and their CUfunction);
-// returns how many the graph has, or -1.
-NIMBLE_EXPORT long long nimble_ffi_kernel_nodes(void* graph, long long max,
-                                                unsigned long long* nodes,
-                                                unsigned long long* funcs) {
-  if (nimble_ffi_init() != 0) return -1;
-  if (!nimble_patch::g_patch_drv.ok()) {
-    t_last_error = "libcuda.so.1 lacks the graph node entry points (CUDA 12.0+)";
-    return -1;
-  }
-  CUresult rc = 0;
-  long long count = nimble_patch::ListKernelNodes(static_cast<CUgraph>(graph), max, nodes, funcs, &rc);
-  if (rc != 0) t_last_error = DriverError("cuGraphGetNodes", rc);
-  return rc != 0 ? -1 : count;
-}
+#include "node_exports.h"  // the exported calls about the graph's nodes
 
-// The first n 8-byte arguments of kernel node `node` (the caller knows the kernel
-// takes at least n such arguments); 0 or -1.
-NIMBLE_EXPORT int nimble_ffi_kernel_node_params(void* node, int n, unsigned long long* values) {
-  if (nimble_ffi_init() != 0 || !nimble_patch::g_patch_drv.ok()) return -1;
-  nimble_patch::Node loaded;
-  CUresult rc = nimble_patch::LoadNode(static_cast<CUgraphNode>(node), n, &loaded);
-  if (rc != 0) { t_last_error = DriverError("cuGraphKernelNodeGetParams", rc); return -1; }
-  for (int p = 0; p < n; ++p) values[p] = loaded.values[p];
-  return 0;
-}
-
-// Makes plan `plan_id` on `device` read and write some buffers in place: site k is
-// argument site_param[k] of node site_node[k] (an index into nodes, whose n_params
-// are given), naming plan input site_index[k] (site_kind 0) or output buffer
-// site_index[k] (1). The graph holds the arena's addresses until the first call.
-NIMBLE_EXPORT int nimble_ffi_set_inplace(long long plan_id, int device, int n_nodes,
-                                         const unsigned long long* nodes,
-                                         const int* n_params, int n_sites,
-                                         const int* site_node, const int* site_param,
-                                         const int* site_kind, const int* site_index) {
-  if (nimble_ffi_init() != 0) return -1;
-  std::shared_ptr<Plan> plan;
-  {
-    std::lock_guard<std::mutex> lock(g_plans_mu);
-    auto it = g_plans.find({plan_id, device});
-    if (it != g_plans.end()) plan = it->second;
-  }
-  if (!plan || !nimble_patch::g_patch_drv.ok()) {
-    t_last_error = "nimble_ffi_set_inplace: no such plan, or no graph node entry points";
-    return -1;
-  }
-  nimble_patch::Patches patches;
-  patches.nodes.resize(n_nodes);
-  for (int i = 0; i < n_nodes; ++i) {
-    CUresult rc = nimble_patch::LoadNode(reinterpret_cast<CUgraphNode>(nodes[i]), n_params[i],
-                                         &patches.nodes[i]);
-    if (rc != 0) { t_last_error = DriverError("cuGraphKernelNodeGetParams", rc); return -1; }
-  }
-  Arena& arena = *plan->arena;
-  patches.in_sites.resize(plan->in_index.size());
-  patches.out_sites.resize(arena.out_src.size());
-  patches.in_addr.assign(patches.in_sites.size(), 0);
-  patches.out_addr.assign(patches.out_sites.size(), 0);
-  for (int k = 0; k < n_sites; ++k) {
-    auto& lists = site_kind[k] == 0 ? patches.in_sites : patches.out_sites;
-    auto& addr = site_kind[k] == 0 ? patches.in_addr : patches.out_addr;
-    if (site_index[k] < 0 || size_t(site_index[k]) >= lists.size() || site_node[k] < 0 ||
-        site_node[k] >= n_nodes || site_param[k] < 0 || site_param[k] >= n_params[site_node[k]]) {
-      t_last_error = "nimble_ffi_set_inplace: site " + std::to_string(k) + " out of range";
-      return -1;
-    }
-    lists[site_index[k]].push_back({site_node[k], site_param[k]});
-    addr[site_index[k]] = patches.nodes[site_node[k]].values[site_param[k]];
-  }
-  std::lock_guard<std::mutex> lock(arena.mu);
-  arena.patches = std::move(patches);
-  return 0;
-}
-
-// The counters of plan `plan_id`'s arena on `device` (calls, copy kernels launched,
-// kernel nodes re-pointed, handler nanoseconds and three parts of them), shared by its
+// The 9 counters of plan `plan_id`'s arena on `device` (Arena::stats), shared by its
 // views; 0 or -1.
 NIMBLE_EXPORT int nimble_ffi_stats(long long plan_id, int device, unsigned long long* out) {
-  std::shared_ptr<Plan> plan;
-  {
-    std::lock_guard<std::mutex> lock(g_plans_mu);
-    auto it = g_plans.find({plan_id, device});
-    if (it != g_plans.end()) plan = it->second;
-  }
+  std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
   if (!plan) return -1;
   std::lock_guard<std::mutex> lock(plan->arena->mu);
-  for (int i = 0; i < 7; ++i) out[i] = plan->arena->stats[i];
+  for (int i = 0; i < 9; ++i) out[i] = plan->arena->stats[i];
   return 0;
 }
 

@@ -1,0 +1,129 @@
+// The handler's exported calls about its graph's nodes (included by handler.cc after
+// its plan registry): the kernel nodes re-pointed in place (graph_patch.h) and the
+// copy nodes (copy_node.h).
+#pragma once
+
+// Lists up to `max` kernel nodes of `graph` (node handles and their CUfunction);
+// returns how many the graph has, or -1.
+NIMBLE_EXPORT long long nimble_ffi_kernel_nodes(void* graph, long long max,
+                                                unsigned long long* nodes,
+                                                unsigned long long* funcs) {
+  if (nimble_ffi_init() != 0) return -1;
+  if (!nimble_patch::g_patch_drv.ok()) {
+    t_last_error = "libcuda.so.1 lacks the graph node entry points (CUDA 12.0+)";
+    return -1;
+  }
+  CUresult rc = 0;
+  long long count = nimble_patch::ListKernelNodes(static_cast<CUgraph>(graph), max, nodes, funcs, &rc);
+  if (rc != 0) t_last_error = DriverError("cuGraphGetNodes", rc);
+  return rc != 0 ? -1 : count;
+}
+
+// The first n 8-byte arguments of kernel node `node` (the caller knows the kernel
+// takes at least n such arguments); 0 or -1.
+NIMBLE_EXPORT int nimble_ffi_kernel_node_params(void* node, int n, unsigned long long* values) {
+  if (nimble_ffi_init() != 0 || !nimble_patch::g_patch_drv.ok()) return -1;
+  nimble_patch::Node loaded;
+  CUresult rc = nimble_patch::LoadNode(static_cast<CUgraphNode>(node), n, &loaded);
+  if (rc != 0) { t_last_error = DriverError("cuGraphKernelNodeGetParams", rc); return -1; }
+  for (int p = 0; p < n; ++p) values[p] = loaded.values[p];
+  return 0;
+}
+
+// Makes plan `plan_id` on `device` read and write some buffers in place: site k is
+// argument site_param[k] of node site_node[k] (an index into nodes, whose n_params
+// are given), naming plan input site_index[k] (site_kind 0) or output buffer
+// site_index[k] (1). The graph holds the arena's addresses until the first call.
+NIMBLE_EXPORT int nimble_ffi_set_inplace(long long plan_id, int device, int n_nodes,
+                                         const unsigned long long* nodes,
+                                         const int* n_params, int n_sites,
+                                         const int* site_node, const int* site_param,
+                                         const int* site_kind, const int* site_index) {
+  if (nimble_ffi_init() != 0) return -1;
+  std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
+  if (!plan || !nimble_patch::g_patch_drv.ok()) {
+    t_last_error = "nimble_ffi_set_inplace: no such plan, or no graph node entry points";
+    return -1;
+  }
+  nimble_patch::Patches patches;
+  patches.nodes.resize(n_nodes);
+  for (int i = 0; i < n_nodes; ++i) {
+    CUresult rc = nimble_patch::LoadNode(reinterpret_cast<CUgraphNode>(nodes[i]), n_params[i],
+                                         &patches.nodes[i]);
+    if (rc != 0) { t_last_error = DriverError("cuGraphKernelNodeGetParams", rc); return -1; }
+  }
+  Arena& arena = *plan->arena;
+  patches.in_sites.resize(plan->in_index.size());
+  patches.out_sites.resize(arena.out_src.size());
+  patches.in_addr.assign(patches.in_sites.size(), 0);
+  patches.out_addr.assign(patches.out_sites.size(), 0);
+  for (int k = 0; k < n_sites; ++k) {
+    auto& lists = site_kind[k] == 0 ? patches.in_sites : patches.out_sites;
+    auto& addr = site_kind[k] == 0 ? patches.in_addr : patches.out_addr;
+    if (site_index[k] < 0 || size_t(site_index[k]) >= lists.size() || site_node[k] < 0 ||
+        site_node[k] >= n_nodes || site_param[k] < 0 || site_param[k] >= n_params[site_node[k]]) {
+      t_last_error = "nimble_ffi_set_inplace: site " + std::to_string(k) + " out of range";
+      return -1;
+    }
+    lists[site_index[k]].push_back({site_node[k], site_param[k]});
+    addr[site_index[k]] = patches.nodes[site_node[k]].values[site_param[k]];
+  }
+  std::lock_guard<std::mutex> lock(arena.mu);
+  arena.patches = std::move(patches);
+  return 0;
+}
+
+// Launches the copy kernel `copy_fn` on `stream`, which is capturing a plan's graph,
+// with an empty table marked as the copies in (which 0, before the tasks) or out (1,
+// after them); 0 or -1.
+NIMBLE_EXPORT int nimble_ffi_capture_copy_node(void* copy_fn, void* stream, int which) {
+  if (nimble_ffi_init() != 0) return -1;
+  if (copy_fn == nullptr || which < 0 || which > 1) {
+    t_last_error = "nimble_ffi_capture_copy_node: invalid arguments";
+    return -1;
+  }
+  CUresult rc = LaunchCopyMark(static_cast<CUfunction>(copy_fn), static_cast<CUstream>(stream), which);
+  if (rc != 0) { t_last_error = DriverError("cuLaunchKernel", rc); return -1; }
+  return 0;
+}
+
+// Hands plan `plan_id` on `device` the marked copy nodes of its CUgraph `graph` (the
+// one its graph exec was instantiated from): each call then copies through them.
+// Returns the bitmask of the nodes found (1: in, 2: out) or -1.
+NIMBLE_EXPORT int nimble_ffi_set_copy_nodes(long long plan_id, int device, void* graph) {
+  if (nimble_ffi_init() != 0) return -1;
+  std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
+  if (!plan || !nimble_patch::g_patch_drv.ok()) {
+    t_last_error = "nimble_ffi_set_copy_nodes: no such plan, or no graph node entry points";
+    return -1;
+  }
+  Arena& arena = *plan->arena;
+  std::lock_guard<std::mutex> lock(arena.mu);
+  CUresult rc = 0;
+  int found = FindCopyNodes(static_cast<CUgraph>(graph), arena.copy_fn, arena.copy_nodes, &rc);
+  if (found < 0) { t_last_error = DriverError("listing the graph's copy nodes", rc); return -1; }
+  arena.copy_nodes_found = found;
+  return found;
+}
+
+// Disables the copy nodes of plan `plan_id` on `device` in `exec`, another graph exec
+// instantiated from the plan's CUgraph (for timing the graph from Python: it then reads
+// and writes the arena alone). 0, or -1 where nodes cannot be disabled (they then copy
+// their empty captured tables: nothing).
+NIMBLE_EXPORT int nimble_ffi_disable_copy_nodes(long long plan_id, int device, void* exec) {
+  if (nimble_ffi_init() != 0) return -1;
+  std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
+  if (!plan || !nimble_patch::g_patch_drv.NodeSetEnabled) {
+    t_last_error = "nimble_ffi_disable_copy_nodes: no such plan, or no cuGraphNodeSetEnabled";
+    return -1;
+  }
+  Arena& arena = *plan->arena;
+  std::lock_guard<std::mutex> lock(arena.mu);
+  for (int w = 0; w < 2; ++w) {
+    if (!(arena.copy_nodes_found & (1 << w))) continue;
+    CUresult rc = nimble_patch::g_patch_drv.NodeSetEnabled(static_cast<CUgraphExec>(exec),
+                                                          arena.copy_nodes[w].node, 0);
+    if (rc != 0) { t_last_error = DriverError("cuGraphNodeSetEnabled", rc); return -1; }
+  }
+  return 0;
+}
