@@ -126,9 +126,10 @@ def nimble_gpu_us(nimble_fn, calls: int = 200) -> Optional[float]:
     # streams (events of another device's context cannot be recorded on them).
     with cupy.cuda.Device(exe.device):
         s0 = exe.streams[0]
-        if exe.raw_exec:  # captured for the XLA FFI handler: its exec for timing, which
-            # reads and writes the arena alone (raw_exec may point at XLA's buffers)
-            return cuda_event_us(lambda: cupy.cuda.runtime.graphLaunch(exe.timing_exec, s0.ptr), s0, calls)
+        if exe.raw_exec:  # captured for the XLA FFI handler, which points it at XLA's
+            # buffers: back at the arena alone first
+            exe.rest()
+            return cuda_event_us(lambda: cupy.cuda.runtime.graphLaunch(exe.raw_exec, s0.ptr), s0, calls)
         if exe.graph is not None:
             return cuda_event_us(lambda: exe.graph.launch(s0), s0, calls)
         return cuda_event_us(exe.launch_tasks, s0, max(20, calls // 10))

@@ -64,9 +64,9 @@ class Executable:
         self.copier = BatchCopier(self.cupy)
         self.graph = None
         self.raw_graph = self.raw_exec = 0
-        # Another exec of raw_graph that touches the arena alone (no XLA buffers, no
-        # copies): what Python may launch to time the plan (set by the FFI runner).
-        self.timing_exec = 0
+        # Called before Python launches raw_exec itself (to time it): points the graph
+        # back at the arena alone (set by the FFI runner, whose handler re-points it).
+        self.rest = lambda: None
         if capture == "raw":
             self._capture_raw(bracket)
         elif not eager:
@@ -158,9 +158,6 @@ class Executable:
         launchers = getattr(self, "launchers", None)
         if launchers is not None:
             launchers.close()
-        if getattr(self, "timing_exec", 0):
-            self.cupy.cuda.runtime.graphExecDestroy(self.timing_exec)
-            self.timing_exec = 0
         if getattr(self, "raw_exec", 0):
             self.cupy.cuda.runtime.graphExecDestroy(self.raw_exec)
             self.cupy.cuda.runtime.graphDestroy(self.raw_graph)

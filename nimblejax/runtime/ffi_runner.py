@@ -66,8 +66,7 @@ class FfiRunner(Runner):
                                        plan_id=self.id, device=ordinal)
             self._set_copy_nodes(exe, ordinal)
             self.inplace_on[ordinal] = self._set_inplace(exe, ordinal)
-            exe.timing_exec = cupy.cuda.runtime.graphInstantiate(exe.raw_graph)
-            library.disable_copy_nodes(self.id, ordinal, exe.timing_exec)
+            exe.rest = lambda plan_id=self.id: library.rest(plan_id, ordinal)
         self.exes[ordinal] = exe
         for sources, view in self.views.items():
             self._register_view(sources, view, ordinal)

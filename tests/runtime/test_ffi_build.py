@@ -30,7 +30,7 @@ EXPORTS = (
     "nimble_ffi_copy_kernel_source",
     "nimble_ffi_capture_copy_node",
     "nimble_ffi_set_copy_nodes",
-    "nimble_ffi_disable_copy_nodes",
+    "nimble_ffi_rest",
     "nimble_ffi_set_inplace",
 )
 
@@ -39,9 +39,9 @@ class CopyTable(ctypes.Structure):
     """Host mirror of the handler's CopyTable (passed by value to the kernel)."""
 
     _fields_ = [
-        ("dst", ctypes.c_ulonglong * 64),
-        ("src", ctypes.c_ulonglong * 64),
-        ("bytes", ctypes.c_ulonglong * 64),
+        ("dst", ctypes.c_ulonglong * 160),
+        ("src", ctypes.c_ulonglong * 160),
+        ("bytes", ctypes.c_ulonglong * 160),
         ("count", ctypes.c_int),
     ]
 
@@ -143,7 +143,8 @@ def test_init_without_libcuda_reports_it(library):
         library.capture_copy_node(1, 0, 0)
     with pytest.raises(RuntimeError, match="libcuda"):
         library.set_copy_nodes(1, 0, 1)
-    assert library.disable_copy_nodes(1, 0, 1) is False
+    with pytest.raises(RuntimeError, match="libcuda"):
+        library.rest(1, 0)
 
 
 def test_register_validates_lengths(library):

@@ -198,8 +198,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nimble_ffi_capture_copy_node.restype = ctypes.c_int
     lib.nimble_ffi_set_copy_nodes.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
     lib.nimble_ffi_set_copy_nodes.restype = ctypes.c_int
-    lib.nimble_ffi_disable_copy_nodes.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
-    lib.nimble_ffi_disable_copy_nodes.restype = ctypes.c_int
+    lib.nimble_ffi_rest.argtypes = [ctypes.c_longlong, ctypes.c_int]
+    lib.nimble_ffi_rest.restype = ctypes.c_int
     lib.nimble_ffi_stats.argtypes = [ctypes.c_longlong, ctypes.c_int, _u64_p]
     lib.nimble_ffi_stats.restype = ctypes.c_int
     lib.nimble_ffi_unregister.argtypes = [ctypes.c_longlong]
@@ -357,12 +357,12 @@ class FfiLibrary:
             raise RuntimeError(f"nimblejax: finding the graph's copy nodes failed: {self.last_error()}")
         return found
 
-    def disable_copy_nodes(self, plan_id: int, device: int, graph_exec: int) -> bool:
-        """Disable plan ``plan_id``'s copy nodes in ``graph_exec``, another exec of its
-        graph (for timing it alone); False where the driver cannot (the nodes then copy
-        their empty captured tables)."""
-        return self._lib.nimble_ffi_disable_copy_nodes(int(plan_id), int(device),
-                                                       ctypes.c_void_p(graph_exec)) == 0
+    def rest(self, plan_id: int, device: int = 0) -> None:
+        """Point plan ``plan_id``'s graph exec on ``device`` back at its arena alone (no
+        copies, no XLA buffers), so that Python may launch it to time it; the next call
+        re-points what it needs."""
+        if self._lib.nimble_ffi_rest(int(plan_id), int(device)) != 0:
+            raise RuntimeError(f"nimblejax: resting a plan's graph failed: {self.last_error()}")
 
     def stats(self, plan_id: int, device: int = 0) -> dict:
         """Counters of a plan's arena on ``device``: calls, copy kernels launched beside

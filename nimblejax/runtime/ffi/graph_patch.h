@@ -83,6 +83,7 @@ struct Patches {
   std::vector<Node> nodes;
   std::vector<std::vector<Site>> in_sites, out_sites;
   std::vector<unsigned long long> in_addr, out_addr;
+  std::vector<unsigned long long> in_home, out_home;  // the arena's, as captured
   std::vector<int> dirty;
 
   bool InPlaceIn(size_t i) const { return i < in_sites.size() && !in_sites[i].empty(); }
@@ -101,6 +102,12 @@ struct Patches {
       }
     }
     *current = addr;
+  }
+
+  // Point every site back at the arena (recorded; applied by Flush).
+  void Home() {
+    for (size_t i = 0; i < in_sites.size(); ++i) Retarget(in_sites[i], &in_addr[i], in_home[i]);
+    for (size_t j = 0; j < out_sites.size(); ++j) Retarget(out_sites[j], &out_addr[j], out_home[j]);
   }
 
   // Set the parameters of every node re-pointed since the last flush; 0 or a CUresult.

@@ -68,6 +68,8 @@ NIMBLE_EXPORT int nimble_ffi_set_inplace(long long plan_id, int device, int n_no
     lists[site_index[k]].push_back({site_node[k], site_param[k]});
     addr[site_index[k]] = patches.nodes[site_node[k]].values[site_param[k]];
   }
+  patches.in_home = patches.in_addr;
+  patches.out_home = patches.out_addr;
   std::lock_guard<std::mutex> lock(arena.mu);
   arena.patches = std::move(patches);
   return 0;
@@ -106,24 +108,30 @@ NIMBLE_EXPORT int nimble_ffi_set_copy_nodes(long long plan_id, int device, void*
   return found;
 }
 
-// Disables the copy nodes of plan `plan_id` on `device` in `exec`, another graph exec
-// instantiated from the plan's CUgraph (for timing the graph from Python: it then reads
-// and writes the arena alone). 0, or -1 where nodes cannot be disabled (they then copy
-// their empty captured tables: nothing).
-NIMBLE_EXPORT int nimble_ffi_disable_copy_nodes(long long plan_id, int device, void* exec) {
+// Points plan `plan_id`'s graph on `device` back at its arena alone: the copy nodes
+// emptied and every re-pointed kernel argument at its arena buffer, as captured (to
+// time the graph from Python without touching XLA's buffers). The next call sets what
+// it needs again. 0 or -1.
+NIMBLE_EXPORT int nimble_ffi_rest(long long plan_id, int device) {
   if (nimble_ffi_init() != 0) return -1;
   std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
-  if (!plan || !nimble_patch::g_patch_drv.NodeSetEnabled) {
-    t_last_error = "nimble_ffi_disable_copy_nodes: no such plan, or no cuGraphNodeSetEnabled";
+  if (!plan) {
+    t_last_error = "nimble_ffi_rest: no such plan";
     return -1;
   }
   Arena& arena = *plan->arena;
   std::lock_guard<std::mutex> lock(arena.mu);
-  for (int w = 0; w < 2; ++w) {
-    if (!(arena.copy_nodes_found & (1 << w))) continue;
-    CUresult rc = nimble_patch::g_patch_drv.NodeSetEnabled(static_cast<CUgraphExec>(exec),
-                                                          arena.copy_nodes[w].node, 0);
-    if (rc != 0) { t_last_error = DriverError("cuGraphNodeSetEnabled", rc); return -1; }
+  CUresult rc = 0;
+  unsigned long long sets = 0;
+  static const CopyList kNothing;
+  for (int w = 0; w < 2 && rc == 0; ++w)
+    if (arena.copy_nodes_found & (1 << w))
+      SetCopyNode(arena.copy_nodes[w], arena.graph, kNothing, 0, &sets, &rc);
+  int failed = -1;
+  if (rc == 0) {
+    arena.patches.Home();
+    rc = arena.patches.Flush(arena.graph, &failed);
   }
+  if (rc != 0) { t_last_error = DriverError("resting the graph", rc); return -1; }
   return 0;
 }
