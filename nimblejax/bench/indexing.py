@@ -52,16 +52,22 @@ def cases(vocab: int, dim: int, tokens: int, dtype) -> dict[str, tuple[Callable,
             "backward": (backward, grads, 2 * row_bytes + vocab * dim * item)}
 
 
-def time_case(fn: Callable, make: Callable, rng) -> dict:
+def time_case(fn: Callable, make: Callable, rng, rounds: int = 5) -> dict:
+    """jax.jit and nimble alternated in `rounds` rounds in this process (the host is
+    shared: a row can move by ±40% between runs); medians of the rounds."""
     arg_sets = [make(rng) for _ in range(ARG_SETS)]
-    row: dict = {}
-    for name, f in (("jax", jax.jit(fn)), ("nimble", nimble.jit(fn))):
+    fns = {"jax": jax.jit(fn), "nimble": nimble.jit(fn)}
+    for f in fns.values():
         jax.block_until_ready(f(*arg_sets[0]))
-        row[f"{name}_looped_us"] = looped_us(f, arg_sets)
-        row[f"{name}_blocked_us"] = blocked_us(f, arg_sets)
-        row[f"{name}_gpu_us"] = (nimble_gpu_us(f) if name == "nimble"
-                                 else throughput_us(f, arg_sets[0]))
-    want, got = jax.jit(fn)(*arg_sets[1]), nimble.jit(fn)(*arg_sets[1])
+    seen: dict = {}
+    for _ in range(rounds):
+        for name, f in fns.items():
+            seen.setdefault(f"{name}_looped_us", []).append(looped_us(f, arg_sets, calls=100, repeats=1))
+            seen.setdefault(f"{name}_blocked_us", []).append(blocked_us(f, arg_sets, calls=50))
+    row = {k: float(np.median(v)) for k, v in seen.items()}
+    row["jax_gpu_us"] = throughput_us(fns["jax"], arg_sets[0])
+    row["nimble_gpu_us"] = nimble_gpu_us(fns["nimble"])
+    want, got = fns["jax"](*arg_sets[1]), fns["nimble"](*arg_sets[1])
     diff = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
     row["max_abs_err"] = float(diff.max())
     return row
