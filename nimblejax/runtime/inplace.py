@@ -1,9 +1,10 @@
 """Which operands the XLA call path reads in place, and which results it writes in place.
 
-On the XLA call path a plan's graph was captured over its own arena. By default the FFI
-handler copies every operand into its arena slot before the graph and every result out
-of its arena buffer afterwards: two copy kernels per call, and for large results a copy
-of all their bytes (a 62.5 MB scatter-add result: 47 µs on an H100).
+On the XLA call path a plan's graph was captured over its own arena. By default the
+graph's first node copies every operand into its arena slot and its last node every
+result out of its arena buffer (the handler sets their copy tables each call), and for
+large results that is a copy of all their bytes (a 62.5 MB scatter-add result: 47 µs
+on an H100).
 
 A buffer that only generated kernels touch can instead be *re-pointed*: the handler
 rewrites the pointer parameter of each kernel node that names it
@@ -33,8 +34,8 @@ from nimblejax.compiler.kinds import TaskKind
 from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.plan import Plan
 
-# Patching costs ~0.4 µs of host time per kernel node per changed address; one batched
-# copy kernel costs ~3 µs of host time however many buffers it moves. A buffer read by
+# Patching costs ~0.4 µs of host time per kernel node per changed address; setting the
+# graph's copy node costs about as much however many buffers it moves. A buffer read by
 # more kernel nodes than this is copied unless it is large.
 MAX_PATCHED_NODES = 4
 # From this size on the copy's GPU time (about 1 µs per 2 MB) outweighs any patching.
