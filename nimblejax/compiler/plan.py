@@ -6,9 +6,11 @@ compiler.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, Mapping
 
 import networkx as nx
+import numpy as np
 
 from nimblejax.compiler.ir import Graph, Literal, Var
 from nimblejax.compiler.lowering.task import Task
@@ -17,6 +19,17 @@ from nimblejax.compiler.streams import Schedule, critical_path
 
 if TYPE_CHECKING:
     from nimblejax.compiler.fusion import Group
+
+
+@dataclass(frozen=True)
+class OutputSlot:
+    """Where one flat output of a plan comes from: `kind` "buffer" (`index`: its position
+    in `Plan.output_buffers`), "input" (`index`: the plan input passed through), or
+    "value" (a literal or a constant: `value`, a NumPy array of the output's dtype)."""
+
+    kind: str
+    index: int = -1
+    value: Any = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,6 +57,28 @@ class Plan:
     @property
     def critical_path(self) -> int:
         return critical_path(self.dag)
+
+    @cached_property
+    def output_buffers(self) -> tuple[Var, ...]:
+        """The outputs the tasks compute, each distinct value once, in output order: what
+        a runner hands back as the call's results."""
+        return tuple(dict.fromkeys(a for a in self.graph.outputs if self.output_kind(a) == "buffer"))
+
+    @cached_property
+    def output_slots(self) -> tuple[OutputSlot, ...]:
+        """Per flat output, where it comes from (every runner assembles its results so)."""
+        index = {a: i for i, a in enumerate(self.output_buffers)}
+        slots = []
+        for a in self.graph.outputs:
+            kind = self.output_kind(a)
+            if kind == "buffer":
+                slots.append(OutputSlot("buffer", index[a]))
+            elif kind == "input":
+                slots.append(OutputSlot("input", self.graph.inputs.index(a)))
+            else:
+                raw = a.value if kind == "literal" else self.graph.consts[a]
+                slots.append(OutputSlot("value", value=np.asarray(raw, dtype=a.dtype)))
+        return tuple(slots)
 
     def output_kind(self, atom) -> str:
         """'literal', 'input' (passed through), 'const', or 'buffer'."""

@@ -18,8 +18,9 @@ import numpy as np
 
 from nimblejax.compiler.plan import Plan
 from nimblejax.runtime.io import (D2D, BatchCopier, XlaUnpacker, allocate, copy_in, cupy_dtype,
-                                  device_wait, on_gpu, output_layout, to_jax)
+                                  device_wait, on_gpu, to_jax)
 from nimblejax.runtime.launch import Launchers
+from nimblejax.runtime.runner import assemble
 
 
 def make_executable(plan: Plan, output: str = "jax", eager: bool = False, gemm: str = "lt",
@@ -56,7 +57,6 @@ class Executable:
         # (leaf index, var, arena address) of every input the tasks read.
         self.input_slots = [(i, v, self.base + plan.offset(v)) for i, v in enumerate(plan.graph.inputs)
                             if v in plan.memory.offsets and v.nbytes]
-        self.output_layout = output_layout(plan)
         self.unpacker = XlaUnpacker.create(plan, self.arena) if output == "jax" else None
         self.pending = None  # an output of the last XLA unpack, not yet known complete
         self.returned_arrays: list = []
@@ -196,23 +196,13 @@ class Executable:
     def _outputs(self, leaves: list) -> list:
         """Fresh copies of the output buffers (cupy arrays), enqueued on stream 0."""
         cp, s0 = self.cupy, self.streams[0]
-        fresh: dict = {}
-        outs = []
-        for kind, a, src in self.output_layout:
-            if kind == "buffer":
-                arr = fresh.get(a)
-                if arr is None:
-                    arr = fresh[a] = cp.empty(a.shape, dtype=cupy_dtype(a.dtype))
-                    if a.nbytes:
-                        cp.cuda.runtime.memcpyAsync(arr.data.ptr, self.base + src, a.nbytes, D2D, s0.ptr)
-                outs.append(arr)
-            elif kind == "input":
-                outs.append(leaves[src])
-            elif kind == "literal":
-                outs.append(np.asarray(a.value))
-            else:
-                outs.append(np.asarray(self.plan.graph.consts[a]))
-        return outs
+        fresh = []
+        for a in self.plan.output_buffers:
+            arr = cp.empty(a.shape, dtype=cupy_dtype(a.dtype))
+            if a.nbytes:
+                cp.cuda.runtime.memcpyAsync(arr.data.ptr, self.base + self.plan.offset(a), a.nbytes, D2D, s0.ptr)
+            fresh.append(arr)
+        return assemble(self.plan, fresh, leaves.__getitem__, np.asarray)
 
     def _call(self, leaves: list) -> list:
         s0 = self.streams[0]

@@ -17,7 +17,7 @@ import numpy as np
 from nimblejax.compiler.plan import Plan
 from nimblejax.runtime import inplace as inplace_mod
 from nimblejax.runtime.ffi import TARGET
-from nimblejax.runtime.runner import PASSED, Runner
+from nimblejax.runtime.runner import PASSED, Runner, assemble
 
 
 class FfiRunner(Runner):
@@ -31,7 +31,7 @@ class FfiRunner(Runner):
         self.exes: dict = {}  # device ordinal -> Executable
         self.views: dict = {}  # operand sources -> the id of the view registered for them
         self.donated = donated
-        self.buffers = list(dict.fromkeys(a for a in plan.graph.outputs if plan.output_kind(a) == "buffer"))
+        self.buffers = list(plan.output_buffers)
         self.out_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.buffers]
         self.aliases = _aliases(plan.graph.inputs, self.buffers, donated)
         self.inplace = inplace_mod.analyze(plan, donated)
@@ -153,30 +153,21 @@ class FfiRunner(Runner):
 
     def emit_resident(self, sources: tuple, *xs):
         positions = [i for i, src in enumerate(sources) if src == PASSED]
-        inputs = [self.plan.graph.inputs[i] for i in positions]
         donated = frozenset(k for k, i in enumerate(positions) if i in self.donated)
-        return self._emit(self._view(sources), inputs, _aliases(inputs, self.buffers, donated), xs)
+        inputs = [self.plan.graph.inputs[i] for i in positions]
+        return self._emit(self._view(sources), positions, _aliases(inputs, self.buffers, donated), xs)
 
     def emit(self, *xs):
-        return self._emit(self.id, self.plan.graph.inputs, self.aliases, xs)
+        return self._emit(self.id, range(len(xs)), self.aliases, xs)
 
-    def _emit(self, plan_id: int, inputs: list, aliases: dict, xs) -> list:
-        """The custom call of registration `plan_id`, whose operands `xs` are `inputs`."""
+    def _emit(self, plan_id: int, positions, aliases: dict, xs) -> list:
+        """The custom call of registration `plan_id`, whose operands `xs` are the plan's
+        inputs at `positions` (a plan input returned as it is is always among them)."""
         made = jax.ffi.ffi_call(TARGET, self.out_specs,
                                 input_output_aliases=aliases)(*xs, plan=np.int64(plan_id))
         made = list(made) if isinstance(made, (list, tuple)) else [made]
-        index = {a: i for i, a in enumerate(self.buffers)}
-        outs = []
-        for a in self.plan.graph.outputs:
-            kind = self.plan.output_kind(a)
-            if kind == "buffer":
-                outs.append(made[index[a]])
-            elif kind == "input":  # api.py passes such operands on every call
-                outs.append(xs[list(inputs).index(a)])
-            else:
-                value = a.value if kind == "literal" else self.plan.graph.consts[a]
-                outs.append(jnp.asarray(value, dtype=a.dtype))
-        return outs
+        operand = dict(zip(positions, xs))
+        return assemble(self.plan, made, operand.__getitem__, jnp.asarray)
 
     def close(self) -> None:
         if self.id:

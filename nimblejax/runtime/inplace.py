@@ -90,26 +90,22 @@ def analyze(plan: Plan, donated: frozenset = frozenset()) -> InPlace:
 
     # An operand whose buffer a result views (a reshape of it returned) is copied in: the
     # result is copied out of that arena slot.
-    viewed = {root(a) for a in _buffer_outputs(plan)}
+    viewed = {root(a) for a in plan.output_buffers}
     inputs = frozenset(i for i, v in enumerate(plan.graph.inputs)
                        if i not in donated and root(v) == v and v not in written and v not in viewed
                        and patchable(v))
     shared = _shared_roots(plan, root)
-    outputs = frozenset(a for a in _buffer_outputs(plan)
+    outputs = frozenset(a for a in plan.output_buffers
                         if root(a) not in shared and patchable(root(a)))
     keep = {plan.graph.inputs[i] for i in inputs} | {root(a) for a in outputs}
     return InPlace(inputs, outputs, {b: tuple(s) for b, s in sites.items() if b in keep})
-
-
-def _buffer_outputs(plan: Plan) -> list[Var]:
-    return list(dict.fromkeys(a for a in plan.graph.outputs if plan.output_kind(a) == "buffer"))
 
 
 def _shared_roots(plan: Plan, root) -> set:
     """Buffers that hold more than one result, or a result and an operand or constant:
     XLA gives each result a buffer of its own."""
     seen: dict[Var, int] = {}
-    for a in _buffer_outputs(plan):
+    for a in plan.output_buffers:
         seen[root(a)] = seen.get(root(a), 0) + 1
     shared = {b for b, n in seen.items() if n > 1}
     shared |= {root(v) for v in plan.graph.inputs} | {root(c) for c in plan.graph.consts}

@@ -25,6 +25,7 @@ from nimblejax.compiler.ir import Literal, Var
 from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.pipeline import Plan
 from nimblejax.compiler.streams import Schedule
+from nimblejax.runtime.runner import assemble
 
 NAN_BYTE = 0xFF  # 0xFFFFFFFF is a NaN in float32 and -1 in int32
 
@@ -100,7 +101,7 @@ def run(plan: Plan, args: Sequence, seed: Optional[int] = 0) -> list[np.ndarray]
     rng = random.Random(seed) if seed is not None else None
     with jax.default_device(device()):
         run_tasks(plan, arena, rng)
-    return [_output(plan, arena, a, args) for a in plan.graph.outputs]
+    return _outputs(plan, arena, args)
 
 
 def loaded(plan: Plan, args: Sequence) -> Arena:
@@ -149,7 +150,7 @@ def run_control(task: Task, arena: Arena, rng: Optional[random.Random]) -> None:
         plan = branches[loops.branch_index(operands[0], len(branches))]
         sub = loaded(plan, operands[1:])
         run_tasks(plan, sub, rng)
-        outs = [_output(plan, sub, a, operands[1:]) for a in plan.graph.outputs]
+        outs = _outputs(plan, sub, operands[1:])
     for var, value in zip(node.outputs, outs):
         arena.write(var, value)
 
@@ -171,15 +172,9 @@ def run_loop(call: "loops.LoopCall", pred: bool, operands: Sequence,
     return [arena.read(slot) for slot in slots]
 
 
-def _output(plan: Plan, arena: Arena, atom, args) -> np.ndarray:
-    kind = plan.output_kind(atom)
-    if kind == "literal":
-        return np.asarray(atom.value)
-    if kind == "const":
-        return np.asarray(plan.graph.consts[atom])
-    if kind == "input":
-        return np.asarray(args[plan.graph.inputs.index(atom)])
-    return arena.read(atom)
+def _outputs(plan: Plan, arena: Arena, args) -> list[np.ndarray]:
+    made = [arena.read(a) for a in plan.output_buffers]
+    return assemble(plan, made, lambda k: np.asarray(args[k]), np.asarray)
 
 
 def direct_runner(plan: Plan, output: str) -> Callable[[list], list]:

@@ -10,6 +10,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from nimblejax.compiler.plan import Plan
+from nimblejax.runtime.runner import assemble
 
 
 class OutOfMemoryError(MemoryError):
@@ -81,20 +82,20 @@ class XlaUnpacker:
     copy before it overwrites the arena.
     """
 
-    def __init__(self, plan: Plan, views: dict, slots: list) -> None:
+    def __init__(self, plan: Plan, views: dict) -> None:
         import jax
 
+        self.plan = plan
         self.dtypes = sorted(views)
         self.views = [views[d] for d in self.dtypes]
-        self.slots = slots  # per output: ('buffer', index) | ('input', leaf) | ('value', array)
         where = {d: i for i, d in enumerate(self.dtypes)}
         specs = [(where[cupy_dtype(a.dtype).str], plan.offset(a), a.shape, np.dtype(a.dtype))
-                 for a in _distinct_buffers(plan)]
+                 for a in plan.output_buffers]
         self.fn = jax.jit(lambda *vs: tuple(_unpack(vs[i], off, shape, dt) for i, off, shape, dt in specs))
 
     @classmethod
     def create(cls, plan: Plan, arena) -> Optional["XlaUnpacker"]:
-        buffers = _distinct_buffers(plan)
+        buffers = plan.output_buffers
         if len(buffers) < UNPACK_MIN_OUTPUTS:
             return None
         views = {}
@@ -106,40 +107,19 @@ class XlaUnpacker:
                 if view.unsafe_buffer_pointer() != arena.data.ptr:
                     return None  # JAX copied instead of viewing: the view would go stale
                 views[dt.str] = view
-        index = {a: i for i, a in enumerate(buffers)}
-        slots = []
-        for a in plan.graph.outputs:
-            kind = plan.output_kind(a)
-            if kind == "buffer":
-                slots.append(("buffer", index[a]))
-            elif kind == "input":
-                slots.append(("input", plan.graph.inputs.index(a)))
-            else:
-                value = a.value if kind == "literal" else plan.graph.consts[a]
-                slots.append(("value", np.asarray(value)))
-        return cls(plan, views, slots)
+        return cls(plan, views)
 
     def __call__(self, leaves: list) -> list:
         import jax.numpy as jnp
 
-        made = self.fn(*self.views)
-        return [made[x] if k == "buffer" else leaves[x] if k == "input" else jnp.asarray(x)
-                for k, x in self.slots]
+        return assemble(self.plan, self.fn(*self.views), leaves.__getitem__, jnp.asarray)
 
     def witness(self, outs: list):
         """One output of the XLA call: its completion means the whole copy is done."""
-        for (kind, _), o in zip(self.slots, outs):
-            if kind == "buffer":
+        for slot, o in zip(self.plan.output_slots, outs):
+            if slot.kind == "buffer":
                 return o
         return None
-
-
-def _distinct_buffers(plan: Plan) -> list:
-    seen: dict = {}
-    for a in plan.graph.outputs:
-        if plan.output_kind(a) == "buffer":
-            seen.setdefault(a, None)
-    return list(seen)
 
 
 def _unpack(view, offset: int, shape, dtype: np.dtype):
@@ -158,18 +138,6 @@ def _unpack(view, offset: int, shape, dtype: np.dtype):
     if out.dtype != dtype:  # bfloat16 stored as uint16
         return lax.bitcast_convert_type(out, dtype)
     return out
-
-
-def output_layout(plan: Plan) -> list[tuple]:
-    """(kind, atom, where) per output: the arena offset of a buffer, the leaf index of
-    a passed-through input."""
-    layout = []
-    for a in plan.graph.outputs:
-        kind = plan.output_kind(a)
-        where = plan.offset(a) if kind == "buffer" else (
-            plan.graph.inputs.index(a) if kind == "input" else None)
-        layout.append((kind, a, where))
-    return layout
 
 
 def cupy_dtype(dtype) -> np.dtype:

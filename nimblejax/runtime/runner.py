@@ -4,6 +4,7 @@ operand sources of a resident call."""
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, Sequence
 
 from jax.interpreters import mlir
 
@@ -32,3 +33,11 @@ class Runner:
     def emit_resident(self, sources: tuple, *xs):
         """`emit` with only the operands whose source is PASSED (Residency)."""
         raise NotImplementedError
+
+
+def assemble(plan: Plan, made: Sequence, input_at: Callable[[int], Any], value: Callable) -> list:
+    """A call's flat outputs, as `plan.output_slots` says: `made[i]` for output buffer i,
+    `input_at(k)` for plan input k passed through, `value(v)` for a literal or constant.
+    Every runner hands back its results through this."""
+    return [made[s.index] if s.kind == "buffer" else input_at(s.index) if s.kind == "input" else value(s.value)
+            for s in plan.output_slots]
