@@ -16,7 +16,7 @@ import numpy as np
 
 import nimblejax as nimble
 from nimblejax.bench.needs_gpu import require_gpu
-from nimblejax.bench.timing import looped_us
+from nimblejax.bench.timing import looped_and_host_us, looped_us
 
 
 def summed(params, x):
@@ -58,26 +58,6 @@ def per_call(before: dict, after: dict) -> dict:
     """Each counter's growth per handler call between two handler_counters readings."""
     calls = max(after.get("calls", 0) - before.get("calls", 0), 1)
     return {k: (v - before.get(k, 0)) / calls for k, v in after.items()}
-
-
-def issue_us(fn, arg_sets, feed, calls: int = 200, repeats: int = 5) -> float:
-    """Host µs per call of a looped run before its one block: the time the caller waits
-    for each call to return. Where it is well below the looped time, the GPU (or a wait
-    inside a call) bounds the loop, not the host."""
-    import time
-
-    args = arg_sets[0]
-    out = fn(*args)
-    jax.block_until_ready(out)
-    per = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for i in range(calls):
-            args = feed(args, out) if feed is not None else arg_sets[i % len(arg_sets)]
-            out = fn(*args)
-        per.append((time.perf_counter() - t0) / calls)
-        jax.block_until_ready(out)
-    return sorted(per)[len(per) // 2] * 1e6
 
 
 def wrapper_alone_us(f, xs) -> float:
@@ -143,13 +123,11 @@ def case_rows() -> None:
             continue
         j = jax.jit(fn, donate_argnums=donate)
         f = nimble.jit(fn, backend="cuda", donate_argnums=donate)
-        lj = looped_us(j, br._fresh_copies(arg_sets, donate), feed)
+        lj, hj = looped_and_host_us(j, br._fresh_copies(arg_sets, donate), feed)
         looped_us(f, br._fresh_copies(arg_sets, donate), feed, calls=20, repeats=1)
         before = handler_counters(f)
-        ln = looped_us(f, br._fresh_copies(arg_sets, donate), feed)
+        ln, hn = looped_and_host_us(f, br._fresh_copies(arg_sets, donate), feed)
         per = per_call(before, handler_counters(f))
-        hj = issue_us(j, br._fresh_copies(arg_sets, donate), feed)
-        hn = issue_us(f, br._fresh_copies(arg_sets, donate), feed)
         parts = " / ".join(f"{per[k] / 1e3:.1f}" for k in ("set_nodes_ns", "copy_launch_ns", "graph_launch_ns"))
         print(f"| {name} | {lj:.1f} ({hj:.1f}) | {ln:.1f} ({hn:.1f}) | {nimble_gpu_us(f):.1f} "
               f"| {per['handler_ns'] / 1e3:.1f} | {parts} | {per['copy_launches']:.1f} "

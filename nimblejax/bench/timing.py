@@ -38,18 +38,27 @@ def looped_us(fn: Callable, arg_sets: Sequence[tuple], feed: Optional[Callable] 
     (`arg_sets[i % len(arg_sets)]`, distinct objects, so no identity cache can help),
     or, with `feed(args, last_output) -> args`, the previous call's output fed back as
     training state; one block at the end of each loop. Median over `repeats` loops."""
+    return looped_and_host_us(fn, arg_sets, feed, calls, repeats)[0]
+
+
+def looped_and_host_us(fn: Callable, arg_sets: Sequence[tuple], feed: Optional[Callable] = None,
+                       calls: int = 200, repeats: int = 5) -> tuple[float, float]:
+    """`looped_us`, and the host µs per call of the same loops before their one block
+    (the time the caller waits for each call to return): where the host time is well
+    below the looped time, the GPU bounds the loop, not the host."""
     args = arg_sets[0]
     out = fn(*args)
     jax.block_until_ready(out)
-    per = []
+    looped, host = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for i in range(calls):
             args = feed(args, out) if feed is not None else arg_sets[i % len(arg_sets)]
             out = fn(*args)
+        host.append((time.perf_counter() - t0) / calls)
         jax.block_until_ready(out)
-        per.append((time.perf_counter() - t0) / calls)
-    return statistics.median(per) * 1e6
+        looped.append((time.perf_counter() - t0) / calls)
+    return statistics.median(looped) * 1e6, statistics.median(host) * 1e6
 
 
 def fed_back_us(fn: Callable, state: list, batches: Sequence[tuple], calls: int,
