@@ -101,7 +101,7 @@ def run(plan: Plan, args: Sequence, seed: Optional[int] = 0) -> list[np.ndarray]
     rng = random.Random(seed) if seed is not None else None
     with jax.default_device(device()):
         run_tasks(plan, arena, rng)
-    return _outputs(plan, arena, args)
+    return outputs(plan, arena, args)
 
 
 def loaded(plan: Plan, args: Sequence) -> Arena:
@@ -150,7 +150,7 @@ def run_control(task: Task, arena: Arena, rng: Optional[random.Random]) -> None:
         plan = branches[loops.branch_index(operands[0], len(branches))]
         sub = loaded(plan, operands[1:])
         run_tasks(plan, sub, rng)
-        outs = _outputs(plan, sub, operands[1:])
+        outs = outputs(plan, sub, operands[1:])
     for var, value in zip(node.outputs, outs):
         arena.write(var, value)
 
@@ -172,7 +172,8 @@ def run_loop(call: "loops.LoopCall", pred: bool, operands: Sequence,
     return [arena.read(slot) for slot in slots]
 
 
-def _outputs(plan: Plan, arena: Arena, args) -> list[np.ndarray]:
+def outputs(plan: Plan, arena: Arena, args) -> list[np.ndarray]:
+    """The plan's flat outputs once its tasks ran on `arena` (`args`: its inputs)."""
     made = [arena.read(a) for a in plan.output_buffers]
     return assemble(plan, made, lambda k: np.asarray(args[k]), np.asarray)
 

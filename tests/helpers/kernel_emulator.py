@@ -312,4 +312,4 @@ def run(plan, args, lib=None) -> tuple[list[np.ndarray], int]:
     for buf, off in plan.memory.offsets.items():
         inside[off: off + plan.sizes[buf]] = True
     assert (arena.bytes[~inside] == interpret.NAN_BYTE).all(), "a kernel wrote out of bounds"
-    return [interpret._output(plan, arena, a, args) for a in plan.graph.outputs], emulated
+    return interpret.outputs(plan, arena, args), emulated

@@ -81,7 +81,7 @@ def run_emulating_gemms(plan, args, seed: int = 0) -> list[np.ndarray]:
                 emulate_gemm(task, arena)
             else:
                 interpret.execute(task, arena)
-    return [interpret._output(plan, arena, a, args) for a in plan.graph.outputs]
+    return interpret.outputs(plan, arena, args)
 
 
 def check(fn, args, backend: str = "interpret") -> object:
