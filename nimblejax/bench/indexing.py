@@ -26,6 +26,7 @@ import nimblejax as nimble
 from nimblejax.bench.cli import gpu_available
 from nimblejax.bench.results import gpu_name
 from nimblejax.bench.timing import blocked_us, looped_us, nimble_gpu_us, throughput_us
+from nimblejax.compiler.kinds import TaskKind
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 ARG_SETS = 8  # distinct argument objects cycled through by the looped and blocked loops
@@ -75,7 +76,7 @@ def time_case(fn: Callable, make: Callable, rng, rounds: int = 5) -> dict:
 
 def plan_case(fn: Callable, make: Callable, rng) -> dict:
     plan = nimble.jit(fn, backend="interpret").plan(*make(rng))
-    kernels = [t for t in plan.tasks if t.kind == "kernel"]
+    kernels = [t for t in plan.tasks if t.kind is TaskKind.KERNEL]
     return {"tasks": len(plan.tasks), "kernels": [t.kernel.name for t in kernels],
             "launches": sum(len(t.kernel.launches) for t in kernels)}
 

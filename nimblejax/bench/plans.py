@@ -12,6 +12,7 @@ import numpy as np
 
 from nimblejax.bench.progress import Progress, prior_s
 from nimblejax.bench.results import draw_timeline, failure, run_meta, timeline_path
+from nimblejax.compiler.kinds import TaskKind
 
 
 def abstract_model(spec, batch: int, dtype, tiny: bool) -> tuple:
@@ -78,7 +79,7 @@ def plan_notes(plan, options, batch: Optional[int] = None) -> str:
     families = [task_family(t).split("_")[0] for t in plan.tasks]
     im2col = families.count("im2col")
     convs = [(im2col, "im2col+GEMM"), (families.count("conv"), "direct"),
-             (sum(t.kind == "cudnn" for t in plan.tasks), "cuDNN")]
+             (sum(t.kind is TaskKind.CUDNN for t in plan.tasks), "cuDNN")]
     conv_text = ", ".join(f"{n} {path}" for n, path in convs if n)
     if conv_text:
         # Not found here, and the one decision would take cuDNN at this batch if it were.

@@ -16,6 +16,8 @@ import re
 import statistics
 from collections import defaultdict
 
+from nimblejax.compiler.kinds import TaskKind
+
 SPIN_SOURCE = r'''
 extern "C" __global__ void nimble_profile_spin(long long cycles) {
   long long start = clock64();
@@ -26,9 +28,9 @@ extern "C" __global__ void nimble_profile_spin(long long cycles) {
 
 def task_family(task) -> str:
     """A coarse name to add tasks up by: kernel name without its hash, or the library."""
-    if task.kind == "gemm":
+    if task.kind is TaskKind.GEMM:
         return "cublas gemm"
-    if task.kind == "cudnn":
+    if task.kind is TaskKind.CUDNN:
         c = task.conv
         if c.mode != "forward":
             return f"cudnn conv {c.mode.replace('_', ' ')}"
@@ -84,12 +86,12 @@ def _task_times(exe, repeats: int, spin_ms: float) -> list[dict]:
         row = {"task": task.name, "kind": task.kind, "family": task_family(task),
                "category": task_category(task), "us": statistics.median(samples[task]),
                "source": task.source, "out_shape": list(task.outputs[0].shape) if task.outputs else []}
-        if task.kind == "kernel":
+        if task.kind is TaskKind.KERNEL:
             row.update(kernel=task.kernel.name, grid=task.kernel.grid[0], block=task.kernel.block[0])
-        elif task.kind == "gemm":
+        elif task.kind is TaskKind.GEMM:
             g = task.gemm
             row.update(gemm=f"{g.batch}x{g.m}x{g.n}x{g.k}")
-        elif task.kind == "cudnn":
+        elif task.kind is TaskKind.CUDNN:
             c = task.conv
             row.update(conv=f"x{list(c.x.shape)} w{list(c.w.shape)} s{c.strides[0]} g{c.groups}")
         rows.append(row)

@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
+from nimblejax.compiler.kinds import TaskKind
+
 # The cost model of estimate_us: rough figures of a current data-center GPU. Only the
 # picture's proportions depend on them; nothing is decided from them.
 LAUNCH_US = 2.0  # fixed cost of one task inside a CUDA graph
@@ -46,10 +48,10 @@ def estimate_us(task) -> float:
     and doing its arithmetic (GEMMs and convolutions)."""
     moved = sum(v.nbytes for v in task.inputs) + sum(v.nbytes for v in task.outputs)
     us = moved / BYTES_PER_US
-    if task.kind == "gemm" and task.gemm is not None:
+    if task.kind is TaskKind.GEMM and task.gemm is not None:
         g = task.gemm
         us = max(us, 2.0 * g.batch * g.m * g.n * g.k / FLOPS_PER_US.get(g.compute, 50e6))
-    elif task.kind == "cudnn" and task.conv is not None:
+    elif task.kind is TaskKind.CUDNN and task.conv is not None:
         c = task.conv
         n, oh, ow, k = c.y_shape
         _, r, s, cg = c.w_shape

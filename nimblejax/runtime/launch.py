@@ -13,6 +13,7 @@ import numpy as np
 
 from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.plan import Plan
+from nimblejax.compiler.kinds import TaskKind
 from nimblejax.runtime.io import allocate, retry_after_freeing
 
 # cuBLAS workspace per stream (a shared one would race). NVIDIA recommends 32 MiB on
@@ -38,8 +39,8 @@ class Launchers:
         self.stream_of = plan.schedule.stream
         self.use_lt = gemm != "cublas"
         if not self.use_lt:
-            _no_epilogues([t for t in plan.tasks if t.kind == "gemm"])
-        self.functions = compile_kernels(k for t in plan.tasks if t.kind == "kernel"
+            _no_epilogues([t for t in plan.tasks if t.kind is TaskKind.GEMM])
+        self.functions = compile_kernels(k for t in plan.tasks if t.kind is TaskKind.KERNEL
                                          for k in t.kernel.launches)
         self.args = {t: self._addresses(t) for t in plan.tasks}
         # Library handles allocate outside CuPy's pool: when the device looks full, give
@@ -59,11 +60,11 @@ class Launchers:
     def _addresses(self, task: Task) -> tuple:
         """The device addresses a task runs on (kernel params, or a library call's operands:
         None for a GEMM epilogue operand it does not have)."""
-        if task.kind == "kernel":
+        if task.kind is TaskKind.KERNEL:
             return tuple(np.uint64(self.address(v)) for v in task.kernel.params)
         if task.control is not None:  # runtime/conditional.py holds its addresses
             return ()
-        call = task.gemm if task.kind == "gemm" else task.conv
+        call = task.gemm if task.kind is TaskKind.GEMM else task.conv
         return tuple(None if v is None else self.address(v) for v in call.operands)
 
     def address(self, var) -> int:
@@ -73,7 +74,7 @@ class Launchers:
     def _gemm_workspaces(self):
         """A GEMM workspace per stream that runs GEMMs and, under gemm="cublas", a
         cuBLAS handle bound to it (cuBLASLt takes stream and workspace per call)."""
-        gemm_streams = {self.stream_of[t] for t in self.plan.tasks if t.kind == "gemm"}
+        gemm_streams = {self.stream_of[t] for t in self.plan.tasks if t.kind is TaskKind.GEMM}
         if not gemm_streams:
             return [], []
         from nimblejax.runtime.libs.cublas import CublasHandle
@@ -91,7 +92,7 @@ class Launchers:
         """Per GEMM task a cuBLASLt matmul whose algorithm was measured on the task's own
         buffers and workspace (cuBLAS's default choice is several times slower on small
         and skinny shapes)."""
-        tasks = [t for t in self.plan.tasks if t.kind == "gemm"]
+        tasks = [t for t in self.plan.tasks if t.kind is TaskKind.GEMM]
         if not tasks or not self.use_lt:
             return None, {}
         from nimblejax.runtime.libs import cublaslt, fill
@@ -113,7 +114,7 @@ class Launchers:
     def _cudnn_convs(self):
         """Per cuDNN task its descriptors and measured algorithm; per stream a handle and
         a workspace as large as its convolutions need (set before capture)."""
-        tasks = [t for t in self.plan.tasks if t.kind == "cudnn"]
+        tasks = [t for t in self.plan.tasks if t.kind is TaskKind.CUDNN]
         if not tasks:
             return {}, {}, {}
         from nimblejax.runtime.libs import cudnn
@@ -133,13 +134,13 @@ class Launchers:
         stream = self.streams[s]
         if task.control is not None:
             self.control.launch(task, stream)
-        elif task.kind == "kernel":
+        elif task.kind is TaskKind.KERNEL:
             try:
                 for k in task.kernel.launches:  # all take the same arguments
                     self.functions[k.name](k.grid, k.block, self.args[task], stream=stream)
             except Exception as e:
                 raise KernelLaunchError(f"launching {k.name} (from {task.source}) failed: {e}") from e
-        elif task.kind == "cudnn":
+        elif task.kind is TaskKind.CUDNN:
             ws = self.cudnn_workspaces[s]
             self.convs[task].run(self.cudnn_handles[s], *self.args[task], ws.data.ptr, ws.nbytes)
         elif task in self.lt:
