@@ -24,8 +24,19 @@ COMPUTE = {
 SUPPORTED = frozenset(STORAGE)
 
 
+_NAMES: dict = {}  # dtype (or str) -> its name: np.dtype(x).name costs ~10 µs a call
+
+
 def name(dtype) -> str:
-    return np.dtype(dtype).name
+    try:
+        return _NAMES[dtype]
+    except (KeyError, TypeError):  # a new dtype, or an unhashable spelling of one
+        found = np.dtype(dtype).name
+        try:
+            _NAMES[dtype] = found
+        except TypeError:
+            pass
+        return found
 
 
 def is_supported(dtype) -> bool:
