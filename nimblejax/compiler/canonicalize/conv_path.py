@@ -177,7 +177,8 @@ def rewrite_conv(node: Node, options: Options) -> list[Node]:
         fn = lambda a, b: data_grad.via_cudnn(a, b, node, _math(node))  # noqa: E731
     else:
         fn = lambda a, b: _decomposed(a, b, node.params, out.shape)  # noqa: E731
-    nodes = replace_with(node, fn)
+    params = tuple(sorted(node.params.items()))  # with the types, all the trace depends on
+    nodes = replace_with(node, fn, key=("conv", path, params))
     assert nodes[-1] is not node, "the decomposition must end in the result"
     return nodes
 
