@@ -67,6 +67,24 @@ struct CopyList {
   }
 };
 
+// Fills `table` with list[first:first + kMaxEntries] (CopyList holds no zero-byte
+// copies) and returns the index of the first copy it could not take; `max_bytes` gets
+// the largest copy's size (the launch's GridX).
+size_t FillTable(const CopyList& list, size_t first, CopyTable* table,
+                 unsigned long long* max_bytes) {
+  table->count = 0;
+  *max_bytes = 0;
+  size_t i = first;
+  for (; i < list.dst.size() && table->count < kMaxEntries; ++i) {
+    table->dst[table->count] = list.dst[i];
+    table->src[table->count] = list.src[i];
+    table->bytes[table->count] = list.bytes[i];
+    if (list.bytes[i] > *max_bytes) *max_bytes = list.bytes[i];
+    ++table->count;
+  }
+  return i;
+}
+
 // Per thread, reused by every call: a steady-state call allocates nothing.
 struct Scratch {
   std::vector<unsigned long long> in_src, out_dst;

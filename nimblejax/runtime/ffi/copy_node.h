@@ -67,21 +67,13 @@ int FindCopyNodes(CUgraph graph, CUfunction copy_fn, CopyNode nodes[2], CUresult
   return found;
 }
 
-// Gives `node` the copies list[first:first + kMaxEntries] (zero-byte ones skipped) and
-// returns the index of the first copy it could not take. Sets the node only where its
-// table changed; disables it when it has nothing to copy.
-size_t SetCopyNode(CopyNode& node, CUgraphExec exec, const CopyList& list, size_t first,
+// Gives `node` the first kMaxEntries copies of `list` and returns how many it took.
+// Sets the node only where its table changed; disables it when it has nothing to copy.
+size_t SetCopyNode(CopyNode& node, CUgraphExec exec, const CopyList& list,
                    unsigned long long* sets, CUresult* rc) {
   CopyTable want{};
   unsigned long long max_bytes = 0;
-  size_t i = first;
-  for (; i < list.dst.size() && want.count < kMaxEntries; ++i) {
-    want.dst[want.count] = list.dst[i];
-    want.src[want.count] = list.src[i];
-    want.bytes[want.count] = list.bytes[i];
-    if (list.bytes[i] > max_bytes) max_bytes = list.bytes[i];
-    ++want.count;
-  }
+  size_t taken = FillTable(list, 0, &want, &max_bytes);
   *rc = 0;
   bool same = want.count == node.table.count;
   for (int e = 0; same && e < want.count; ++e)
@@ -99,7 +91,7 @@ size_t SetCopyNode(CopyNode& node, CUgraphExec exec, const CopyList& list, size_
     *rc = nimble_patch::g_patch_drv.NodeSetEnabled(exec, node.node, enable ? 1 : 0);
     node.enabled = enable;
   }
-  return i;
+  return taken;
 }
 
 }  // namespace

@@ -80,26 +80,12 @@ std::shared_ptr<Plan> FindPlan(long long plan_id, int device) {
 
 // Copies the entries of `list` from `first` on with as few kernel launches as possible.
 ffi::Error CopyBatched(Arena& arena, CUstream stream, const CopyList& list, size_t first) {
-  const auto& dst = list.dst;
-  const auto& src = list.src;
-  const auto& bytes = list.bytes;
   CopyTable table;
-  size_t i = first;
-  while (i < dst.size()) {
-    table.count = 0;
-    unsigned long long max_bytes = 0;
-    for (; i < dst.size() && table.count < kMaxEntries; ++i) {
-      if (bytes[i] == 0) continue;  // nothing to move
-      table.dst[table.count] = dst[i];
-      table.src[table.count] = src[i];
-      table.bytes[table.count] = bytes[i];
-      if (bytes[i] > max_bytes) max_bytes = bytes[i];
-      ++table.count;
-    }
-    if (table.count == 0) break;
-    unsigned grid_x = GridX(max_bytes);
+  unsigned long long max_bytes = 0;
+  for (size_t i = first; i < list.dst.size();) {
+    i = FillTable(list, i, &table, &max_bytes);
     void* params[] = {&table};  // the driver copies the struct at launch
-    CUresult rc = g_drv.LaunchKernel(arena.copy_fn, grid_x, table.count, 1,
+    CUresult rc = g_drv.LaunchKernel(arena.copy_fn, GridX(max_bytes), table.count, 1,
                                      kThreads, 1, 1, 0, stream, params, nullptr);
     if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                    DriverError("cuLaunchKernel", rc));
@@ -211,7 +197,7 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
   for (int w = 0; w < 2 && rc == 0; ++w) {
     if (!(arena.copy_nodes_found & (1 << w))) continue;
     size_t& rest = w == 0 ? in_rest : out_rest;
-    rest = SetCopyNode(arena.copy_nodes[w], arena.graph, w == 0 ? in : out, 0,
+    rest = SetCopyNode(arena.copy_nodes[w], arena.graph, w == 0 ? in : out,
                        &arena.stats[8], &rc);
     arena.stats[7] += rest;
   }

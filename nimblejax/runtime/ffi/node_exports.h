@@ -126,7 +126,7 @@ NIMBLE_EXPORT int nimble_ffi_rest(long long plan_id, int device) {
   static const CopyList kNothing;
   for (int w = 0; w < 2 && rc == 0; ++w)
     if (arena.copy_nodes_found & (1 << w))
-      SetCopyNode(arena.copy_nodes[w], arena.graph, kNothing, 0, &sets, &rc);
+      SetCopyNode(arena.copy_nodes[w], arena.graph, kNothing, &sets, &rc);
   int failed = -1;
   if (rc == 0) {
     arena.patches.Home();
