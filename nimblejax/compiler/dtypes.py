@@ -30,13 +30,11 @@ _NAMES: dict = {}  # dtype (or str) -> its name: np.dtype(x).name costs ~10 µs 
 def name(dtype) -> str:
     try:
         return _NAMES[dtype]
-    except (KeyError, TypeError):  # a new dtype, or an unhashable spelling of one
-        found = np.dtype(dtype).name
-        try:
-            _NAMES[dtype] = found
-        except TypeError:
-            pass
+    except KeyError:
+        found = _NAMES[dtype] = np.dtype(dtype).name
         return found
+    except TypeError:  # an unhashable spelling of a dtype
+        return np.dtype(dtype).name
 
 
 def is_supported(dtype) -> bool:

@@ -57,6 +57,8 @@ class Executable:
         # (leaf index, var, arena address) of every input the tasks read.
         self.input_slots = [(i, v, self.base + plan.offset(v)) for i, v in enumerate(plan.graph.inputs)
                             if v in plan.memory.offsets and v.nbytes]
+        # (output buffer, its arena address): what _outputs copies out each call.
+        self.output_sources = [(a, self.base + plan.offset(a)) for a in plan.output_buffers]
         self.unpacker = XlaUnpacker.create(plan, self.arena) if output == "jax" else None
         self.pending = None  # an output of the last XLA unpack, not yet known complete
         self.returned_arrays: list = []
@@ -197,10 +199,10 @@ class Executable:
         """Fresh copies of the output buffers (cupy arrays), enqueued on stream 0."""
         cp, s0 = self.cupy, self.streams[0]
         fresh = []
-        for a in self.plan.output_buffers:
+        for a, src in self.output_sources:
             arr = cp.empty(a.shape, dtype=cupy_dtype(a.dtype))
             if a.nbytes:
-                cp.cuda.runtime.memcpyAsync(arr.data.ptr, self.base + self.plan.offset(a), a.nbytes, D2D, s0.ptr)
+                cp.cuda.runtime.memcpyAsync(arr.data.ptr, src, a.nbytes, D2D, s0.ptr)
             fresh.append(arr)
         return assemble(self.plan, fresh, leaves.__getitem__, np.asarray)
 
