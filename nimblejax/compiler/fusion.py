@@ -24,14 +24,16 @@ import dataclasses
 from dataclasses import dataclass
 
 from nimblejax.compiler.epilogue import EpilogueMatch, find_epilogues
-from nimblejax.compiler.fusion_rows import (in_dependency_order, row_exits, row_output_target,
-                                            row_target)
+from nimblejax.compiler.fusion_rows import (MAX_REACH, SAME_INDEX, comes_back, in_dependency_order, row_exits,
+                                            row_output_target, row_target)
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind
 from nimblejax.compiler.lowering.registry import rule_for
 
 # A node feeding more than this many kernels is materialized rather than recomputed.
 MAX_DUPLICATION = 4
+# A fused kernel writes at most this many values besides its root's (_fused_output_target).
+MAX_FUSED_OUTPUTS = 4
 # Below this many elements a kernel costs its launch, not its bytes: recomputing a
 # value in several kernels is free there, and one more kernel is not.
 RECOMPUTE_ANY_BELOW = 1 << 20
@@ -116,6 +118,15 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
             groups = None if read else _inline_target(node, users, outputs, owner, ep.opaque)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
+            if groups is not None and _compounds(users, groups, owner):
+                gid = _fused_output_target(node, groups, consumers, owner, roots, rows, row_outputs,
+                                           order, ep)
+                if gid is not None:  # one reader writes it, the others read it back
+                    d = 1 + max(depth[u] for u in users if gid in owner.get(u, ()))
+                    if d <= MAX_INLINE_DEPTH:
+                        owner[node], depth[node] = frozenset([gid]), d
+                        row_outputs.setdefault(gid, []).append(node)
+                        continue
             if groups is not None and (len(groups) == 1 or node not in written):
                 d = 1 + max(depth[u] for u in users)
                 if d <= MAX_INLINE_DEPTH:
@@ -251,6 +262,83 @@ def _inline_target(node: Node, users: list[Node], outputs, owner,
         else:
             return None
     return frozenset(groups) if len(groups) <= MAX_DUPLICATION else None
+
+
+def _compounds(users: list[Node], groups: frozenset[int], owner) -> bool:
+    """Whether recomputing a node in `groups` would duplicate what is duplicated already:
+    a reader of it is recomputed in several kernels, and the node would be in more. An
+    unrolled recurrence (an LSTM's cell state: c_t feeds h_t and c_t+1, which feeds h_t+1
+    and c_t+2, ...) then recomputes a chain of steps in every kernel, up to
+    MAX_DUPLICATION steps each: the step kernel grew from 1.4 to 3.4 µs (H100, LSTM at
+    batch 1, `examples/gpu/trace_kernels.py`)."""
+    spans = [len(owner[u]) for u in users if u in owner]
+    return len(groups) > 1 and max(spans, default=1) > 1 and len(groups) > max(spans)
+
+
+def _fused_output_target(node: Node, groups: frozenset[int], consumers, owner, roots, rows,
+                         written, order, ep: "_Epilogues") -> int | None:
+    """One of `groups` (the fused groups that would recompute `node`) that can write its
+    value as another output (XLA's multi-output loop fusion), or None. The node is
+    elementwise and same-index, and every path from it to the group's root runs through
+    same-index nodes of the root's shape (the kernel computes it at the root's own index,
+    once per element). Every other group of `groups` comes after the writer already (a
+    path of the graph leads from the writer's root to its root, as the GEMM between two
+    steps of an RNN does): reading the value back adds no wait, so independent kernels
+    stay free to run side by side or share one launch (fusion_horizontal.py). The group
+    rooted earliest is taken, and none whose kernel another reader of the value leads
+    back to (fusion_rows.comes_back)."""
+    out = node.outputs[0]
+    if node.name not in SAME_INDEX or len(node.outputs) != 1 or out.size == 0:
+        return None
+    if any(g in rows or roots[g] in ep.matches or rule_for(roots[g]).kind is not RuleKind.ELEMENTWISE
+           for g in groups):
+        return None
+    gid = max(groups)  # rooted earliest in the graph (groups are numbered walking backwards)
+    root = roots[gid]
+    if (root.name not in SAME_INDEX or tuple(root.outputs[0].shape) != tuple(out.shape)
+            or len(written.get(gid, ())) >= MAX_FUSED_OUTPUTS):
+        return None
+    if not all(_reaches(root, roots[g], consumers, order) for g in groups if g != gid):
+        return None
+    if _same_index_to_root(out, gid, consumers, owner, root) and not comes_back(
+            out, gid, consumers, owner, order, order[root]):
+        return gid
+    return None
+
+
+def _reaches(src: Node, dst: Node, consumers, order) -> bool:
+    """Whether a path of the graph leads from node `src` to node `dst` (False past
+    fusion_rows.MAX_REACH steps: refusing is always safe)."""
+    last, seen = order[dst], set()
+    todo = [u for v in src.outputs for u in consumers.get(v, ()) if order[u] <= last]
+    while todo:
+        n = todo.pop()
+        if n is dst:
+            return True
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > MAX_REACH:
+            return False
+        todo += [u for v in n.outputs for u in consumers.get(v, ()) if order[u] <= last]
+    return False
+
+
+def _same_index_to_root(value: Var, gid: int, consumers, owner, root: Node) -> bool:
+    """Whether every reader of `value` inside group `gid`, and so on up to its root, is a
+    same-index node of the root's shape."""
+    shape, todo, seen = tuple(root.outputs[0].shape), [value], set()
+    while todo:
+        v = todo.pop()
+        for u in consumers.get(v, ()):
+            if gid not in owner.get(u, ()) or u in seen:
+                continue
+            if u.name not in SAME_INDEX or tuple(u.outputs[0].shape) != shape:
+                return False
+            seen.add(u)
+            if u is not root:
+                todo.extend(u.outputs)
+    return root in seen
 
 
 def _strided_into_kernel(node: Node, groups, roots) -> bool:

@@ -228,12 +228,12 @@ def row_output_target(node: Node, users: list[Node], consumers: Mapping[Var, lis
     for gid in sorted(candidates, reverse=True):  # the one rooted earliest first
         if out.size % rows[gid] or len(written.get(gid, ())) >= MAX_ROW_OUTPUTS:
             continue
-        if not _comes_back(out, gid, consumers, owner, order, order[roots[gid]]):
+        if not comes_back(out, gid, consumers, owner, order, order[roots[gid]]):
             return gid
     return None
 
 
-def _comes_back(value: Var, gid: int, consumers, owner, order: Mapping[Node, int],
+def comes_back(value: Var, gid: int, consumers, owner, order: Mapping[Node, int],
                 last: int) -> bool:
     """Whether a path of readers from `value` leaves group `gid` (a node of another
     group: that kernel reads `value`, or computes from what does) and then reaches the

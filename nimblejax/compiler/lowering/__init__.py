@@ -34,7 +34,8 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
     if group.kind is GroupKind.FUSED:
         fused = {**inlined, group.output: root}
         # A group that permutes its input's innermost axis: a tiled kernel, coalesced.
-        kernel = transpose_kernel(group.output, fused) or elementwise_kernel(group.output, fused)
+        kernel = (elementwise_kernel(group.output, fused, group.row_outputs) if group.row_outputs
+                  else transpose_kernel(group.output, fused) or elementwise_kernel(group.output, fused))
     elif group.kind is GroupKind.HORIZONTAL:
         kernel = horizontal_kernel(group.members)
     elif group.kind is GroupKind.REDUCTION:

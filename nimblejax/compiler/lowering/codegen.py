@@ -248,10 +248,19 @@ def loop_body(b: KernelBuilder, out: Var, body: Callable[[KernelBuilder, Index],
 UNROLL, UNROLL_MIN = 4, 1 << 16
 
 
-def elementwise_kernel(root: Var, inlined: Mapping[Var, Node]) -> Kernel:
-    """One thread per element of `root`; every inlined producer is recomputed there."""
+def elementwise_kernel(root: Var, inlined: Mapping[Var, Node], extra: Sequence[Var] = ()) -> Kernel:
+    """One thread per element of `root`; every inlined producer is recomputed there.
+    `extra`: inlined values of root's shape, computed at root's own index (fusion's
+    _fused_output_target), that the kernel writes too, at the same offset."""
     unroll = UNROLL if root.size >= UNROLL_MIN else 1
-    return loop_kernel("fused", root, [], lambda b, idx: b.value(root, idx), inlined, unroll)
+
+    def body(b: KernelBuilder, idx: Index) -> str:
+        value = b.value(root, idx)
+        for v in extra:
+            b.store(v, b.linear(idx, root.shape), b.value(v, idx))
+        return value
+
+    return loop_kernel("fused", root, [], body, inlined, unroll)
 
 
 def reduction_kernel(node: Node, inlined: Mapping[Var, Node], combine: str, init: str,

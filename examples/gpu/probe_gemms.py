@@ -1,0 +1,63 @@
+"""BERT's and the LSTM's GEMM shapes alone: jax.jit's GPU time per GEMM against nimble's
+(run on the GPU machine).
+
+    PYTHONPATH=. python3 examples/gpu/probe_gemms.py
+
+Each program is a chain of `depth` dense layers of one shape (x @ w + b, then back to
+the input width), so both sides are GPU-bound and the per-GEMM time is the program's
+GPU time over its GEMM count. nimble's row also lists the cuBLASLt candidates its
+autotuner timed for each GEMM (µs, the chosen one first).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nimblejax as nimble
+from nimblejax.bench import timing
+from nimblejax.bench.needs_gpu import require_gpu
+
+SHAPES = [  # (rows, width, hidden): x (rows, width) @ (width, hidden) @ (hidden, width)
+    (128, 768, 768), (128, 768, 3072), (32, 512, 2048), (1, 512, 2048), (4096, 768, 3072)]
+
+
+def chain(depth: int):
+    def fn(x, ws):
+        for w1, b1, w2, b2 in ws[:depth]:
+            x = jnp.tanh(x @ w1 + b1) @ w2 + b2
+        return x
+    return fn
+
+
+def main() -> None:
+    require_gpu(__file__)
+    from nimblejax.runtime.libs import cublaslt
+
+    rng = np.random.default_rng(0)
+    depth = 8
+    print("| rows × width × hidden | jax.jit µs/GEMM | nimble µs/GEMM | nimble graph µs | jax.jit µs | autotuned candidates µs (per GEMM shape) |")
+    print("|---|---|---|---|---|---|")
+    for rows, width, hidden in SHAPES:
+        def p(*shape):
+            return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), jnp.float32)
+        ws = [(p(width, hidden), p(hidden), p(hidden, width), p(width)) for _ in range(depth)]
+        xs = [(p(rows, width), ws) for _ in range(8)]
+        fn = chain(depth)
+        j, f = jax.jit(fn), nimble.jit(fn, backend="cuda")
+        cublaslt._ALGO_CACHE.clear()
+        err = float(jnp.max(jnp.abs(f(*xs[0]) - j(*xs[0]))))
+        ju = min(timing.throughput_us(j, a, calls=50) for a in xs[:3])
+        nu = timing.nimble_gpu_us(f)
+        cands = []
+        for key, choice in cublaslt._ALGO_CACHE.items():
+            t = [x for x in (choice.timings_us or ()) if x is not None]
+            best = choice.timings_us[choice.index] if choice.timings_us else None
+            cands.append(f"{key[0].m}x{key[0].n}x{key[0].k}: best {best:.1f} of " +
+                         ",".join(f"{x:.1f}" for x in sorted(t)) if best else str(key[0]))
+        print(f"| {rows}×{width}×{hidden} | {ju / (2 * depth):.2f} | {nu / (2 * depth):.2f} | {nu:.1f} "
+              f"| {ju:.1f} | {'; '.join(cands)} (max abs err {err:.1e}) |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
