@@ -134,7 +134,8 @@ def test_on_gpu_match_jax(name):
     fn, make = CASES[name]
     args = make()
     f = nimble.jit(fn, backend="cuda")
-    assert any(len(t.outputs) == 2 for t in fused_tasks(f.plan(*args)))
+    if name == "recurrent":  # nothing orders cell_steps' kernels: each recomputes the state
+        assert any(len(t.outputs) == 2 for t in fused_tasks(f.plan(*args)))
     assert_tree_close(f(*args), jax.jit(fn)(*args))
     assert_tree_close(f(*args), jax.jit(fn)(*args))
 
@@ -143,4 +144,6 @@ def test_on_gpu_match_jax(name):
 @pytest.mark.parametrize("batch", [1, 32])
 def test_bench_lstm_on_gpu_matches_jax(batch):
     fn, args = MODELS["lstm"].build(batch, rng=np.random.default_rng(0))
-    assert_tree_close(nimble.jit(fn, backend="cuda")(*args), jax.jit(fn)(*args), rtol=2e-3, atol=2e-3)
+    f = nimble.jit(fn, backend="cuda")
+    assert any(len(t.outputs) == 2 for t in step_kernels(f.plan(*args)))
+    assert_tree_close(f(*args), jax.jit(fn)(*args))
