@@ -31,14 +31,25 @@ def chain(depth: int):
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requested", type=int, default=None,
+                    help="candidates asked of cublasLtMatmulAlgoGetHeuristic (default: nimble's)")
+    ap.add_argument("--shapes", default=None, help="rows x width x hidden,... e.g. 32x512x2048")
+    opts = ap.parse_args()
     require_gpu(__file__)
     from nimblejax.runtime.libs import cublaslt
 
+    if opts.requested:
+        cublaslt.REQUESTED_ALGOS = opts.requested
+    shapes = SHAPES if not opts.shapes else [tuple(int(d) for d in s.split("x")) for s in opts.shapes.split(",")]
+    print(f"candidates asked: {cublaslt.REQUESTED_ALGOS}")
     rng = np.random.default_rng(0)
     depth = 8
     print("| rows × width × hidden | jax.jit µs/GEMM | nimble µs/GEMM | nimble graph µs | jax.jit µs | autotuned candidates µs (per GEMM shape) |")
     print("|---|---|---|---|---|---|")
-    for rows, width, hidden in SHAPES:
+    for rows, width, hidden in shapes:
         def p(*shape):
             return jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[0]), jnp.float32)
         ws = [(p(width, hidden), p(hidden), p(hidden, width), p(width)) for _ in range(depth)]
