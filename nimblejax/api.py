@@ -6,10 +6,7 @@ hashed into the cache key, Python scalars weakly typed.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import threading
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -21,7 +18,9 @@ from nimblejax.arguments import (as_tuple as _as_tuple, check_hashable as _check
                                  check_leaf as _check_leaf, donated_leaves, is_array_like as _is_array_like,
                                  name_like as _name_like, named_leaves as _named_leaves,
                                  signature as _signature, spec as _spec,
-                                 static_positions as _static_positions)
+                                 split_statics as _split_statics,
+                                 static_positions as _static_positions,
+                                 warn_at_user_line as _warn_at_user_line)
 from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.pipeline import Stages, compile_function, trace_stages
 from nimblejax.compiler.plan import Plan
@@ -65,20 +64,6 @@ def _cudnn_found() -> bool:
     from nimblejax.runtime.libs import loader
 
     return loader.found("cudnn")
-
-
-# Frames of these packages are not the user's: a warning names the first frame outside them.
-_INTERNAL_PREFIXES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                           for m in (sys.modules[__name__.rpartition(".")[0]], jax))
-
-
-def _warn_at_user_line(message: str, category: type = UserWarning) -> None:
-    """warnings.warn pointing at the user's line: the first frame outside nimblejax and
-    jax (a nimble function may be called from inside jax.jit, vmap or grad)."""
-    frame, level = sys._getframe(0), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_PREFIXES):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
 
 
 def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] = (),
@@ -259,6 +244,7 @@ class NimbleFunction:
         self._op_jit_fn = self._op_jit()
         self._steady, self._decide = residency.implementation(self.options.residency,
                                                               options_mod.cache_dir())
+        self._walker = residency.call_walker(self.options.residency, options_mod.cache_dir())
         return "xla", self._call_xla
 
     def _resolve_backend(self) -> str:
@@ -277,7 +263,15 @@ class NimbleFunction:
         resident in the runner's arena (runtime/residency.py says which, and why).
         Calls under a JAX transformation, and calls whose signature changed, pass every
         leaf. The steady state is tree_flatten, one call of the residency check (which
-        also runs the jitted call) and tree_unflatten."""
+        also runs the jitted call) and tree_unflatten; where the C walk takes the call's
+        arguments (builtin containers of arrays), one C call without tree_flatten."""
+        last = self._resident
+        if last is not None and last.structure is not None:
+            with self._lock:
+                if self._resident is last and last.precision == _PRECISION.value:
+                    outs = self._walker.steady_call(args, kwargs, last.structure, last)
+                    if outs is not None:
+                        return self._steady_results(last, outs)
         if self._has_statics:
             statics, dyn_args, dyn_kwargs = self._split_statics(args, kwargs)
             leaves, in_tree = _tree_flatten((dyn_args, dyn_kwargs))
@@ -293,9 +287,7 @@ class NimbleFunction:
                     and last.precision == _PRECISION.value):
                 outs = self._steady(leaves, last)
                 if outs is not None:
-                    if len(last.passed) == len(leaves) and self._direct_ok:  # twice nothing
-                        self._entry = self._op_jit_fn  # resident (fresh or donated): JAX's
-                    return _tree_unflatten(last.out_tree, outs)
+                    return self._steady_results(last, outs)
                 decided = self._decide(leaves, last)
             made = residency.new_record(leaves, in_tree, statics, decided, last, self._resident_fns,
                                         self._make_resident)
@@ -304,8 +296,15 @@ class NimbleFunction:
                 return self._op_jit_fn(*args, **kwargs)
             record, passed = made
             record.outs = outs = record.fn(*passed)
+            if not self._has_statics:
+                record.structure = residency.structure(self._walker, args, kwargs, leaves)
             self._resident = record
         return _tree_unflatten(record.out_tree, outs)
+
+    def _steady_results(self, last: residency.Record, outs: list):
+        if len(last.passed) == len(last.leaves) and self._direct_ok:  # twice nothing resident
+            self._entry = self._op_jit_fn  # (fresh or donated): JAX's own call from now on
+        return _tree_unflatten(last.out_tree, outs)
 
     def _make_resident(self, in_tree, statics, sigs, sources):
         """(the jitted call passing the PASSED leaves, the leaves always passed, the
@@ -425,14 +424,7 @@ class NimbleFunction:
                 _check_leaf(name, leaf, self.fun)
 
     def _split_statics(self, args: tuple, kwargs: dict) -> tuple:
-        """(statics, dynamic args, dynamic kwargs); statics are (position or name, value)."""
-        if not (self.static_argnums or self.static_argnames):
-            return (), args, kwargs
-        statics = tuple((i, args[i]) for i in self.static_argnums if i < len(args))
-        statics += tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames))
-        args = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
-        kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        return statics, args, kwargs
+        return _split_statics(self.static_argnums, self.static_argnames, args, kwargs)
 
     def _flat_fun(self, in_tree, statics, out_tree_box: list) -> Callable:
         """f with its statics bound, on flat leaves; records its output tree."""

@@ -7,11 +7,28 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
+import warnings
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+# Frames of these packages are not the user's: a warning names the first frame outside them.
+_INTERNAL_PREFIXES = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                           for m in (sys.modules[__name__.rpartition(".")[0]], jax))
+
+
+def warn_at_user_line(message: str, category: type = UserWarning) -> None:
+    """warnings.warn pointing at the user's line: the first frame outside nimblejax and
+    jax (a nimble function may be called from inside jax.jit, vmap or grad)."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_INTERNAL_PREFIXES):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def as_tuple(x) -> tuple:
@@ -125,6 +142,17 @@ def _kind_dtype(kind: type, x64: bool) -> tuple[np.dtype, int, int]:
     dtype = np.dtype(jnp.asarray(kind(0)).dtype)
     info = np.iinfo(dtype) if kind is int else None
     return dtype, info.min if info else 0, info.max if info else 0
+
+
+def split_statics(static_argnums: tuple, static_argnames: tuple, args: tuple, kwargs: dict) -> tuple:
+    """(statics, dynamic args, dynamic kwargs); statics are (position or name, value)."""
+    if not (static_argnums or static_argnames):
+        return (), args, kwargs
+    statics = tuple((i, args[i]) for i in static_argnums if i < len(args))
+    statics += tuple(sorted((k, v) for k, v in kwargs.items() if k in static_argnames))
+    args = tuple(a for i, a in enumerate(args) if i not in static_argnums)
+    kwargs = {k: v for k, v in kwargs.items() if k not in static_argnames}
+    return statics, args, kwargs
 
 
 def static_positions(fun: Callable, nums: tuple, names: tuple) -> tuple[tuple, tuple]:

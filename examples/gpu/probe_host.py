@@ -11,6 +11,7 @@ import numpy as np
 
 import nimblejax as nimble
 from jax._src.array import ArrayImpl
+from nimblejax.bench.needs_gpu import require_gpu
 
 
 def per_call_us(fn, k=3000, rounds=5):
@@ -28,6 +29,7 @@ def summed(params, x):
 
 
 def main() -> None:
+    require_gpu(__file__)
     rng = np.random.default_rng(0)
     params = [jnp.asarray(rng.standard_normal(64), jnp.float32) for _ in range(96)]
     xs = [(params, jnp.asarray(rng.standard_normal(64), jnp.float32)) for _ in range(16)]

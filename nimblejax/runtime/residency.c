@@ -250,27 +250,161 @@ static PyObject *call_passed(PyObject *rec, PyObject *leaves, const long *src) {
   return outs;
 }
 
-static PyObject *py_steady(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "steady(leaves, record)");
-    return NULL;
-  }
-  PyObject *leaves = PySequence_Fast(args[0], "leaves must be a sequence"), *outs = NULL;
+/* steady() on a sequence of leaves (`given`, stored in the record as it is). */
+static PyObject *steady_core(PyObject *given, PyObject *rec) {
+  PyObject *leaves = PySequence_Fast(given, "leaves must be a sequence"), *outs = NULL;
   Record r = {0};
   long stack[STACK_LEAVES], *src = NULL;
   int status = -1;
-  if (leaves != NULL && record_read(args[1], &r) == 0)
+  if (leaves != NULL && record_read(rec, &r) == 0)
     src = sources_of(leaves, &r, stack, &status);
-  if (src != NULL) status = same_sources(args[1], src, PySequence_Fast_GET_SIZE(leaves));
-  if (status == 1) outs = call_passed(args[1], leaves, src);
+  if (src != NULL) status = same_sources(rec, src, PySequence_Fast_GET_SIZE(leaves));
+  if (status == 1) outs = call_passed(rec, leaves, src);
   if (outs != NULL &&
-      (PyObject_SetAttr(args[1], s_leaves, args[0]) < 0 || PyObject_SetAttr(args[1], s_outs, outs) < 0))
+      (PyObject_SetAttr(rec, s_leaves, given) < 0 || PyObject_SetAttr(rec, s_outs, outs) < 0))
     Py_CLEAR(outs);
   if (src != stack) free(src);
   record_clear(&r);
   Py_XDECREF(leaves);
   if (outs != NULL || status < 0 || PyErr_Occurred()) return outs;
   Py_RETURN_NONE;
+}
+
+static PyObject *py_steady(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "steady(leaves, record)");
+    return NULL;
+  }
+  return steady_core(args[0], args[1]);
+}
+
+/* ---- the call's arguments flattened here -------------------------------------------
+   A call's (args, kwargs) is walked down builtin containers (exact tuple, list and dict,
+   and None, which holds nothing) to leaves of the concrete array type, float, int and
+   bool, in jax.tree_util's order (a dict's values by sorted key). Its structure is a
+   tuple of codes, one per container or leaf in that order: TUPLE + 4 n, LIST + 4 n,
+   NONE, LEAF, and for a dict the tuple of its sorted keys. Any other type (a registered
+   pytree node, a numpy array, ...) ends the walk: jax flattens that call. */
+enum { TUPLE = 0, LIST = 1, NONE = 2, LEAF = 3 };
+
+typedef struct {
+  PyObject *codes; /* building: a list to append to; NULL when comparing */
+  PyObject *const *want; /* comparing: the record's codes */
+  Py_ssize_t nwant, pos;
+  PyObject *leaves; /* a list the leaves are appended to */
+} Walk;
+
+/* 1: this code is the next one (appended, or equal to the record's), 0: not, -1: error. */
+static int code(Walk *w, Py_ssize_t value) {
+  if (w->codes != NULL) {
+    PyObject *v = PyLong_FromSsize_t(value);
+    int r = v == NULL ? -1 : PyList_Append(w->codes, v);
+    Py_XDECREF(v);
+    return r < 0 ? -1 : 1;
+  }
+  if (w->pos >= w->nwant || !PyLong_CheckExact(w->want[w->pos])) return 0;
+  Py_ssize_t have = PyLong_AsSsize_t(w->want[w->pos++]);
+  return have == -1 && PyErr_Occurred() ? -1 : have == value;
+}
+
+static int walk(Walk *w, PyObject *x);
+
+static int walk_items(Walk *w, PyObject *const *items, Py_ssize_t n) {
+  int r = 1;
+  for (Py_ssize_t i = 0; r == 1 && i < n; i++) r = walk(w, items[i]);
+  return r;
+}
+
+static int walk_dict(Walk *w, PyObject *d) {
+  PyObject *keys;
+  if (w->codes != NULL) {
+    PyObject *list = PyDict_Keys(d);
+    if (list == NULL) return -1;
+    if (PyList_Sort(list) < 0) { /* unorderable keys: jax's order is not ours to guess */
+      Py_DECREF(list);
+      PyErr_Clear();
+      return 0;
+    }
+    keys = PyList_AsTuple(list);
+    Py_DECREF(list);
+    if (keys == NULL || PyList_Append(w->codes, keys) < 0) {
+      Py_XDECREF(keys);
+      return -1;
+    }
+  } else {
+    if (w->pos >= w->nwant || !PyTuple_CheckExact(w->want[w->pos])) return 0;
+    keys = Py_NewRef(w->want[w->pos++]);
+    if (PyTuple_GET_SIZE(keys) != PyDict_GET_SIZE(d)) {
+      Py_DECREF(keys);
+      return 0;
+    }
+  }
+  int r = 1;
+  for (Py_ssize_t i = 0; r == 1 && i < PyTuple_GET_SIZE(keys); i++) {
+    PyObject *v = PyDict_GetItemWithError(d, PyTuple_GET_ITEM(keys, i)); /* borrowed */
+    r = v != NULL ? walk(w, v) : PyErr_Occurred() ? -1 : 0;
+  }
+  Py_DECREF(keys);
+  return r;
+}
+
+static int walk(Walk *w, PyObject *x) {
+  int r;
+  if (PyTuple_CheckExact(x)) {
+    r = code(w, TUPLE + 4 * PyTuple_GET_SIZE(x));
+    return r == 1 ? walk_items(w, PySequence_Fast_ITEMS(x), PyTuple_GET_SIZE(x)) : r;
+  }
+  if (PyList_CheckExact(x)) {
+    r = code(w, LIST + 4 * PyList_GET_SIZE(x));
+    return r == 1 ? walk_items(w, PySequence_Fast_ITEMS(x), PyList_GET_SIZE(x)) : r;
+  }
+  if (PyDict_CheckExact(x)) return walk_dict(w, x);
+  if (x == Py_None) return code(w, NONE);
+  if (Py_TYPE(x) == (PyTypeObject *)array_type || PyFloat_CheckExact(x) || PyLong_CheckExact(x) ||
+      PyBool_Check(x)) {
+    r = code(w, LEAF);
+    return r == 1 ? (PyList_Append(w->leaves, x) < 0 ? -1 : 1) : r;
+  }
+  return 0;
+}
+
+/* Walks args then kwargs: 1 done, 0 not this structure or another type, -1 error. */
+static int walk_call(Walk *w, PyObject *args, PyObject *kwargs) {
+  int r = walk(w, args);
+  if (r == 1) r = kwargs == Py_None ? code(w, NONE) : PyDict_Check(kwargs) ? walk_dict(w, kwargs) : 0;
+  if (r == 1 && w->codes == NULL && w->pos != w->nwant) r = 0;
+  return r;
+}
+
+static PyObject *py_structure(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "structure(args, kwargs)");
+    return NULL;
+  }
+  Walk w = {PyList_New(0), NULL, 0, 0, PyList_New(0)};
+  PyObject *result = NULL;
+  int r = w.codes && w.leaves ? walk_call(&w, args[0], args[1]) : -1;
+  if (r == 1) {
+    PyObject *codes = PyList_AsTuple(w.codes);
+    if (codes != NULL) result = PyTuple_Pack(2, codes, w.leaves);
+    Py_XDECREF(codes);
+  } else if (r == 0) result = Py_NewRef(Py_None);
+  Py_XDECREF(w.codes);
+  Py_XDECREF(w.leaves);
+  return result;
+}
+
+static PyObject *py_steady_call(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+  if (nargs != 4 || !PyTuple_CheckExact(args[2])) {
+    PyErr_SetString(PyExc_TypeError, "steady_call(args, kwargs, structure, record)");
+    return NULL;
+  }
+  Walk w = {NULL, PySequence_Fast_ITEMS(args[2]), PyTuple_GET_SIZE(args[2]), 0, PyList_New(0)};
+  if (w.leaves == NULL) return NULL;
+  int r = walk_call(&w, args[0], args[1]);
+  PyObject *outs = r == 1 ? steady_core(w.leaves, args[3]) : r == 0 ? Py_NewRef(Py_None) : NULL;
+  Py_DECREF(w.leaves);
+  return outs;
 }
 
 static PyObject *sources_list(PyObject *rec, const long *src, Py_ssize_t n) {
@@ -333,6 +467,12 @@ static PyMethodDef methods[] = {
      "steady(leaves, record): the results of record.fn when the sources are the record's, else None."},
     {"decide", (PyCFunction)(void (*)(void))py_decide, METH_FASTCALL,
      "decide(leaves, record): (sources, passed leaves), or None when a signature changed."},
+    {"structure", (PyCFunction)(void (*)(void))py_structure, METH_FASTCALL,
+     "structure(args, kwargs): (its structure's codes, its leaves), or None where a type "
+     "other than tuple, list, dict, None, the array type, float, int or bool is met."},
+    {"steady_call", (PyCFunction)(void (*)(void))py_steady_call, METH_FASTCALL,
+     "steady_call(args, kwargs, structure, record): steady() on the call's leaves when "
+     "it has that structure, else None."},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_nimble_residency",

@@ -22,8 +22,13 @@ residency.c, a CPython extension built on first use with the system C compiler a
 cached on disk per Python version and source hash (as runtime/ffi builds its handler),
 and `steady_python`/`decide_python` below, used where no C compiler or Python headers
 are found (after one warning) or with NIMBLE_RESIDENCY=python. A steady-state call is
-then tree_flatten, one C call (the decision, the jitted call over the PASSED leaves, the
-record's update) and tree_unflatten.
+then one C call (`steady_call`: the walk of the call's arguments down to their leaves,
+the decision, the jitted call over the PASSED leaves, the record's update) and
+tree_unflatten. The walk takes builtin containers (tuple, list, dict, None) and leaves of
+the concrete array type, float, int and bool, and compares the call's structure with the
+record's (`structure`, checked against jax's own flatten when the record is made); a
+call with another type (a registered pytree node, a numpy array) is flattened by jax,
+then checked in C as before (`steady`).
 """
 from __future__ import annotations
 
@@ -85,7 +90,8 @@ class Record:
     and `fn`, and writes `leaves`, `outs` and `avals`."""
 
     __slots__ = ("in_tree", "statics", "precision", "sigs", "always_passed", "feedable", "out_tree",
-                 "sources", "passed", "fn", "leaves", "outs", "holdable", "out_feedable", "avals")
+                 "sources", "passed", "fn", "leaves", "outs", "holdable", "out_feedable", "avals",
+                 "structure")
 
     def __init__(self, in_tree, statics, precision, sigs: tuple, always_passed: frozenset,
                  feedable: frozenset, out_tree, sources: list, fn: Callable, leaves: list) -> None:
@@ -100,6 +106,8 @@ class Record:
         self.out_feedable = bytes(j in feedable for j in range(max(feedable, default=-1) + 1))
         # Per leaf: the last aval that matched its signature (the C check's shortcut).
         self.avals: list = [None] * len(sigs)
+        # The call's structure as the C walk codes it (`structure`), or None: jax flattens.
+        self.structure: Optional[tuple] = None
 
 
 def new_record(leaves: list, in_tree, statics, decided: Optional[tuple], last: Optional[Record],
@@ -195,6 +203,24 @@ def implementation(choice: str, cache_dir: str) -> tuple[Callable, Callable]:
                                "(see the warning above); use residency='auto' or 'python'")
         return steady_python, decide_python
     return ext.steady, ext.decide
+
+
+def call_walker(choice: str, cache_dir: str) -> Optional[ModuleType]:
+    """The extension whose `steady_call` walks a call's arguments itself, or None (the
+    Python check, or no extension): jax flattens every call."""
+    return None if choice == "python" else load_extension(cache_dir)
+
+
+def structure(walker: Optional[ModuleType], args: tuple, kwargs: dict, leaves: list) -> Optional[tuple]:
+    """The structure codes of a call for `walker.steady_call`, or None: no walker, a type
+    the walk does not take, or leaves that are not jax's own, in jax's order."""
+    made = None if walker is None else walker.structure(args, kwargs)
+    if made is None:
+        return None
+    codes, walked = made
+    if len(walked) != len(leaves) or any(a is not b for a, b in zip(walked, leaves)):
+        return None
+    return codes
 
 
 def load_extension(cache_dir: str, compiler: Optional[str] = None) -> Optional[ModuleType]:
