@@ -30,6 +30,40 @@ def chain(depth: int):
     return fn
 
 
+SPLITK_NUM = 2  # cublasLtMatmulAlgoConfigAttributes_t: CUBLASLT_ALGO_CONFIG_SPLITK_NUM
+
+
+def split_k(algo) -> int:
+    """The number of K splits of a cuBLASLt algorithm (1: one kernel, no reduction)."""
+    import ctypes
+
+    from nimblejax.runtime.libs import cublaslt
+
+    fn = cublaslt._library().cublasLtMatmulAlgoConfigGetAttribute
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
+                   ctypes.POINTER(ctypes.c_size_t)]
+    value, written = ctypes.c_uint32(1), ctypes.c_size_t(0)
+    fn(ctypes.byref(algo), SPLITK_NUM, ctypes.byref(value), 4, ctypes.byref(written))
+    return int(value.value)
+
+
+def drop_split_k() -> None:
+    """From now on nimble's autotuner times only cuBLASLt candidates without K splits
+    (where a shape has any): an experiment, to see what the split-K reduction kernels cost
+    inside a plan."""
+    from nimblejax.runtime.libs import cublaslt
+
+    heuristics = cublaslt.LtGemm._heuristics
+
+    def whole_k(self, handle):
+        results = heuristics(self, handle)
+        kept = [r for r in results if split_k(r.algo) <= 1]
+        return kept or results
+
+    cublaslt.LtGemm._heuristics = whole_k
+    cublaslt._ALGO_CACHE.clear()
+
+
 def main() -> None:
     import argparse
 
@@ -37,12 +71,15 @@ def main() -> None:
     ap.add_argument("--requested", type=int, default=None,
                     help="candidates asked of cublasLtMatmulAlgoGetHeuristic (default: nimble's)")
     ap.add_argument("--shapes", default=None, help="rows x width x hidden,... e.g. 32x512x2048")
+    ap.add_argument("--no-split-k", action="store_true", help="time only candidates without K splits")
     opts = ap.parse_args()
     require_gpu(__file__)
     from nimblejax.runtime.libs import cublaslt
 
     if opts.requested:
         cublaslt.REQUESTED_ALGOS = opts.requested
+    if opts.no_split_k:
+        drop_split_k()
     shapes = SHAPES if not opts.shapes else [tuple(int(d) for d in s.split("x")) for s in opts.shapes.split(",")]
     print(f"candidates asked: {cublaslt.REQUESTED_ALGOS}")
     rng = np.random.default_rng(0)

@@ -69,10 +69,16 @@ def main() -> None:
     ap.add_argument("--batch", default="1")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--no-split-k", action="store_true",
+                    help="nimble's autotuner times only cuBLASLt candidates without K splits")
     ap.add_argument("--constants", action="store_true",
                     help="close over the parameters (constants of the program) instead of passing them")
     opts = ap.parse_args()
     require_gpu(__file__)
+    if opts.no_split_k:
+        from probe_gemms import drop_split_k  # this folder's
+
+        drop_split_k()
     for batch in [int(b) for b in opts.batch.split(",")]:
         for name in opts.models.split(","):
             fn, args = MODELS[name].build(batch, rng=np.random.default_rng(0))
