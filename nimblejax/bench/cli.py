@@ -27,7 +27,7 @@ from nimblejax.bench.plans import run_plans
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    from nimblejax.bench.models import MODELS
+    from nimblejax.bench.models import MODELS, SUITE
 
     ap = argparse.ArgumentParser(
         prog="nimblejax-bench",
@@ -41,7 +41,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                     "--full is the long run. Without a GPU: nimble's plan of each model, what its "
                     "columns mean and what to try next; nothing is timed.")
     ap.add_argument("--models", default="all",
-                    help=f"comma list of models, or 'all' (default): {', '.join(MODELS)}")
+                    help=f"comma list of models, or 'all' (default: the suite, {', '.join(SUITE)}); "
+                         f"also {', '.join(m for m in MODELS if m not in SUITE)}")
     ap.add_argument("--batch", default="1,32", help="comma list of batch sizes (default 1,32)")
     ap.add_argument("--full", action="store_true",
                     help="the long run: every configuration, --repeat 200 calls per measurement, "
@@ -81,7 +82,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     ap.add_argument("--nimble-backend", default="cuda", choices=("cuda", "interpret"),
                     help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
-    opts.model_names = _pick(opts.models, list(MODELS), "model", {})
+    opts.model_names = _pick(opts.models, list(MODELS), "model", {}, everything=list(SUITE))
     configs = opts.configs or ("all" if opts.full else ",".join(QUICK_CONFIGS))
     picked = _pick(configs, list(CONFIGS), "configuration", ALIASES)
     # jax.jit first: every nimble row's speedups are known when it is printed.
@@ -122,9 +123,9 @@ def bench_dtype(text: str) -> np.dtype:
     return dtype
 
 
-def _pick(text: str, known: list, what: str, aliases: dict) -> list:
+def _pick(text: str, known: list, what: str, aliases: dict, everything: list | None = None) -> list:
     if text.strip().lower() == "all":
-        return list(known)
+        return list(known if everything is None else everything)
     out = []
     for name in (n.strip() for n in text.split(",")):
         if not name:

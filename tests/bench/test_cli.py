@@ -15,7 +15,7 @@ from nimblejax import api
 from nimblejax.bench import cli, report
 from nimblejax.bench import results as bench_results
 from nimblejax.bench import progress as progress_mod
-from nimblejax.bench.models import MODELS, ModelSpec
+from nimblejax.bench.models import MODELS, SUITE, ModelSpec
 
 NO_GPU_LINE = "No CUDA GPU is visible"
 
@@ -318,7 +318,7 @@ def test_configs_and_models_options(no_gpu):
     assert opts.config_keys == ["jax", "nimble-eager", "nimble"]  # jax.jit first, always
     assert opts.batches == [4] and opts.model_names == ["mlp"]
     default = cli.parse_args([])
-    assert default.model_names == list(MODELS) and default.batches == [1, 32]
+    assert default.model_names == list(SUITE) and default.batches == [1, 32]
     assert default.config_keys == ["jax", "nimble"] and default.repeat is None
     assert default.budget == cli.DEFAULT_BUDGET_S and not default.full and not default.cold
     full = cli.parse_args(["--full"])

@@ -23,6 +23,8 @@ EXPECTED = {
     "efficientnet_b0": (lambda b: (b, 1000), lambda b: (b, 1000), 5.3e6),
     "inception_v3": (lambda b: (b, 1000), lambda b: (b, 1000), 23.8e6),  # without aux head
     "nasnet_mobile": (lambda b: (b, 1000), lambda b: (b, 1000), 5.3e6),
+    # 4 layers of 4·512² + 2·512·2048 weights: 12.6M
+    "gpt": (lambda b: (b, 128, 512), lambda b: (b, 16, 64), 12.6e6),
 }
 
 
@@ -55,7 +57,7 @@ def test_full_spec_shape_and_parameter_count(name):
     assert jax.eval_shape(fn, params, x).shape == out.shape
 
 
-@pytest.mark.parametrize("name", ["mlp", "lstm", "bert"])
+@pytest.mark.parametrize("name", ["mlp", "lstm", "bert", "gpt"])
 def test_tiny_matches_jax_jit_under_interpreter(name):
     fn, args = MODELS[name].build(2, jnp.float32, np.random.default_rng(1), tiny=True)
     want = np.asarray(jax.jit(fn)(*args))
@@ -108,3 +110,21 @@ def test_avg_pool_same_excludes_padding():
 
 def test_nasnet_reduction_positions():
     assert nasnet.reduction_layers(12) == [4, 8]
+
+
+def test_the_suite_is_the_eight_models_and_all_means_the_suite():
+    from nimblejax.bench import cli
+    from nimblejax.bench.models import SUITE
+
+    assert len(SUITE) == 8 and "gpt" in MODELS and "gpt" not in SUITE
+    assert cli.parse_args([]).model_names == list(SUITE)
+    assert cli.parse_args(["--models", "gpt,bert"]).model_names == ["gpt", "bert"]
+
+
+def test_gpt_attention_is_causal_through_dot_product_attention():
+    fn, (params, x) = MODELS["gpt"].build(1, rng=np.random.default_rng(2), tiny=True)
+    changed = x.at[:, -1].add(1.0)  # the last position sees itself only: earlier rows keep
+    before, after = jax.jit(fn)(params, x), jax.jit(fn)(params, changed)
+    np.testing.assert_allclose(np.asarray(before[:, :-1]), np.asarray(after[:, :-1]), rtol=1e-6)
+    plan = nimble.jit(fn, backend="interpret").plan(params, x)
+    assert any("iota" in t.name for t in plan.tasks)  # the causal mask, in the softmax's row kernel

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nimblejax.bench.models import (bert, efficientnet, inception_v3, layers, lstm, mlp,
+from nimblejax.bench.models import (bert, efficientnet, gpt, inception_v3, layers, lstm, mlp,
                                     mobilenet_v2, nasnet, resnet)
 
 
@@ -109,4 +109,10 @@ for _name, _module, _desc in (
         ("nasnet_mobile", nasnet, "NASNet-A Mobile (4 @ 1056), 224×224")):
     register(_from_module(_name, _module, _desc))
 
-__all__ = ["MODELS", "ModelSpec", "register", "layers"]
+# The suite: what `--models all` (the default) runs and its geomeans cover.
+SUITE = tuple(MODELS)
+
+register(_from_module("gpt", gpt, "GPT-style decoder: 4 pre-LN layers, hidden 512, 8 heads, "
+                                  "seq 128, causal jax.nn.dot_product_attention (not in the suite)"))
+
+__all__ = ["MODELS", "SUITE", "ModelSpec", "register", "layers"]
