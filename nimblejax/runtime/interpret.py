@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from nimblejax.compiler import loops
+from nimblejax.compiler.fusion_rows import SAME_INDEX
 from nimblejax.compiler.ir import Literal, Var
 from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.pipeline import Plan
@@ -129,11 +130,32 @@ def execute(task: Task, arena: Arena, rng: Optional[random.Random] = None) -> No
     env: dict[Var, object] = {v: arena.read(v) for v in task.inputs}
     for eqn in task.eqns:
         vals = [a.value if isinstance(a, Literal) else env[a] for a in eqn.inputs]
-        outs = eqn.primitive.bind(*vals, **eqn.params)
+        outs = evaluate(eqn, vals)
         outs = outs if eqn.primitive.multiple_results else [outs]
         env.update(zip(eqn.outputs, outs))
     for v in task.outputs:
         arena.write(v, np.asarray(env[v]))
+
+
+# An elementwise equation runs on its operands flattened and padded to a power of two of
+# at least this many elements, so that one XLA program serves every shape of a size
+# class: JAX compiles each primitive once per shape, and compiling was most of the
+# interpreter's time (a train step of Inception-v3: 1254 programs, 42 s of 80 s).
+MIN_BUCKET = 256
+
+
+def evaluate(eqn, vals: list):
+    """`eqn`'s results on `vals`, evaluated with JAX on the CPU; an elementwise equation
+    whose operands all have its output's shape on flat, padded copies of them (each
+    element's value is computed from the same operands, wherever it sits)."""
+    out = eqn.outputs[0] if len(eqn.outputs) == 1 else None
+    if (out is None or eqn.primitive.name not in SAME_INDEX or out.size < 2
+            or any(np.shape(v) != tuple(out.shape) for v in vals)):
+        return eqn.primitive.bind(*vals, **eqn.params)
+    n = out.size
+    size = max(MIN_BUCKET, 1 << (n - 1).bit_length())
+    flat = [np.pad(np.asarray(v).reshape(-1), (0, size - n)) for v in vals]
+    return np.asarray(eqn.primitive.bind(*flat, **eqn.params))[:n].reshape(out.shape)
 
 
 # ---- WHILE and SWITCH tasks (compiler/loops.py) --------------------------------------
