@@ -152,3 +152,15 @@ def assert_tree_close(got, want) -> None:
 @functools.lru_cache(maxsize=None)
 def model_args(name: str, seed: int = 0):
     return MODELS[name][1](np.random.default_rng(seed))
+
+
+def assert_cuda_matches_jax_twice(fn, args, plan_holds=None) -> None:
+    """nimble.jit(fn) on the GPU against jax.jit, called twice (the second call replays
+    the same graph); `plan_holds(plan)`, if given, is asserted on its plan first."""
+    import nimblejax as nimble
+
+    f = nimble.jit(fn, backend="cuda")
+    if plan_holds is not None:
+        assert plan_holds(f.plan(*args))
+    for _ in range(2):
+        assert_tree_close(f(*args), jax.jit(fn)(*args))

@@ -33,11 +33,8 @@ def input_shape(cfg: Config, batch: int) -> tuple:
 
 def attention(cfg: Config, ctx: L.Context, x):
     b, s, d = x.shape
-    h, dh = cfg.heads, d // cfg.heads
-    q = L.dense(ctx, x, d, name="query").reshape(b, s, h, dh)
-    k = L.dense(ctx, x, d, name="key").reshape(b, s, h, dh)
-    v = L.dense(ctx, x, d, name="value").reshape(b, s, h, dh)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(dh))
+    q, k, v = L.heads_qkv(ctx, x, cfg.heads)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * (1.0 / math.sqrt(d // cfg.heads))
     ctx_v = jnp.einsum("bhqk,bkhd->bqhd", L.softmax(scores, axis=-1), v).reshape(b, s, d)
     return L.dense(ctx, ctx_v, d, name="attn_out")
 

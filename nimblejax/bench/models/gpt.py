@@ -8,39 +8,19 @@ embedding lookup, no LM head.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import jax
 
 from nimblejax.bench.models import layers as L
+from nimblejax.bench.models.bert import TINY, Config, input_shape  # noqa: F401 (the model's API)
 
-
-@dataclass(frozen=True)
-class Config:
-    layers: int = 4
-    hidden: int = 512
-    heads: int = 8
-    ffn: int = 2048
-    seq: int = 128
-
-
-FULL = Config()
-TINY = Config(layers=2, hidden=64, heads=4, ffn=128, seq=16)
+FULL = Config(layers=4, hidden=512, heads=8, ffn=2048, seq=128)
 EPS = 1e-5
 
 
-def input_shape(cfg: Config, batch: int) -> tuple:
-    return (batch, cfg.seq, cfg.hidden)
-
-
 def attention(cfg: Config, ctx: L.Context, x):
-    b, s, d = x.shape
-    h, dh = cfg.heads, d // cfg.heads
-    q = L.dense(ctx, x, d, name="query").reshape(b, s, h, dh)
-    k = L.dense(ctx, x, d, name="key").reshape(b, s, h, dh)
-    v = L.dense(ctx, x, d, name="value").reshape(b, s, h, dh)
-    y = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(b, s, d)
-    return L.dense(ctx, y, d, name="attn_out")
+    q, k, v = L.heads_qkv(ctx, x, cfg.heads)
+    y = jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(x.shape)
+    return L.dense(ctx, y, x.shape[-1], name="attn_out")
 
 
 def forward(cfg: Config, ctx: L.Context, x):

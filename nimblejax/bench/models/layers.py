@@ -153,6 +153,14 @@ def dense(ctx: Context, x, features: int, bias: bool = True, name: str = "dense"
     return y
 
 
+def heads_qkv(ctx: Context, x, heads: int) -> tuple:
+    """An attention layer's query, key and value projections of x (b, s, d), each split
+    into heads: (b, s, heads, d // heads)."""
+    b, s, d = x.shape
+    return tuple(dense(ctx, x, d, name=n).reshape(b, s, heads, d // heads)
+                 for n in ("query", "key", "value"))
+
+
 def layer_norm(ctx: Context, x, eps: float = 1e-12, name: str = "ln"):
     n = ctx.unique(name)
     c = x.shape[-1]

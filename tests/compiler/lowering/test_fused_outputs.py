@@ -14,9 +14,9 @@ import pytest
 
 import nimblejax as nimble
 from nimblejax.bench.models import MODELS
-from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 from tests.helpers import kernel_emulator as emu
-from tests.helpers.models import assert_tree_close, rand
+from tests.helpers.libraries import assert_kernels_compile
+from tests.helpers.models import assert_cuda_matches_jax_twice, assert_tree_close, rand
 
 r = np.random.default_rng(47)
 
@@ -118,26 +118,20 @@ def test_the_bench_lstm_has_one_cell_kernel_a_step():
     assert any(len(t.outputs) == 2 for t in step_kernels(plan))
 
 
-@pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
 def test_fused_output_kernels_compile():
-    sources = {t.kernel.name: t.kernel.source for name, (fn, make) in CASES.items()
-               for t in fused_tasks(plan_of(fn, *make())) if len(t.outputs) > 1}
-    assert sources
-    ptx = compile_to_ptx("\n".join(sources.values()), "nimble_fused_outputs.cu", arch="sm_90")
-    missing = [name for name in sources if f".entry {name}(" not in ptx]
-    assert not missing, missing
+    assert_kernels_compile({t.kernel.name: t.kernel.source for name, (fn, make) in CASES.items()
+                            for t in fused_tasks(plan_of(fn, *make())) if len(t.outputs) > 1},
+                           "nimble_fused_outputs")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_on_gpu_match_jax(name):
     fn, make = CASES[name]
-    args = make()
-    f = nimble.jit(fn, backend="cuda")
-    if name == "recurrent":  # nothing orders cell_steps' kernels: each recomputes the state
-        assert any(len(t.outputs) == 2 for t in fused_tasks(f.plan(*args)))
-    assert_tree_close(f(*args), jax.jit(fn)(*args))
-    assert_tree_close(f(*args), jax.jit(fn)(*args))
+    # Nothing orders cell_steps' kernels: each recomputes the state.
+    two_outputs = (lambda plan: any(len(t.outputs) == 2 for t in fused_tasks(plan))) \
+        if name == "recurrent" else None
+    assert_cuda_matches_jax_twice(fn, make(), two_outputs)
 
 
 @pytest.mark.gpu
