@@ -150,6 +150,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
                 continue
         new_group(node)
 
+    _late_row_outputs(consumers, owner, roots, rows, row_outputs, order)
     members: dict[int, list[Node]] = {gid: [] for gid in roots}
     for node in graph.nodes:
         copied = frozenset(g for dot in ep.copies.get(node, ()) for g in owner[dot])
@@ -262,6 +263,29 @@ def _inline_target(node: Node, users: list[Node], outputs, owner,
         else:
             return None
     return frozenset(groups) if len(groups) <= MAX_DUPLICATION else None
+
+
+def _late_row_outputs(consumers, owner, roots, rows, row_outputs, order) -> None:
+    """A second look once every row group is known. The walk meets a node before the
+    reduction below it joins its readers' group, so a value one per row that a row group
+    reads and that is written anyway (a loop's counter `k + 1`, the next carry, read by
+    the condition next to the step's reduction) got a kernel of its own. Such a group,
+    its nodes in no other group, becomes the row group's another output (fusion_rows.
+    row_output_target, which refuses a cycle of groups): Newton's step is one kernel."""
+    for gid, root in list(roots.items()):
+        if gid in rows or rule_for(root).kind is not RuleKind.ELEMENTWISE or len(root.outputs) != 1:
+            continue
+        nodes = [n for n, g in owner.items() if gid in g]
+        if any(len(owner[n]) > 1 for n in nodes):
+            continue
+        users = [u for u in consumers.get(root.outputs[0], ())]
+        target = row_output_target(root, users, consumers, owner, roots, rows, row_outputs, order)
+        if target is None or root.outputs[0].size != rows[target]:
+            continue
+        for n in nodes:
+            owner[n] = frozenset([target])
+        row_outputs.setdefault(target, []).append(root)
+        del roots[gid]
 
 
 def _compounds(users: list[Node], groups: frozenset[int], owner) -> bool:

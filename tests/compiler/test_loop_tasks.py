@@ -275,3 +275,27 @@ def test_random_gamma_family_matches_jax(backend, sampler):
     np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(fn)(key, a)), rtol=2e-5, atol=1e-6)
     kinds = [t.kind for t in nimble.jit(fn, backend="interpret").plan(key, a).tasks]
     assert TaskKind.WHILE in kinds
+
+
+def test_newtons_step_is_one_row_kernel_that_also_writes_the_counter():
+    """fusion._late_row_outputs: the counter `k + 1` (a next carry, read by the condition
+    beside the step's reduction) is the row kernel's another output, not a kernel."""
+    from nimblejax.runtime import interpret
+    from tests.helpers import kernel_emulator as emu
+
+    rng = np.random.default_rng(5)
+    a = np.abs(rand(rng, 256)) * 50.0 + 0.5
+    (task,) = [t for t in graph_jit(newton_sqrt).plan(a).tasks if t.kind is TaskKind.WHILE]
+    step = task.control.step
+    (kernel,) = [t for t in step.tasks if t.kind is TaskKind.KERNEL]
+    assert kernel.name.startswith("nimble_row_") and len(kernel.outputs) == 4
+    # The generated kernel, run on the CPU, against the step's equations.
+    for k in (0, 41, 99, 100):
+        args = [np.asarray(rng.uniform(0.5, 50.0, v.shape), v.dtype) if v.dtype.kind == "f"
+                else np.asarray(k, v.dtype) for v in step.graph.inputs]
+        want = interpret.run(step, args)
+        got, emulated = emu.run(step, args)
+        assert emulated == 1
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w) if w.dtype.kind in "biu" else \
+                np.testing.assert_allclose(g, w, rtol=1e-6)
