@@ -10,6 +10,9 @@ autotuner timed for each GEMM (µs, the chosen one first).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,17 +36,20 @@ def chain(depth: int):
 SPLITK_NUM = 2  # cublasLtMatmulAlgoConfigAttributes_t: CUBLASLT_ALGO_CONFIG_SPLITK_NUM
 
 
-def split_k(algo) -> int:
-    """The number of K splits of a cuBLASLt algorithm (1: one kernel, no reduction)."""
-    import ctypes
-
+@functools.cache
+def _config_get_attribute():
     from nimblejax.runtime.libs import cublaslt
 
     fn = cublaslt._library().cublasLtMatmulAlgoConfigGetAttribute
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
                    ctypes.POINTER(ctypes.c_size_t)]
+    return fn
+
+
+def split_k(algo) -> int:
+    """The number of K splits of a cuBLASLt algorithm (1: one kernel, no reduction)."""
     value, written = ctypes.c_uint32(1), ctypes.c_size_t(0)
-    fn(ctypes.byref(algo), SPLITK_NUM, ctypes.byref(value), 4, ctypes.byref(written))
+    _config_get_attribute()(ctypes.byref(algo), SPLITK_NUM, ctypes.byref(value), 4, ctypes.byref(written))
     return int(value.value)
 
 

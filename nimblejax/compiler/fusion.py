@@ -54,9 +54,10 @@ class Group:
     # A GEMM group's epilogue: its nodes follow the root (the dot), and it writes the
     # epilogue's last value instead of the root's.
     epilogue: EpilogueMatch | None = None
-    # A row group's values written besides its root's (fusion_rows.row_output_target):
-    # prologue values read outside the group.
-    row_outputs: tuple[Var, ...] = ()
+    # Values written besides the root's: a row group's prologue values read outside the
+    # group (fusion_rows.row_output_target, _late_row_outputs), a fused group's values
+    # others read back instead of recomputing them (_fused_output_target).
+    extra_outputs: tuple[Var, ...] = ()
     # A HORIZONTAL group's member groups (fusion_horizontal.py), each with its outputs.
     members: tuple["Group", ...] = ()
     # A REDUCTION group's other roots (fusion_siblings.py): reductions of the same shape
@@ -76,7 +77,7 @@ class Group:
             return tuple(v for g in self.members for v in g.outputs)
         if self.epilogue is not None:
             return (self.epilogue.output,)
-        return tuple(n.outputs[0] for n in self.siblings) + self.root.outputs + self.row_outputs
+        return tuple(n.outputs[0] for n in self.siblings) + self.root.outputs + self.extra_outputs
 
 
 def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> list[Group]:
@@ -91,7 +92,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
     written = _worth_writing(graph, consumers)
     depth: dict[Node, int] = {}  # inlined nodes between a node and its kernel's root
     rows: dict[int, int] = {}  # row groups (fusion_rows.py) → their row count
-    row_outputs: dict[int, list[Node]] = {}  # row group → nodes it also writes
+    extra: dict[int, list[Node]] = {}  # row or fused group → nodes it also writes
     order = {n: i for i, n in enumerate(graph.nodes)}
     exits = row_exits(graph.nodes, consumers, outputs)  # they root their row group
 
@@ -119,13 +120,13 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
             if groups is not None and _compounds(users, groups, owner):
-                gid = _fused_output_target(node, groups, consumers, owner, roots, rows, row_outputs,
+                gid = _fused_output_target(node, groups, consumers, owner, roots, rows, extra,
                                            order, ep)
                 if gid is not None:  # one reader writes it, the others read it back
                     d = 1 + max(depth[u] for u in users if gid in owner.get(u, ()))
                     if d <= MAX_INLINE_DEPTH:
                         owner[node], depth[node] = frozenset([gid]), d
-                        row_outputs.setdefault(gid, []).append(node)
+                        extra.setdefault(gid, []).append(node)
                         continue
             if groups is not None and (len(groups) == 1 or node not in written):
                 d = 1 + max(depth[u] for u in users)
@@ -134,37 +135,37 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
                     depth[node] = d
                     continue
             gid = None if read or node in ep.copies else row_output_target(
-                node, users, consumers, owner, roots, rows, row_outputs, order)
+                node, users, consumers, owner, roots, rows, extra, order)
             if gid is not None:  # its row kernel writes it too
                 d = 1 + max(depth[u] for u in users if gid in owner.get(u, ()))
                 if d <= MAX_INLINE_DEPTH:
                     owner[node], depth[node] = frozenset([gid]), d
-                    row_outputs.setdefault(gid, []).append(node)
+                    extra.setdefault(gid, []).append(node)
                     continue
         elif rule_for(node).kind is RuleKind.REDUCTION:
-            gid = row_target(node, consumers, outputs, owner, roots, rows, row_outputs)
+            gid = row_target(node, consumers, outputs, owner, roots, rows, extra)
             if gid is not None:  # one reduction of its consumers' row kernel
                 owner[node], depth[node], rows[gid] = frozenset([gid]), 0, node.outputs[0].size
                 if node.outputs[0] in outputs:  # which writes it too
-                    row_outputs.setdefault(gid, []).append(node)
+                    extra.setdefault(gid, []).append(node)
                 continue
         new_group(node)
 
-    _late_row_outputs(consumers, owner, roots, rows, row_outputs, order)
+    _late_row_outputs(consumers, owner, roots, rows, extra, order)
     members: dict[int, list[Node]] = {gid: [] for gid in roots}
     for node in graph.nodes:
         copied = frozenset(g for dot in ep.copies.get(node, ()) for g in owner[dot])
         for gid in owner.get(node, frozenset()) | copied:
             members[gid].append(node)
     groups = [_make_group(roots[gid], members[gid], ep.matches.get(roots[gid]), gid in rows,
-                          tuple(n.outputs[0] for n in reversed(row_outputs.get(gid, ()))))
+                          tuple(n.outputs[0] for n in reversed(extra.get(gid, ()))))
               for gid in sorted(roots, reverse=True)]
     groups = _in_place(groups, consumers, outputs)
     # By the node that writes each group's output (its last): the root, or an epilogue's
     # last node, after every value the epilogue reads.
     groups = sorted(groups, key=lambda g: order[g.nodes[-1]])
     # A row group writing a prologue value may come after a reader of that value.
-    return in_dependency_order(groups) if row_outputs else groups
+    return in_dependency_order(groups) if extra else groups
 
 
 class _Epilogues:
@@ -265,7 +266,7 @@ def _inline_target(node: Node, users: list[Node], outputs, owner,
     return frozenset(groups) if len(groups) <= MAX_DUPLICATION else None
 
 
-def _late_row_outputs(consumers, owner, roots, rows, row_outputs, order) -> None:
+def _late_row_outputs(consumers, owner, roots, rows, extra, order) -> None:
     """A second look once every row group is known. The walk meets a node before the
     reduction below it joins its readers' group, so a value one per row that a row group
     reads and that is written anyway (a loop's counter `k + 1`, the next carry, read by
@@ -275,16 +276,16 @@ def _late_row_outputs(consumers, owner, roots, rows, row_outputs, order) -> None
     for gid, root in list(roots.items()):
         if gid in rows or rule_for(root).kind is not RuleKind.ELEMENTWISE or len(root.outputs) != 1:
             continue
+        users = consumers.get(root.outputs[0], [])
+        target = row_output_target(root, users, consumers, owner, roots, rows, extra, order)
+        if target is None or root.outputs[0].size != rows[target]:
+            continue
         nodes = [n for n, g in owner.items() if gid in g]
         if any(len(owner[n]) > 1 for n in nodes):
             continue
-        users = [u for u in consumers.get(root.outputs[0], ())]
-        target = row_output_target(root, users, consumers, owner, roots, rows, row_outputs, order)
-        if target is None or root.outputs[0].size != rows[target]:
-            continue
         for n in nodes:
             owner[n] = frozenset([target])
-        row_outputs.setdefault(target, []).append(root)
+        extra.setdefault(target, []).append(root)
         del roots[gid]
 
 
@@ -380,7 +381,7 @@ def moves_innermost_axis(node: Node) -> bool:
 
 
 def _make_group(root: Node, nodes: list[Node], epilogue: EpilogueMatch | None = None,
-                row: bool = False, row_outputs: tuple[Var, ...] = ()) -> Group:
+                row: bool = False, extra_outputs: tuple[Var, ...] = ()) -> Group:
     produced = {v for n in nodes for v in n.outputs}
     inputs: list[Var] = []
     for n in nodes:
@@ -396,4 +397,4 @@ def _make_group(root: Node, nodes: list[Node], epilogue: EpilogueMatch | None = 
     if kind is GroupKind.FUSED and all(n.name in VIEW_PRIMS and n.params.get("dimensions") is None
                                for n in nodes):
         kind = GroupKind.VIEW
-    return Group(kind, root, tuple(nodes), tuple(inputs), epilogue=epilogue, row_outputs=row_outputs)
+    return Group(kind, root, tuple(nodes), tuple(inputs), epilogue=epilogue, extra_outputs=extra_outputs)

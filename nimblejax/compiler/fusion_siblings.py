@@ -72,7 +72,7 @@ def _read(g: Group, source: dict) -> set:
 
 def _column(g: Group) -> bool:
     """A plain reduction group whose root keeps its input's innermost axis."""
-    if g.kind is not GroupKind.REDUCTION or g.in_place or g.row_outputs:
+    if g.kind is not GroupKind.REDUCTION or g.in_place or g.extra_outputs:
         return False
     x = g.root.inputs[0]
     return x.ndim > 0 and (x.ndim - 1) not in tuple(g.root.params["axes"])

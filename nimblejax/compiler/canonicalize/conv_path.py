@@ -84,7 +84,7 @@ def _im2col_impl(x, *, kernel, strides, padding, lhs_dilation, rhs_dilation, gro
     ks = math.prod(kernel)
     if mode == "feature":
         p = p.reshape(n, -1, ks, groups, c // groups).transpose(3, 0, 1, 2, 4)
-        return np.ascontiguousarray(p).reshape(groups, -1, ks * (c // groups))
+        return p.reshape(groups, -1, ks * (c // groups))
     p = p.reshape(groups, n // groups, -1, ks, c)
     return p.reshape(groups, -1, ks * c)
 

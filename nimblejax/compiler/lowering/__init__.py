@@ -34,7 +34,7 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
     if group.kind is GroupKind.FUSED:
         fused = {**inlined, group.output: root}
         # A group that permutes its input's innermost axis: a tiled kernel, coalesced.
-        kernel = (elementwise_kernel(group.output, fused, group.row_outputs) if group.row_outputs
+        kernel = (elementwise_kernel(group.output, fused, group.extra_outputs) if group.extra_outputs
                   else transpose_kernel(group.output, fused) or elementwise_kernel(group.output, fused))
     elif group.kind is GroupKind.HORIZONTAL:
         kernel = horizontal_kernel(group.members)
@@ -43,7 +43,7 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
         kernel = reduction_kernel(root, inlined, reducer.combine, reducer.init, reducer.acc_type,
                                   siblings=group.siblings)
     elif group.kind is GroupKind.ROW:
-        kernel = row_kernel(root, group.nodes, group.row_outputs)
+        kernel = row_kernel(root, group.nodes, group.extra_outputs)
     elif group.kind is GroupKind.CUDNN:
         call = rule_for(root).fn(root)
         kind = {"filter_grad": "conv_wgrad", "data_grad": "conv_dgrad"}.get(call.mode, "conv")

@@ -148,7 +148,7 @@ def test_large_sum_kept_for_later_is_a_second_output_of_the_row_group():
     plan = plan_of(ln_and_residual, *args)
     (row,) = row_groups(plan)
     assert len(plan.tasks) == 1 and len(row.outputs) == 2
-    assert row.row_outputs == (plan.graph.outputs[1],)  # h, after the root's value
+    assert row.extra_outputs == (plan.graph.outputs[1],)  # h, after the root's value
     check_numbers(ln_and_residual, *args)
 
 
@@ -158,7 +158,7 @@ def test_residual_read_by_a_gemm_is_written_by_the_layer_norm():
     plan = plan_of(fn, *args)
     assert [g.kind for g in plan.groups] == ["row", "gemm"]
     row, gemm = plan.groups
-    assert row.row_outputs and row.row_outputs[0] in gemm.inputs
+    assert row.extra_outputs and row.extra_outputs[0] in gemm.inputs
     assert not any(n.startswith("nimble_fused") for n in kernel_names(plan))
     check_numbers(fn, *args)
 
@@ -186,7 +186,7 @@ def test_pre_ln_blocks_have_no_elementwise_kernel_before_their_layer_norms():
     args = pre_ln_args(2048, 512, 256)
     plan = plan_of(pre_ln_block, *args, gemm="cublas")  # no GEMM epilogue takes the adds
     rows = row_groups(plan)
-    assert len(rows) == 2 and [len(g.row_outputs) for g in rows] == [0, 1]
+    assert len(rows) == 2 and [len(g.extra_outputs) for g in rows] == [0, 1]
     made = {v: g for g in plan.groups for v in g.outputs}
     for g in rows:  # each LayerNorm reads the GEMM outputs, not a written residual sum
         assert all(made[v].kind in ("gemm", "row") for v in g.inputs if v in made), g
@@ -202,7 +202,7 @@ def test_no_cycle_when_another_reader_feeds_the_row_group():
     args = ln_args(16, 48)
     plan = plan_of(f, *args)
     (row,) = row_groups(plan)
-    assert not row.row_outputs
+    assert not row.extra_outputs
     assert sum(n.startswith("nimble_fused_add") for n in kernel_names(plan)) == 1, kernel_names(plan)
     check_numbers(f, *args)
 
@@ -218,7 +218,7 @@ def test_no_cycle_through_a_reader_recomputed_in_the_row_group_and_elsewhere():
     args = ln_args(16, 48) + (rand(r, 48, 48, scale=0.2),)
     plan = plan_of(f, *args)
     (row,) = row_groups(plan)
-    assert not row.row_outputs
+    assert not row.extra_outputs
     check_numbers(f, *args)
 
 
@@ -233,7 +233,7 @@ def test_a_reduction_above_a_written_value_does_not_join():
     plan = plan_of(f, x)
     for g in row_groups(plan):
         reduced = {n for n in g.nodes if n.name.startswith("reduce_")}
-        assert not g.row_outputs or all(n.name != "reduce_max" for n in reduced)
+        assert not g.extra_outputs or all(n.name != "reduce_max" for n in reduced)
     check_numbers(f, x)
     check_emulated(f, x)
 
@@ -251,7 +251,7 @@ def test_a_row_kernel_writes_at_most_max_row_outputs_values():
     args = tuple(rand(r, 2048, 512) for _ in range(7))
     plan = plan_of(f, *args)
     (row,) = row_groups(plan)
-    assert len(row.row_outputs) == fusion_rows.MAX_ROW_OUTPUTS == 4
+    assert len(row.extra_outputs) == fusion_rows.MAX_ROW_OUTPUTS == 4
     assert sum(n.startswith("nimble_fused_add") for n in kernel_names(plan)) == 2
     check_numbers(f, *args)
 
@@ -282,7 +282,7 @@ def test_pre_ln_encoder_writes_its_residual_stream_from_the_layer_norms(gemm, wr
 
     fn, args = pre_ln_encoder(Config(layers=2, hidden=256, heads=4, ffn=512, seq=512))
     plan = plan_of(fn, *args, gemm=gemm)
-    assert sum(len(g.row_outputs) for g in row_groups(plan)) == written
+    assert sum(len(g.extra_outputs) for g in row_groups(plan)) == written
     stream = [t.name for t in plan.tasks if t.name.startswith("nimble_fused")
               and t.outputs[0].shape == (8, 512, 256)]
     assert not stream, stream  # no elementwise kernel writes the residual stream
@@ -361,7 +361,7 @@ def test_random_programs_match_jax(k):
     if reader in ("output", "gemm"):  # a value written anyway: the row kernel writes it
         assert len(row.outputs) == 2, (pro, norm, reader)
     if reader == "feeds_back":
-        assert not row.row_outputs
+        assert not row.extra_outputs
     check_numbers(fn, *args)
     check_emulated(fn, *args)
 
