@@ -70,6 +70,33 @@ def drop_split_k() -> None:
     cublaslt._ALGO_CACHE.clear()
 
 
+def model_choices(name: str, batch: int) -> None:
+    """Each distinct GEMM of a bench model's plan: its layout, the best candidate's µs
+    (timed alone, back to back in a graph), its K splits, and the other candidates."""
+    from nimblejax.bench.models import MODELS
+    from nimblejax.runtime.libs import cublaslt
+
+    fn, args = MODELS[name].build(batch, rng=np.random.default_rng(0))
+    cublaslt._ALGO_CACHE.clear()
+    jax.block_until_ready(nimble.jit(fn, backend="cuda")(*args))
+    print(f"{name} batch {batch}: {len(cublaslt._ALGO_CACHE)} distinct cuBLASLt GEMMs")
+    print("| batch×m×n×k | trans a, b | ld a, b, c | strides a, b, c | epilogue | best µs | splits | candidates µs |")
+    print("|---|---|---|---|---|---|---|---|")
+
+    def best(choice) -> float:
+        return choice.timings_us[choice.index] if choice.timings_us else float("nan")
+
+    rows = sorted(cublaslt._ALGO_CACHE.items(), key=lambda kv: -best(kv[1]))
+    for (call, _), choice in rows:
+        t = choice.timings_us or ()
+        algo = cublaslt.MatmulAlgo.from_buffer_copy(choice.algo)
+        print(f"| {call.batch}×{call.m}×{call.n}×{call.k} | {int(call.trans_a)}, {int(call.trans_b)} "
+              f"| {call.lda}, {call.ldb}, {call.ldc} | {call.stride_a}, {call.stride_b}, {call.stride_c} "
+              f"| {call.epilogue} alpha={call.alpha:g} | {best(choice):.2f} | {split_k(algo)} "
+              f"| {','.join(f'{x:.1f}' for x in sorted(x for x in t if x is not None))} |")
+    print(f"sum of distinct GEMMs' best: {sum(best(c) for _, c in rows):.1f} µs")
+
+
 def main() -> None:
     import argparse
 
@@ -78,6 +105,10 @@ def main() -> None:
                     help="candidates asked of cublasLtMatmulAlgoGetHeuristic (default: nimble's)")
     ap.add_argument("--shapes", default=None, help="rows x width x hidden,... e.g. 32x512x2048")
     ap.add_argument("--no-split-k", action="store_true", help="time only candidates without K splits")
+    ap.add_argument("--model", default=None,
+                    help="instead of the chains: the autotuner's choice for each GEMM of this "
+                         "bench model's plan (with --batch)")
+    ap.add_argument("--batch", type=int, default=1)
     opts = ap.parse_args()
     require_gpu(__file__)
     from nimblejax.runtime.libs import cublaslt
@@ -86,6 +117,9 @@ def main() -> None:
         cublaslt.REQUESTED_ALGOS = opts.requested
     if opts.no_split_k:
         drop_split_k()
+    if opts.model:
+        model_choices(opts.model, opts.batch)
+        return
     shapes = SHAPES if not opts.shapes else [tuple(int(d) for d in s.split("x")) for s in opts.shapes.split(",")]
     print(f"candidates asked: {cublaslt.REQUESTED_ALGOS}")
     rng = np.random.default_rng(0)

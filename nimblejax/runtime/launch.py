@@ -17,9 +17,13 @@ from nimblejax.compiler.kinds import TaskKind
 from nimblejax.runtime.io import allocate, retry_after_freeing
 
 # cuBLAS workspace per stream (a shared one would race). NVIDIA recommends 32 MiB on
-# Hopper; side streams run the small GEMMs of parallel branches and get 4 MiB, so a
-# plan of 20+ streams does not hold most of a GiB (seen exhausting GPU memory beside
-# JAX's preallocation in the model suite).
+# Hopper. Plain cuBLAS handles are bound to theirs: side streams run the small GEMMs of
+# parallel branches and get 4 MiB, so a plan of 20+ streams does not hold most of a GiB
+# (seen exhausting GPU memory beside JAX's preallocation in the model suite). cuBLASLt
+# GEMMs all choose their algorithm with WORKSPACE_BYTES (one buffer, used for the timing
+# only) and each stream then gets what its GEMMs' choices need: with 4 MiB cuBLASLt's
+# heuristic offered slower candidates for a side stream's GEMMs (H100, GPT at batch 1:
+# 128x512x2048 14.3 µs against 8.1 with 32 MiB; BERT: about 1 µs a GEMM).
 WORKSPACE_BYTES = 32 << 20
 SIDE_WORKSPACE_BYTES = 4 << 20
 
@@ -75,15 +79,13 @@ class Launchers:
         """A GEMM workspace per stream that runs GEMMs and, under gemm="cublas", a
         cuBLAS handle bound to it (cuBLASLt takes stream and workspace per call)."""
         gemm_streams = {self.stream_of[t] for t in self.plan.tasks if t.kind is TaskKind.GEMM}
-        if not gemm_streams:
-            return [], []
+        if not gemm_streams or self.use_lt:  # cuBLASLt: _lt_gemms sizes them
+            return [], [None] * len(self.streams)
         from nimblejax.runtime.libs.cublas import CublasHandle
 
         sizes = [WORKSPACE_BYTES if i == 0 else SIDE_WORKSPACE_BYTES for i in range(len(self.streams))]
         workspaces = [allocate(n, "a cuBLAS workspace") if i in gemm_streams else None
                       for i, n in enumerate(sizes)]
-        if self.use_lt:
-            return [], workspaces
         handles = [CublasHandle(s.ptr, w.data.ptr, n) if w is not None else None
                    for s, w, n in zip(self.streams, workspaces, sizes)]
         return handles, workspaces
@@ -100,13 +102,25 @@ class Launchers:
         handle = cublaslt.LtHandle()
         gemms = {}
         try:
+            tuning = retry_after_freeing(lambda: allocate(WORKSPACE_BYTES, "a cuBLAS workspace"))
             for t in tasks:
                 s = self.stream_of[t]
                 a, b, c, bias, residual = self.args[t]
-                ws = self.workspaces[s]
-                buffers = cublaslt.GemmBuffers(a, b, c, ws.data.ptr, self.streams[s].ptr,
+                buffers = cublaslt.GemmBuffers(a, b, c, tuning.data.ptr, self.streams[s].ptr,
                                                bias=bias, residual=residual)
-                gemms[t] = cublaslt.LtGemm(handle, t.gemm, ws.nbytes, buffers=buffers)
+                gemms[t] = cublaslt.LtGemm(handle, t.gemm, WORKSPACE_BYTES, buffers=buffers)
+            del tuning
+            need: dict[int, int] = {}
+            for t, g in gemms.items():
+                s = self.stream_of[t]
+                need[s] = max(need.get(s, 0), g.workspace_needed)
+            for s, n in need.items():  # at least one alignment unit: a valid pointer
+                self.workspaces[s] = retry_after_freeing(
+                    lambda n=n: allocate(max(n, cublaslt.POINTER_ALIGNMENT), "a cuBLAS workspace"))
+        except BaseException:
+            _close_all(gemms.values(), lambda g: g.close())
+            handle.destroy()
+            raise
         finally:
             fill.release_fill()  # the timing's operands, shared by the plan's GEMMs
         return handle, gemms
