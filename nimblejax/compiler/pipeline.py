@@ -4,7 +4,8 @@
     check                       every primitive has a rule, every dtype is supported
     canonicalize (canonicalize/) conv paths, reduction splits, GEMM-ready dots
     fuse (fusion.py)            nodes → groups, one group per kernel or library call
-    lower (lowering/)           groups → Tasks: generated kernels, GemmCall, ConvCall, views
+    lower (lowering/)           groups → Tasks: generated kernels, GemmCall, ConvCall, views;
+                                attention's two GEMMs and softmax as one kernel (attention.py)
     buffers (buffers.py)        shared bytes, each task's reads and writes, the task DAG
     streams (streams/)          Nimble's stream assignment and the minimal events
     memory (memory.py)          one arena; reuse only after every use happens-before
@@ -31,6 +32,7 @@ from nimblejax.compiler.fusion_horizontal import pack_horizontal
 from nimblejax.compiler.fusion_siblings import merge_sibling_reductions
 from nimblejax.compiler.ir import Graph, fresh_ids
 from nimblejax.compiler.lowering import lower
+from nimblejax.compiler.lowering.attention import fuse_attention
 from nimblejax.compiler.lowering.registry import check_supported
 from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.memory import plan_memory
@@ -86,7 +88,8 @@ def _fuse(p: Program, options: Options) -> Program:
 
 
 def _lower(p: Program, options: Options) -> Program:
-    return dataclasses.replace(p, lowered=tuple(lower(p.groups, small_gemm=options.small_gemm)))
+    tasks = lower(p.groups, small_gemm=options.small_gemm)
+    return dataclasses.replace(p, lowered=tuple(fuse_attention(p.groups, tasks, p.graph.outputs)))
 
 
 def _buffers(p: Program, options: Options) -> Program:

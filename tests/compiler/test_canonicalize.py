@@ -184,6 +184,21 @@ def test_reduction_over_unit_axes_is_a_reshape():
     assert names(check(lambda a: jnp.any(a, axis=1), [bools])) == ["reshape"]
 
 
+def test_transpose_of_unit_axes_only_is_a_reshape():
+    """jax.nn.dot_product_attention's output transpose at batch 1 moves axes of size 1
+    only: a reshape (a view, no copy kernel). A transpose that moves a longer axis stays."""
+    from nimblejax.compiler.canonicalize.transposes import keeps_memory_order
+
+    assert keeps_memory_order((1, 1, 128, 8, 64), (1, 2, 3, 0, 4))
+    assert keeps_memory_order((4, 1, 5), (1, 0, 2)) and keeps_memory_order((3,), (0,))
+    assert not keeps_memory_order((1, 2, 3), (0, 2, 1))
+    rng = np.random.default_rng(8)
+    x = rand(rng, 1, 1, 6, 2, 4)
+    new = check(lambda a: jnp.transpose(a, (1, 2, 3, 0, 4)) * 2.0, [x])
+    assert "transpose" not in names(new) and "reshape" in names(new)
+    assert "transpose" in names(check(lambda a: jnp.transpose(a, (0, 1, 3, 2, 4)), [x]))
+
+
 def test_split_becomes_slices():
     rng = np.random.default_rng(6)
     fn = lambda x: jnp.split(x, [2, 5], axis=1)  # noqa: E731
@@ -212,6 +227,7 @@ def test_each_rewrite_is_registered_for_its_primitives_in_one_table():
         "stack": ("stacking", True, False), "unstack": ("stacking", True, False),
         "tile": ("stacking", True, False),
         "dot_general": ("dot", False, True),
+        "transpose": ("transposes", False, False),
     }
     # What needs no lowering rule is read from the table.
     assert REWRITTEN == {"split", "stack", "unstack", "tile"}

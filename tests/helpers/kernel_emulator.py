@@ -61,6 +61,7 @@ static Warp* warps;
 static std::barrier<>* block_bar;
 static inline int flat_tid() { return threadIdx.x + threadIdx.y * blockDim.x; }
 static inline void __syncthreads() { block_bar->arrive_and_wait(); }
+static inline void __syncwarp(unsigned int = 0xffffffffu) { warps[flat_tid() / 32].bar.arrive_and_wait(); }
 static std::atomic<int> votes;
 static inline int __syncthreads_or(int p) {
   block_bar->arrive_and_wait(); if (p) votes.fetch_add(1);
@@ -161,7 +162,7 @@ template <class T> static inline T atomicCAS(T* p, T cmp, T v) {
   return atomic_update(p, [&](T o) { return o == cmp ? v : o; }); }
 """
 # Kernels that use any of these run one OS thread per CUDA thread (cooperative).
-COOPERATIVE = ("__shfl", "__syncthreads", "__shared__")
+COOPERATIVE = ("__shfl", "__syncthreads", "__syncwarp", "__shared__")
 MAX_COOPERATIVE_THREADS = 1 << 15  # larger launches go through JAX (thread start-up)
 UNSUPPORTED = ("__ldg", "asm(")
 

@@ -1,0 +1,125 @@
+"""Attention as one kernel (compiler/lowering/attention.py): which programs get it, and
+that it computes what jax.jit does, on the CPU (the interpreter, the kernel emulator,
+NVRTC) and on the GPU."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nimblejax as nimble
+from nimblejax.bench.models import MODELS
+from tests.helpers import kernel_emulator as emu
+from tests.helpers.libraries import assert_kernels_compile
+from tests.helpers.models import assert_cuda_matches_jax_twice, assert_tree_close, rand
+
+r = np.random.default_rng(53)
+
+
+def causal(q, k, v):
+    """jax.nn.dot_product_attention's own form (its XLA implementation)."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def einsum_softmax(q, k, v):
+    """BERT's form: einsums, a scale and jax.nn.softmax, heads in the middle."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def masked(q, k, v, bias):
+    """An additive mask read inside the softmax (a row input besides the scores)."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.3 + bias
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+
+
+def weights_returned(q, k, v):
+    """The probabilities are a result too: they must reach memory, so no fusion."""
+    p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v), p
+
+
+def scores_read_twice(q, k, v):
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v), jnp.sum(s)
+
+
+def qkv(batch=1, seq=16, heads=2, size=8):
+    return tuple(rand(r, batch, seq, heads, size) for _ in range(3))
+
+
+CASES = {
+    "causal": (causal, lambda: qkv()),
+    "causal_batch2": (causal, lambda: qkv(batch=2, seq=24)),
+    "einsum_softmax": (einsum_softmax, lambda: qkv(seq=40, heads=3)),
+    "masked": (masked, lambda: qkv(batch=2) + (rand(r, 2, 1, 16, 16),)),
+}
+UNFUSED = {"weights_returned": weights_returned, "scores_read_twice": scores_read_twice}
+
+
+def plan_of(fn, *args):
+    return nimble.jit(fn, backend="interpret").plan(*args)
+
+
+def attention_tasks(plan):
+    return [t for t in plan.tasks if t.kind == "kernel" and t.name.startswith("nimble_attention")]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_attention_is_one_kernel_and_no_gemm(name):
+    fn, make = CASES[name]
+    plan = plan_of(fn, *make())
+    assert len(attention_tasks(plan)) == 1
+    assert not [t for t in plan.tasks if t.kind == "gemm"]
+
+
+@pytest.mark.parametrize("name", sorted(UNFUSED))
+def test_scores_or_probabilities_read_elsewhere_keep_the_gemms(name):
+    plan = plan_of(UNFUSED[name], *qkv())
+    assert not attention_tasks(plan)
+    assert len([t for t in plan.tasks if t.kind == "gemm"]) == 2
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_interpreter_matches_jax(name):
+    fn, make = CASES[name]
+    args = make()
+    assert_tree_close(nimble.jit(fn, backend="interpret")(*args), jax.jit(fn)(*args))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_emulated_kernel_matches_jax(name):
+    fn, make = CASES[name]
+    args = make()
+    outs, emulated = emu.run(plan_of(fn, *args), [np.asarray(a) for a in args])
+    assert emulated >= 1
+    for got, want in zip(outs, jax.tree_util.tree_leaves(jax.jit(fn)(*args))):
+        assert_tree_close(jnp.asarray(got), want)
+
+
+def test_the_bench_gpt_has_one_attention_kernel_a_layer():
+    fn, args = MODELS["gpt"].abstract(1, tiny=True)
+    plan = plan_of(fn, *args)
+    assert len(attention_tasks(plan)) == MODELS["gpt"].config(tiny=True).layers
+
+
+def test_attention_kernels_compile():
+    assert_kernels_compile({t.kernel.name: t.kernel.source for fn, make in CASES.values()
+                            for t in attention_tasks(plan_of(fn, *make()))}, "nimble_attention")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_on_gpu_matches_jax(name):
+    fn, make = CASES[name]
+    assert_cuda_matches_jax_twice(fn, make(), lambda plan: len(attention_tasks(plan)) == 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,batch", [("gpt", 1), ("gpt", 8), ("bert", 1)])
+def test_bench_transformers_on_gpu_match_jax(model, batch):
+    fn, args = MODELS[model].build(batch, rng=np.random.default_rng(0))
+    assert_cuda_matches_jax_twice(fn, args, lambda plan: len(attention_tasks(plan)) >= 1)
