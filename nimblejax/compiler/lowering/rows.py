@@ -136,22 +136,22 @@ def row_kernel(root: Node, nodes: tuple[Node, ...], extra: tuple[Var, ...] = ())
     else:
         b.emit("const long long o = row;")
     b.declarations = len(b.lines)
-    passes = _extra_passes(nodes, reductions, extra, n_rows, per_out)
+    passes = extra_passes(nodes, reductions, extra, n_rows, per_out)
     for k, reduction in enumerate(reductions):
-        b.known[reduction.outputs[0]] = _reduce_row(b, reduction, k, per_row,
+        b.known[reduction.outputs[0]] = reduce_row(b, reduction, k, per_row,
                                                     passes.get(k, ()), n_rows if ragged else 0)
     if ragged:
         b.open(f"if (row < {n_rows})")
     for v in passes.get(None, ()):  # a length no pass has: a pass of its own
         _write_pass(b, v, v.size // n_rows, per_row)
-    _write_row(b, root, per_out, per_row, passes.get(len(reductions), ()))
+    write_row(b, root, per_out, per_row, passes.get(len(reductions), ()))
     while b.depth > 1:
         b.close()
-    b.ops = _name_ops(reductions, b.ops, per_out < longest, _prologue_ops(root, nodes, reductions))
+    b.ops = name_ops(reductions, b.ops, per_out < longest, prologue_ops(root, nodes, reductions))
     return b.finish("row", out, -(-n_rows // rows_per_block), block)
 
 
-def _extra_passes(nodes: tuple[Node, ...], reductions: list[Node], extra: tuple[Var, ...],
+def extra_passes(nodes: tuple[Node, ...], reductions: list[Node], extra: tuple[Var, ...],
                   n_rows: int, per_out: int) -> dict[int | None, list[Var]]:
     """Where each extra output is written: pass k (k < len(reductions): reduction k's; k =
     len(reductions): the last, the root's), the first of the value's length per row after
@@ -209,7 +209,7 @@ def _itype(v: Var) -> str:
     return "long long" if v.size >= 2 ** 31 else "int"
 
 
-def _reduce_row(b: RowBuilder, reduction: Node, k: int, per_row: int, extra=(),
+def reduce_row(b: RowBuilder, reduction: Node, k: int, per_row: int, extra=(),
                 ragged_rows: int = 0) -> str:
     """One pass over row `o` reducing `reduction`'s operand, also writing the `extra`
     values of its length (for rows < `ragged_rows` where that is not 0: a thread past
@@ -247,7 +247,7 @@ def _reduce_row(b: RowBuilder, reduction: Node, k: int, per_row: int, extra=(),
     return b.tmp(ctype, dtypes.round_to(out.dtype, value) if dtypes.is_float(out.dtype) else value)
 
 
-def _write_row(b: RowBuilder, root: Node, per_out: int, per_row: int, extra=()) -> None:
+def write_row(b: RowBuilder, root: Node, per_out: int, per_row: int, extra=()) -> None:
     """The last pass: row `o`'s `per_out` elements of the root, at offsets o * per_out + c,
     and of the `extra` values of that length."""
     out = root.outputs[0]
@@ -290,7 +290,7 @@ def _lead_axes(shape: tuple[int, ...], n_rows: int) -> int | None:
     return None
 
 
-def _name_ops(reductions: list[Node], ops: list[str], reduces_rows: bool,
+def name_ops(reductions: list[Node], ops: list[str], reduces_rows: bool,
               prologue: list[str] = ()) -> list[str]:
     """What the kernel's name shows: the `prologue`'s operations and the pattern where it
     is a known one (softmax, log_softmax, logsumexp, layer_norm, rms_norm), else its
@@ -309,7 +309,7 @@ def _pattern(reduced: list[str], seen: set[str], reduces_rows: bool) -> str | No
     return None
 
 
-def _prologue_ops(root: Node, nodes: tuple[Node, ...], reductions: list[Node]) -> list[str]:
+def prologue_ops(root: Node, nodes: tuple[Node, ...], reductions: list[Node]) -> list[str]:
     """The operations every pass over the row computes before its reductions come in: the
     row input's producers (the residual add of LN(x + y)), in graph order, less moves."""
     made = {v: n for n in nodes for v in n.outputs}

@@ -315,7 +315,11 @@ def test_every_task_reads_values_written_before_it():
 def test_bert_gemms_take_bias_scale_and_residual():
     from nimblejax.bench.models import MODELS
 
-    fn, args = MODELS["bert"].build(2, jnp.float32, np.random.default_rng(1), tiny=True)
+    from nimblejax.bench.models.bert import Config
+
+    # 80 keys: attention stays two GEMMs and a softmax (lowering/attention.py: MAX_ROW)
+    cfg = Config(layers=2, hidden=64, heads=4, ffn=128, seq=80)
+    fn, args = MODELS["bert"].build(2, jnp.float32, np.random.default_rng(1), config=cfg)
     labels = Counter(t.gemm.label for t in plan_of(fn, *args).tasks if t.kind == "gemm")
     # Per layer (2): q, k, v, ffn_in with their bias; scores scaled; attn_out and ffn_out
     # add the bias and the residual stream; the probabilities times v plain.

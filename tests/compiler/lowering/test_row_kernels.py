@@ -138,14 +138,15 @@ def test_attention_softmax_over_batch_and_heads_is_one_kernel():
 
 def test_attention_probabilities_read_transposed_by_the_next_gemm():
     """BERT's attention: the second einsum reads the probabilities transposed (dot.py's
-    GEMM layout); the softmax is written by a row kernel and transposed by another."""
+    GEMM layout); the softmax is one row kernel's passes (here, at 32 keys, inside the
+    attention kernel: lowering/attention.py)."""
     def attention(q, k, v):
         p = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125, axis=-1)
         return jnp.einsum("bhqk,bkhd->bqhd", p, v)
     args = tuple(rand(r, 1, 32, 4, 16) for _ in range(3))
     plan = plan_of(attention, *args)
     names = kernel_names(plan)
-    assert sum(k.startswith("nimble_row_softmax") for k in names) == 1, names
+    assert sum("_softmax_" in k for k in names) == 1, names
     assert not any(k.startswith("nimble_reduce") for k in names), names
     check_numbers(attention, *args)
 
