@@ -154,6 +154,26 @@ def model_args(name: str, seed: int = 0):
     return MODELS[name][1](np.random.default_rng(seed))
 
 
+def assert_emulated_matches_jax(fn, args) -> None:
+    """fn's plan with its generated kernels run on the CPU (kernel_emulator.py; at least
+    one of them) gives jax.jit's values."""
+    import nimblejax as nimble
+    from tests.helpers import kernel_emulator as emu
+
+    plan = nimble.jit(fn, backend="interpret").plan(*args)
+    outs, emulated = emu.run(plan, [np.asarray(a) for a in args])
+    assert emulated >= 1
+    for got, want in zip(outs, jax.tree_util.tree_leaves(jax.jit(fn)(*args))):
+        assert_tree_close(jnp.asarray(got), want)
+
+
+def assert_interpreted_matches_jax(fn, args) -> None:
+    """nimble.jit(fn) on the CPU interpreter against jax.jit."""
+    import nimblejax as nimble
+
+    assert_tree_close(nimble.jit(fn, backend="interpret")(*args), jax.jit(fn)(*args))
+
+
 def assert_cuda_matches_jax_twice(fn, args, plan_holds=None) -> None:
     """nimble.jit(fn) on the GPU against jax.jit, called twice (the second call replays
     the same graph); `plan_holds(plan)`, if given, is asserted on its plan first."""

@@ -40,7 +40,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from nimblejax.compiler.fusion_rows import RESHAPES, SAME_INDEX
-from nimblejax.compiler.ir import Node, Var
+from nimblejax.compiler.ir import Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind, TaskKind
 from nimblejax.compiler.lowering.registry import rule_for
 from nimblejax.compiler.lowering.rows import (RowBuilder, extra_passes, name_ops, prologue_ops, reduce_row,
@@ -98,16 +98,19 @@ def _attention_triple(t3: Task, made, readers, results):
     t2, row = made[probs]
     if row.kind is not GroupKind.ROW or t2.outputs != (probs,) or row.extra_outputs:
         return None
+    queries, width = (g2.m, g2.n) if probs is g2.a else (g2.n, g2.m)
     for scores in t2.inputs:
         if scores not in made or scores in results or readers.get(scores) != [t2]:
             continue
         t1, _ = made[scores]
         g1 = t1.gemm
-        if (t1.kind is TaskKind.GEMM and _plain_f32(g1) and g1.c is scores and _contiguous(g1, "c")
-                and g1.batch == g2.batch and g1.n == g2.k and g1.m == (g2.m if probs is g2.a else g2.n)
-                and g1.n <= MAX_ROW and g1.k <= MAX_HEAD and _read_at_own_element(scores, row)
-                and (g2.n if probs is g2.a else g2.m) <= MAX_WIDTH
-                and g1.batch * g1.m * g1.n * (g1.k + (g2.n if probs is g2.a else g2.m)) <= MAX_MACS):
+        if t1.kind is not TaskKind.GEMM or not _plain_f32(g1) or g1.c is not scores:
+            continue
+        same_problem = (_contiguous(g1, "c") and g1.batch == g2.batch and g1.n == g2.k
+                        and g1.m == queries)
+        small = (g1.n <= MAX_ROW and g1.k <= MAX_HEAD and width <= MAX_WIDTH
+                 and g1.batch * g1.m * g1.n * (g1.k + width) <= MAX_MACS)
+        if same_problem and small and _read_at_own_element(scores, row):
             return t1, (t2, row), t3
     return None
 

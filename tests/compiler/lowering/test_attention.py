@@ -12,9 +12,9 @@ import pytest
 
 import nimblejax as nimble
 from nimblejax.bench.models import MODELS
-from tests.helpers import kernel_emulator as emu
 from tests.helpers.libraries import assert_kernels_compile
-from tests.helpers.models import assert_cuda_matches_jax_twice, assert_tree_close, rand
+from tests.helpers.models import (assert_cuda_matches_jax_twice, assert_emulated_matches_jax,
+                                  assert_interpreted_matches_jax, rand)
 
 r = np.random.default_rng(53)
 
@@ -86,18 +86,13 @@ def test_scores_or_probabilities_read_elsewhere_keep_the_gemms(name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_interpreter_matches_jax(name):
     fn, make = CASES[name]
-    args = make()
-    assert_tree_close(nimble.jit(fn, backend="interpret")(*args), jax.jit(fn)(*args))
+    assert_interpreted_matches_jax(fn, make())
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_emulated_kernel_matches_jax(name):
     fn, make = CASES[name]
-    args = make()
-    outs, emulated = emu.run(plan_of(fn, *args), [np.asarray(a) for a in args])
-    assert emulated >= 1
-    for got, want in zip(outs, jax.tree_util.tree_leaves(jax.jit(fn)(*args))):
-        assert_tree_close(jnp.asarray(got), want)
+    assert_emulated_matches_jax(fn, make())
 
 
 def test_the_bench_gpt_has_one_attention_kernel_a_layer():

@@ -14,9 +14,9 @@ import pytest
 
 import nimblejax as nimble
 from nimblejax.bench.models import MODELS
-from tests.helpers import kernel_emulator as emu
 from tests.helpers.libraries import assert_kernels_compile
-from tests.helpers.models import assert_cuda_matches_jax_twice, assert_tree_close, rand
+from tests.helpers.models import (assert_cuda_matches_jax_twice, assert_emulated_matches_jax,
+                                  assert_interpreted_matches_jax, assert_tree_close, rand)
 
 r = np.random.default_rng(47)
 
@@ -96,18 +96,13 @@ def test_a_value_read_at_another_index_is_not_written_by_that_kernel():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_interpreter_matches_jax(name):
     fn, make = CASES[name]
-    args = make()
-    assert_tree_close(nimble.jit(fn, backend="interpret")(*args), jax.jit(fn)(*args))
+    assert_interpreted_matches_jax(fn, make())
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_emulated_kernels_match_jax(name):
     fn, make = CASES[name]
-    args = make()
-    outs, emulated = emu.run(plan_of(fn, *args), [np.asarray(a) for a in args])
-    assert emulated >= 1
-    for got, want in zip(outs, jax.tree_util.tree_leaves(jax.jit(fn)(*args))):
-        assert_tree_close(jnp.asarray(got), want)
+    assert_emulated_matches_jax(fn, make())
 
 
 def test_the_bench_lstm_has_one_cell_kernel_a_step():
