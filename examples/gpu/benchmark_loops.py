@@ -1,5 +1,6 @@
 """Loops inside the graph (issue: loops): a run-time `while_loop` (Newton's iteration to
-convergence), a long `lax.scan` and a `fori_loop` of SGD steps, jax.jit against nimble
+convergence), a long `lax.scan`, a `fori_loop` of SGD steps, flax's `nn.RNN` of an LSTM
+cell and a diffrax Tsit5 solve (where flax and diffrax are installed), jax.jit against nimble
 with loops="unroll" (what cannot be unrolled runs under XLA: co-execution) and with
 loops="graph" (WHILE nodes, the default). Looped µs per
 call (fresh input each call, one block at the end), rounds alternated in one process;
@@ -57,6 +58,31 @@ def sgd_loop(params, x, y):
     return lax.fori_loop(0, 100, step, params)
 
 
+def flax_lstm(features: int):
+    """flax's `nn.RNN` over an `nn.LSTMCell` (a `lax.scan` inside flax), or None without flax."""
+    try:
+        import flax.linen as nn
+    except ImportError:
+        return None
+    model = nn.RNN(nn.LSTMCell(features=features))
+    return model, lambda variables, xs: model.apply(variables, xs)
+
+
+def ode_solve():
+    """diffrax's Tsit5 over 100 constant steps of y' = -k y + sin(y), 16 values (equinox's
+    run-time checks as it ships them), or None without diffrax."""
+    try:
+        import diffrax
+    except ImportError:
+        return None
+
+    def solve(y0, k):
+        term = diffrax.ODETerm(lambda t, y, a: -a @ y + jnp.sin(y))
+        return diffrax.diffeqsolve(term, diffrax.Tsit5(), t0=0.0, t1=1.0, dt0=0.01, y0=y0, args=k,
+                                   max_steps=128).ys
+    return solve
+
+
 def cases(rng):
     r = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
     yield "while: Newton on 256 values", newton, [(jnp.abs(r(256)) * 50 + 0.5,) for _ in range(FRESH)]
@@ -66,6 +92,15 @@ def cases(rng):
     mlp = (r(64, 128) * 0.1, r(128, 10) * 0.1)
     yield "fori_loop: 100 SGD steps, MLP 64x128x10", sgd_loop, [(mlp, r(32, 64), r(32, 10))
                                                                for _ in range(FRESH)]
+    made = flax_lstm(256)
+    if made is not None:
+        model, apply = made
+        variables = model.init(jax.random.key(0), r(1, 64, 256))
+        yield "flax nn.RNN(LSTMCell) H=256 B=1 T=64", apply, [(variables, r(1, 64, 256)) for _ in range(FRESH)]
+    solve = ode_solve()
+    if solve is not None:
+        k = jnp.asarray(0.3 * rng.standard_normal((16, 16)) + np.eye(16), jnp.float32)
+        yield "diffrax Tsit5, 100 constant steps, 16 values", solve, [(r(16), k) for _ in range(FRESH)]
 
 
 def first_call_s(f, args) -> float:
