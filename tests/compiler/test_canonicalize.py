@@ -199,6 +199,28 @@ def test_transpose_of_unit_axes_only_is_a_reshape():
     assert "transpose" in names(check(lambda a: jnp.transpose(a, (0, 1, 3, 2, 4)), [x]))
 
 
+@pytest.mark.parametrize("shapes,spec", [
+    (((1, 16), (16, 16)), "ij,jk->ik"),           # a row vector times a matrix
+    (((16, 16), (16,)), "ij,j->i"),                # a matrix times a vector (diffrax's field)
+    (((3, 16, 7), (3, 7)), "bij,bj->bi"),          # batched (336 multiply-adds)
+    (((7,), (7, 16)), "j,jk->k"),                  # the stage combination of a Runge-Kutta step
+])
+def test_small_vector_products_become_a_multiply_and_a_sum(shapes, spec):
+    rng = np.random.default_rng(9)
+    args = [rand(rng, *s) for s in shapes]
+    new = check(lambda a, b: jnp.einsum(spec, a, b), args, rtol=2e-6)
+    assert "dot_general" not in names(new) and "reduce_sum" in names(new)
+
+
+def test_larger_or_matrix_products_keep_their_dot():
+    rng = np.random.default_rng(10)
+    for shapes in (((1, 64), (64, 32)), ((4, 16), (16, 16))):  # past MAX_MACS; no vector side
+        args = [rand(rng, *s) for s in shapes]
+        assert "dot_general" in names(check(lambda a, b: a @ b, args, rtol=2e-3))
+    ints = [jnp.asarray([[1, 2, 3]], jnp.int32), jnp.asarray([[1], [2], [3]], jnp.int32)]
+    assert "dot_general" in names(check(lambda a, b: a @ b, ints))
+
+
 def test_split_becomes_slices():
     rng = np.random.default_rng(6)
     fn = lambda x: jnp.split(x, [2, 5], axis=1)  # noqa: E731

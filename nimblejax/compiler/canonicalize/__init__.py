@@ -16,7 +16,8 @@ forms lowering expects, each rewrite registered for its primitives beside it
   strides (dot.py), in a second sweep after merge_dots, so that merged dots get their
   layout too and merge_dots sees the dots as the user wrote them; before it, explicit
   transposes feeding a dot are folded into it where the GEMM can read their input in
-  place (dot.fold_operand_transposes).
+  place (dot.fold_operand_transposes); then vector products of at most a thousand
+  multiply-adds become a multiply and a sum (small_dots.py: a library call costs more).
 
 (Random-number primitives and PRNG key arrays are expanded earlier, while tracing:
 compiler/prng.py.)
@@ -32,6 +33,7 @@ from nimblejax.compiler.canonicalize import (conv_path, dot, reductions, slices,
                                              transposes)
 from nimblejax.compiler.canonicalize.merge_dots import merge_dots
 from nimblejax.compiler.canonicalize.registry import REWRITES, sweep
+from nimblejax.compiler.canonicalize.small_dots import strength_reduce_small_dots
 from nimblejax.compiler.ir import Graph
 from nimblejax.options import Options
 
@@ -43,6 +45,7 @@ def canonicalize(graph: Graph, options: Options) -> Graph:
     first = sweep(graph.nodes, options, after_merge=False)
     merged = merge_dots(Graph(graph.inputs, graph.outputs, tuple(first), graph.consts))
     merged = dot.fold_operand_transposes(merged)
+    merged = strength_reduce_small_dots(merged)
     last = sweep(merged.nodes, options, after_merge=True)
     from nimblejax.compiler.trace import drop_dead_code
 
