@@ -29,3 +29,8 @@ def evaluate(graph: Graph, args) -> list:
 
 def names(graph: Graph) -> list[str]:
     return [n.name for n in graph.nodes]
+
+
+def missing_dependencies(schedule, dag) -> list[tuple]:
+    """Edges of `dag` that `schedule` does not enforce (empty when sound)."""
+    return [(u, v) for u, v in dag.edges if not schedule.happens_before(u, v)]

@@ -93,10 +93,6 @@ class Schedule:
         """Per stream, the highest stream position finished before t starts (-1: none)."""
         return self._clock[self._index[t]]
 
-    def missing_dependencies(self, dag: nx.DiGraph) -> list[tuple]:
-        """Edges of ``dag`` that this schedule does not enforce (empty when sound)."""
-        return [(u, v) for u, v in dag.edges if not self.happens_before(u, v)]
-
 
 def make_schedule(dag: nx.DiGraph, max_streams: int | None = None) -> Schedule:
     """Nimble's assignment of `dag` on at most `max_streams` streams (None: STREAM_CAP)."""
