@@ -9,7 +9,7 @@ walks the graph backwards, so that group is known), and the group becomes a row 
 (lowering/rows.py): one warp or block per row, one pass over the row per reduction, then
 the outputs. A reduction's value is then only a register of the threads of its row, so it
 may join only where every reader of it, through elementwise steps, reads it at its own
-row: `row_target` checks that, operation by operation (`_keeps_rows`).
+row: `row_target` checks that, operation by operation (`keeps_rows`).
 
 "Row" of an element: its row-major offset divided by the value's size per row (a value of
 R rows has size R * m). Reshapes keep offsets; an elementwise step keeps rows where its
@@ -141,7 +141,7 @@ def _leaving(node: Node, consumers, outputs, n_rows: int) -> set[Node]:
         v = p.outputs[0]
         leaves = v in outputs
         for u in consumers.get(v, []):
-            if rule_for(u).kind in (RuleKind.ELEMENTWISE, RuleKind.REDUCTION) and _keeps_rows(u, v, n_rows):
+            if rule_for(u).kind in (RuleKind.ELEMENTWISE, RuleKind.REDUCTION) and keeps_rows(u, v, n_rows):
                 if u not in seen:
                     seen.add(u)
                     todo.append(u)
@@ -168,7 +168,7 @@ def _below(value: Var, consumers, root: Node, n_rows: int) -> set[Node] | None:
     while todo:
         v = todo.pop()
         for u in consumers.get(v, []):
-            if not _keeps_rows(u, v, n_rows):
+            if not keeps_rows(u, v, n_rows):
                 return None
             if u not in seen:
                 seen.add(u)
@@ -177,7 +177,7 @@ def _below(value: Var, consumers, root: Node, n_rows: int) -> set[Node] | None:
     return seen
 
 
-def _keeps_rows(node: Node, value: Var, n_rows: int) -> bool:
+def keeps_rows(node: Node, value: Var, n_rows: int) -> bool:
     """Whether every element of `node`'s output reads `value` only in its own row."""
     out = node.outputs[0]
     if out.size % n_rows or value.size % n_rows:

@@ -15,25 +15,15 @@ MLP's 1x256x256 layers their cuBLASLt bias epilogues).
 """
 from __future__ import annotations
 
-import math
-
 import jax.numpy as jnp
 from jax import lax
 
 from nimblejax.compiler import dtypes
+from nimblejax.compiler.canonicalize.dot import dot_dims, dot_sizes
 from nimblejax.compiler.canonicalize.replace import replace_with
 from nimblejax.compiler.ir import Graph, Node
 
 MAX_MACS = 1024
-
-
-def _axes(node: Node):
-    """(lhs contracting, rhs contracting, lhs batch, rhs batch, lhs free, rhs free)."""
-    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
-    a, b = node.inputs
-    lf = tuple(i for i in range(a.ndim) if i not in lc and i not in lb)
-    rf = tuple(i for i in range(b.ndim) if i not in rc and i not in rb)
-    return tuple(lc), tuple(rc), tuple(lb), tuple(rb), lf, rf
 
 
 def strength_reduce_small_dots(graph: Graph) -> Graph:
@@ -52,23 +42,17 @@ def is_small_vector_product(node: Node) -> bool:
     out = node.outputs[0]
     if not all(dtypes.is_float(v.dtype) for v in (a, b, out)):
         return False
-    lc, rc, lb, rb, lf, rf = _axes(node)
-    m, n = math.prod(a.shape[i] for i in lf), math.prod(b.shape[i] for i in rf)
-    k = math.prod(a.shape[i] for i in lc)
-    batch = math.prod(a.shape[i] for i in lb)
+    batch, m, n, k = dot_sizes(node)
     return min(m, n) == 1 and batch * m * n * k <= MAX_MACS
 
 
 def strength_reduce(node: Node) -> list[Node]:
     """The dot as a broadcast multiply and a sum over the contracted axes, in float32 for
     half outputs (else the output's dtype), reshaped to the dot's output."""
-    a, b = node.inputs
     out = node.outputs[0]
-    lc, rc, lb, rb, lf, rf = _axes(node)
-    batch = tuple(a.shape[i] for i in lb)
-    m, n = math.prod(a.shape[i] for i in lf), math.prod(b.shape[i] for i in rf)
-    k = math.prod(a.shape[i] for i in lc)
-
+    lc, rc, lb, rb, lf, rf = dot_dims(node)
+    batch = tuple(node.inputs[0].shape[i] for i in lb)
+    _, m, n, k = dot_sizes(node)
     acc = jnp.promote_types(out.dtype, jnp.float32)  # halves accumulate in float32, as XLA's
 
     def reduced(x, y):

@@ -24,9 +24,9 @@ What qualifies (`_attention_triple`), each condition with its reason:
 - float32 throughout; neither GEMM has an epilogue beyond its scale (alpha), nor beta;
 - the scores are read by the row task alone and the probabilities by the second GEMM
   alone, and neither is a result of the function (they never reach memory);
-- the row task writes the probabilities and nothing else, and reads the scores only at
-  its own element: through elementwise operations of the scores' size and reshapes (a
-  mask, a scale, the softmax's reductions), so a row's scores are all it needs;
+- the row task writes the probabilities and nothing else, and reads the scores (and what
+  it computes from them: a mask, a scale, the softmax's reductions) only within each row,
+  so a row's scores are all it needs;
 - the probabilities are the second GEMM's first operand read row by row, or its second
   read transposed: either way a row of probabilities makes one row or one column of the
   result; both GEMMs have the same batch, and the row length is the second's contraction;
@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from nimblejax.compiler.fusion_rows import RESHAPES, SAME_INDEX
+from nimblejax.compiler.fusion_rows import keeps_rows
 from nimblejax.compiler.ir import Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind, TaskKind
 from nimblejax.compiler.lowering.registry import rule_for
@@ -71,10 +71,11 @@ def fuse_attention(groups: Sequence, tasks: Sequence[Task], outputs: Sequence) -
     results = {v for v in outputs if isinstance(v, Var)}
     replaced: dict[Task, Optional[Task]] = {}
     for t3 in tasks:
-        triple = _attention_triple(t3, made, readers, results)
-        if triple is None or any(t in replaced for t in triple[:2]):
+        # (The scores and the probabilities each have one reader: no task joins two triples.)
+        found = _attention_triple(t3, made, readers, results)
+        if found is None:
             continue
-        t1, (t2, row), _ = triple
+        t1, t2, row = found
         kernel = attention_kernel(t1.gemm, row, t3.gemm)
         if kernel is None:
             continue
@@ -86,7 +87,7 @@ def fuse_attention(groups: Sequence, tasks: Sequence[Task], outputs: Sequence) -
 
 
 def _attention_triple(t3: Task, made, readers, results):
-    """(scores GEMM task, (row task, its group), values GEMM task) ending at t3, or None."""
+    """(scores GEMM task, row task, its group) of the triple ending at t3, or None."""
     g2 = t3.gemm
     if t3.kind is not TaskKind.GEMM or not _plain_f32(g2):
         return None
@@ -110,8 +111,8 @@ def _attention_triple(t3: Task, made, readers, results):
                         and g1.m == queries)
         small = (g1.n <= MAX_ROW and g1.k <= MAX_HEAD and width <= MAX_WIDTH
                  and g1.batch * g1.m * g1.n * (g1.k + width) <= MAX_MACS)
-        if same_problem and small and _read_at_own_element(scores, row):
-            return t1, (t2, row), t3
+        if same_problem and small and _read_in_own_row(scores, row, g1.batch * g1.m):
+            return t1, t2, row
     return None
 
 
@@ -125,23 +126,19 @@ def _contiguous(g: GemmCall, which: str) -> bool:
     return g.layout(which) == (cols, rows * cols)
 
 
-def _read_at_own_element(scores: Var, row) -> bool:
-    """Whether the row group reads `scores` only where it computes: through elementwise
-    operations on values of the scores' shape and through reshapes, into its reductions
-    and its root (whose passes visit element c of row o at flat offset o * n + c)."""
-    derived, nodes = {scores}, row.nodes
-    for node in nodes:  # topological order
+def _read_in_own_row(scores: Var, row, n_rows: int) -> bool:
+    """Whether the row group reads `scores`, and the values it computes from them, only
+    within each row (fusion_rows.keeps_rows): a row's scores, all in shared memory, are
+    then all its passes read."""
+    derived = {scores}
+    for node in row.nodes:  # topological order
         read = [a for a in node.inputs if isinstance(a, Var) and a in derived]
         if not read:
             continue
-        out = node.outputs[0]
-        kind = rule_for(node).kind
-        if kind is RuleKind.REDUCTION and node.inputs[0] in derived and len(read) == 1:
-            continue
-        same = node.name in SAME_INDEX and all(tuple(a.shape) == tuple(out.shape) for a in read)
-        if not (same or node.name in RESHAPES) or out.size != scores.size:
+        if not all(keeps_rows(node, a, n_rows) for a in read):
             return False
-        derived.add(out)
+        if rule_for(node).kind is not RuleKind.REDUCTION:  # (a row's reduction: one value)
+            derived.add(node.outputs[0])
     return True
 
 
