@@ -46,6 +46,11 @@ PRIMITIVES = frozenset({"scan", "while", "cond"})
 # 187 vs 422 µs; T=256: 729 vs 1630 µs), so the limit is planning time and graph size,
 # not run time: the planners are near-linear in tasks and 8192 equations plan in seconds.
 UNROLL_MAX_EQNS = 8192
+# A while whose trip count is data-dependent but at most this (a counter term in its
+# condition: equinox's max_steps) is unrolled with each iteration's carry selected by the
+# condition: every iteration runs, so only where few are wasted (diffrax's Tsit5 stage
+# loop: at most 7, runs 6 or 7). Measured on the GPU, docs/design.md.
+PREDICATED_MAX_TRIPS = 8
 # Stacked ys are concatenated this many slices at a time: one generated concat kernel
 # takes one pointer per operand and tests them in a chain.
 CONCAT_CHUNK = 32
@@ -202,6 +207,15 @@ def _while(builder, eqn, ins, src) -> list[Atom]:
     body, body_jconsts = open_jaxpr(p["body_jaxpr"])
     size = body_size(body)
     trips = static_trip_count(builder, eqn, ins)
+    if trips is None and not _effectful(body):
+        bound = bounded_trip_count(builder, eqn, ins)
+        cond_size = body_size(open_jaxpr(p["cond_jaxpr"])[0])
+        if bound is not None and bound <= PREDICATED_MAX_TRIPS and _fits(bound, size + cond_size):
+            _decide(builder, "while", src, "unrolled, predicated",
+                    f"at most {bound} iterations (a counter bound in its condition) ≤ "
+                    f"PREDICATED_MAX_TRIPS ({PREDICATED_MAX_TRIPS}): each iteration computed, "
+                    f"its carry kept where the condition failed")
+            return _predicated(builder, eqn, ins, src, bound)
     options = loops.graph_options()
     if options is not None and not _effectful(body) and not (trips is not None and _fits(trips, size)):
         why = "the trip count is not static" if trips is None else _why(trips, size)
@@ -222,6 +236,32 @@ def _while(builder, eqn, ins, src) -> list[Atom]:
     counters = _counters(builder, body, nbc, carry)
     for n in range(trips):
         carry = _fold(builder.inline(body, consts + carry, src), counters, n + 1)
+    return carry
+
+
+def _predicated(builder, eqn, ins, src, trips: int) -> list[Atom]:
+    """A while that runs at most `trips` times, unrolled: each iteration evaluates the
+    condition and the body on the carry, and keeps the old carry where the condition
+    failed (after `trips` iterations it has failed: its counter term says so)."""
+    p = eqn.params
+    cond, cond_jconsts = open_jaxpr(p["cond_jaxpr"])
+    body, body_jconsts = open_jaxpr(p["body_jaxpr"])
+    ncc, nbc = int(p["cond_nconsts"]), int(p["body_nconsts"])
+    cond_consts = [builder.const(c) for c in cond_jconsts] + list(ins[:ncc])
+    consts = [builder.const(c) for c in body_jconsts] + list(ins[ncc: ncc + nbc])
+    carry = list(ins[ncc + nbc:])
+    for _ in range(trips):
+        pred = builder.inline(cond, cond_consts + carry, src)[0]
+        if isinstance(pred, Literal) and not bool(pred.value):
+            break  # known to have stopped here
+        new = builder.inline(body, consts + carry, src)
+        if isinstance(pred, Literal):
+            carry = list(new)
+            continue
+        carry = [old if nxt is old else
+                 emit(builder, _select_fn, [pred, _as_var(builder, old, v.aval, src),
+                                            _as_var(builder, nxt, v.aval, src)], src)[0]
+                 for old, nxt, v in zip(carry, new, eqn.outvars)]
     return carry
 
 
@@ -249,18 +289,61 @@ def _fold(carry: list[Atom], counters: dict[int, np.ndarray], done: int) -> list
 def static_trip_count(builder, eqn, ins: Sequence[Atom]) -> Optional[int]:
     """The trip count of a counter loop (`i < bound`, `i = i + 1`, known start and
     bound), the pattern fori_loop emits as a while; None for any other loop."""
+    cond, _ = open_jaxpr(eqn.params["cond_jaxpr"])
+    if len(cond.eqns) != 1 or cond.eqns[0].outvars[0] is not cond.outvars[0]:
+        return None
+    return _counter_trips(builder, eqn, ins, cond.eqns[0])
+
+
+def bounded_trip_count(builder, eqn, ins: Sequence[Atom]) -> Optional[int]:
+    """At most how many times a while runs whose condition is a conjunction with a
+    counter test among its terms (`... & (i < bound)`, `i = i + 1`, known start and
+    bound): equinox's `while_loop(..., max_steps=n)`, diffrax's stage loop. None when
+    no term bounds it."""
+    cond, _ = open_jaxpr(eqn.params["cond_jaxpr"])
+    made = {v: e for e in cond.eqns for v in e.outvars}
+    bounds = [_counter_trips(builder, eqn, ins, made[v]) for v in _conjuncts(cond.outvars[0], made)
+              if v in made and made[v].primitive.name == "lt"]
+    bounds = [b for b in bounds if b is not None]
+    return min(bounds) if bounds else None
+
+
+# Scalar boolean pass-throughs between a condition's terms and its result: equinox's
+# batching markers (the identity outside vmap) and bool → bool conversions.
+_PASS_THROUGH = frozenset({"nonbatchable", "unvmap_any", "unvmap_all", "convert_element_type"})
+
+
+def _conjuncts(var: Any, made: dict) -> list:
+    """The terms whose `and` is `var` (a scalar bool), through _PASS_THROUGH."""
+    eqn = made.get(var)
+    if eqn is None or getattr(var.aval, "shape", None) != () or var.aval.dtype != np.bool_:
+        return [var]
+    if eqn.primitive.name == "and":
+        return [t for v in eqn.invars if type(v).__name__ != "Literal" for t in _conjuncts(v, made)]
+    if eqn.primitive.name in _PASS_THROUGH and len(eqn.invars) == 1:
+        inner = eqn.invars[0]
+        if (type(inner).__name__ != "Literal" and getattr(inner.aval, "shape", None) == ()
+                and inner.aval.dtype == np.bool_):
+            return _conjuncts(inner, made)
+    return [var]
+
+
+def _counter_trips(builder, eqn, ins: Sequence[Atom], test: Any) -> Optional[int]:
+    """Iterations until the condition's term `test` (`lt counter bound`) fails, where
+    the counter is a carry with a known integer start that the body adds 1 to and the
+    bound is known; None otherwise."""
     p = eqn.params
     cond, cond_jconsts = open_jaxpr(p["cond_jaxpr"])
     body, _ = open_jaxpr(p["body_jaxpr"])
     ncc, nbc = int(p["cond_nconsts"]), int(p["body_nconsts"])
     init = list(ins[ncc + nbc:])
-    if len(cond.eqns) != 1 or cond.eqns[0].primitive.name != "lt":
+    if test.primitive.name != "lt":
         return None
     known: dict[Any, Any] = dict(zip(cond.constvars, cond_jconsts))
     known.update({v: _value(builder, a) for v, a in zip(cond.invars[:ncc], ins[:ncc])})
     carry_pos = {v: k for k, v in enumerate(cond.invars[ncc:])}
-    lhs, rhs = cond.eqns[0].invars
-    if lhs not in carry_pos or cond.eqns[0].outvars[0] is not cond.outvars[0]:
+    lhs, rhs = test.invars
+    if lhs not in carry_pos:
         return None
     k = carry_pos[lhs]
     start = _value(builder, init[k])

@@ -5,20 +5,25 @@ cuda-bindings (`from cuda.bindings import driver`). One `ControlLaunchers` serve
 plan's control tasks; `launch.Launchers.launch` hands it every task with `control`.
 
 Each sub-plan (a loop's step, a branch) gets an arena of its own, its constants
-uploaded, and its own `Launchers` whose every stream is one private stream: a
-conditional node's body may not hold event nodes, so the sub-plan's tasks run in its
-launch order on that one stream (an order its streams and events allow).
+uploaded, and its own `Launchers` over streams of its own whose first is the private
+stream a conditional body is captured on. A body may hold no event nodes, but the
+other streams join that capture by waiting on an event recorded in it, and events
+between streams recorded and waited on inside one capture become the graph's edges: a
+body runs the sub-plan's independent tasks side by side, as the plan's streams say.
 
 Captured (the plan's graph is being captured on the task's stream), a WHILE task is
-  copies of its operands into the step plan's input slots (carry slots included)
-  → a kernel that sets the loop's handle from the condition on the initial carry
+  one kernel that sets the loop's handle from the condition on the initial carry and
+    copies the operands into the step plan's input slots (carry slots included)
   → a WHILE node whose body is captured on the private stream
     (cuStreamBeginCaptureToGraph): the step plan's launches, then one kernel that
     copies each next carry into its slot and sets the handle from the step's `pred`
-  → copies of the carry slots into the task's results.
+  → one kernel copying the carry slots into the task's results.
 A SWITCH task is a kernel that sets one handle per branch (the clamped index equal to
 k) and one IF node per branch, whose body copies the operands in, runs the branch plan
-and copies its results out (IF nodes need a 12.3 driver, SWITCH nodes 12.8).
+and copies its results out (IF nodes need a 12.3 driver, SWITCH nodes 12.8). Every
+group of copies is one kernel reading a (destination, source, bytes) table
+(`CopyTable`): each kernel node of a WHILE body or around it costs about 1.5 µs on its
+stream, and diffrax's stage loop had 22 copies around each run.
 Not captured (eager mode), the same runs from the host, which reads each condition
 back (a synchronization per iteration: correct, not fast). The warm-up run before
 capture reads none (`warming`): its arena holds no inputs yet.
@@ -50,10 +55,6 @@ typedef unsigned long long cudaGraphConditionalHandle;
 extern "C" __device__ __cudart_builtin__ void cudaGraphSetConditional(
     cudaGraphConditionalHandle handle, unsigned int value);
 
-extern "C" __global__ void nimble_set_while(cudaGraphConditionalHandle handle, const bool* flag) {
-    cudaGraphSetConditional(handle, *flag ? 1u : 0u);
-}
-
 // One IF handle per branch: handle k is set where the clamped index is k (lax.switch).
 extern "C" __global__ void nimble_set_branch(cudaGraphConditionalHandle handle, const int* index,
                                              int k, int n) {
@@ -62,31 +63,12 @@ extern "C" __global__ void nimble_set_branch(cudaGraphConditionalHandle handle, 
     cudaGraphSetConditional(handle, i == k ? 1u : 0u);
 }
 
-// Copies between fixed slots, as kernels: a conditional body takes kernel nodes.
-extern "C" __global__ void nimble_copy_slot(unsigned char* dst, const unsigned char* src,
-                                            unsigned long long n) {
-    unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
-    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (n % 4 == 0) {
-        for (; i < n / 4; i += step) ((unsigned int*)dst)[i] = ((const unsigned int*)src)[i];
-    } else {
-        for (; i < n; i += step) dst[i] = src[i];
-    }
-}
-
-// The end of a WHILE body in one kernel node: every next carry copied into its slot
-// (pair blockIdx.y, its bytes over blockIdx.x) and the handle set from the step's pred.
-// One node instead of one per carry plus one: each node on a body's one stream costs
-// about 1.5 us of every iteration. The handle is read when the body ends, so setting it
-// beside the copies is safe; the copies read the step's results, never a slot.
+// Copies between fixed slots, as kernels (a conditional body takes kernel nodes): a
+// table of (dst, src, bytes), pair blockIdx.y, its bytes over blockIdx.x. One node
+// instead of one per pair: each node on a body's one stream costs about 1.5 us.
 struct NimbleCopy { unsigned long long dst, src, n; };
 
-extern "C" __global__ void nimble_next_carry(cudaGraphConditionalHandle handle, const bool* flag,
-                                             const NimbleCopy* pairs, int count) {
-    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
-        cudaGraphSetConditional(handle, *flag ? 1u : 0u);
-    if ((int)blockIdx.y >= count) return;
-    const NimbleCopy p = pairs[blockIdx.y];
+__device__ void nimble_copy_pair(const NimbleCopy p) {
     unsigned char* dst = (unsigned char*)p.dst;
     const unsigned char* src = (const unsigned char*)p.src;
     unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
@@ -96,6 +78,23 @@ extern "C" __global__ void nimble_next_carry(cudaGraphConditionalHandle handle, 
     } else {
         for (; i < p.n; i += step) dst[i] = src[i];
     }
+}
+
+extern "C" __global__ void nimble_copy_pairs(const NimbleCopy* pairs, int count) {
+    if ((int)blockIdx.y < count) nimble_copy_pair(pairs[blockIdx.y]);
+}
+
+// A WHILE's entry (the handle from the condition on the initial carry, the operands into
+// their slots) and the end of its body (the handle from the step's pred, each next carry
+// into its slot) in one kernel node. The handle is read when the node before the body
+// (or the body) ends, so setting it beside the copies is safe; the copies never write
+// the flag (entry: it lives in the enclosing arena; body end: they read the step's
+// results, never a slot).
+extern "C" __global__ void nimble_set_and_copy(cudaGraphConditionalHandle handle, const bool* flag,
+                                               const NimbleCopy* pairs, int count) {
+    if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+        cudaGraphSetConditional(handle, *flag ? 1u : 0u);
+    if ((int)blockIdx.y < count) nimble_copy_pair(pairs[blockIdx.y]);
 }
 """
 COPY_BLOCK = 256
@@ -107,13 +106,16 @@ def copy_blocks(nbytes: int) -> int:
     return min(COPY_MAX_BLOCKS, max(1, -(-int(nbytes) // (4 * COPY_BLOCK))))
 
 
-class CarryTable:
-    """A WHILE body's next-carry copies as the (dst, src, bytes) table that
-    nimble_next_carry reads, in device memory; `blocks` per copy covers the largest."""
+class CopyTable:
+    """Copies between fixed addresses as the (dst, src, bytes) table that
+    nimble_copy_pairs and nimble_set_and_copy read, in device memory; `blocks` per copy
+    covers the largest."""
 
     def __init__(self, pairs: Sequence[tuple[int, int, int]]) -> None:
         import cupy
 
+        pairs = [p for p in pairs if p[2]]
+        self.pairs = pairs
         self.count = len(pairs)
         self.blocks = max((copy_blocks(n) for _, _, n in pairs), default=1)
         table = np.asarray(pairs, np.uint64).reshape(-1, 3) if pairs else np.zeros((1, 3), np.uint64)
@@ -168,10 +170,9 @@ class ControlLaunchers:
         check_supported()
         self.cupy = cupy
         module = _load_module()
-        self.set_while = module.get_function("nimble_set_while")
         self.set_branch = module.get_function("nimble_set_branch")
-        self.copy = module.get_function("nimble_copy_slot")
-        self.next_carry = module.get_function("nimble_next_carry")
+        self.copy_pairs = module.get_function("nimble_copy_pairs")
+        self.set_and_copy = module.get_function("nimble_set_and_copy")
         self.private = cupy.cuda.Stream(non_blocking=True)
         self.tasks = {t: _TaskLaunch(t, address, make_launchers, self.private) for t in tasks}
 
@@ -190,27 +191,27 @@ class ControlLaunchers:
                 sub.launchers.close()
 
     # ---- copies -------------------------------------------------------------------
-    def _copy(self, pairs: Sequence[tuple[int, int, int]], stream: Any) -> None:
-        for dst, src, n in pairs:
-            if n:
-                self.copy((copy_blocks(n),), (COPY_BLOCK,),
-                          (np.uint64(dst), np.uint64(src), np.uint64(n)), stream=stream)
+    def _copy(self, table: CopyTable, stream: Any) -> None:
+        if table.count:
+            self.copy_pairs((table.blocks, table.count), (COPY_BLOCK,),
+                            (np.uint64(table.address), np.int32(table.count)), stream=stream)
+
+    def _set_and_copy(self, handle: Any, flag: int, table: CopyTable, stream: Any) -> None:
+        self.set_and_copy((table.blocks, max(1, table.count)), (COPY_BLOCK,),
+                          (np.uint64(int(handle)), np.uint64(flag), np.uint64(table.address),
+                           np.int32(table.count)), stream=stream)
 
     # ---- WHILE ----------------------------------------------------------------------
     def _capture_while(self, run: "_TaskLaunch", stream: Any) -> None:
         from cuda.bindings import driver
 
-        self._copy(run.copy_in, stream)
         graph, _ = _capture_info(stream)
         handle = _check(driver.cuGraphConditionalHandleCreate(graph, _context(), 0, 0))[0]
-        self.set_while((1,), (1,), (np.uint64(int(handle)), np.uint64(run.pred0)), stream=stream)
+        self._set_and_copy(handle, run.pred0, run.copy_in, stream)
         body = _add_conditional(stream, handle, driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE)
         with _capturing_to(self.private, body):
             run.step.launch_all(self.private)
-            table = run.carry_table
-            self.next_carry((table.blocks, max(1, table.count)), (COPY_BLOCK,),
-                            (np.uint64(int(handle)), np.uint64(run.flag), np.uint64(table.address),
-                             np.int32(table.count)), stream=self.private)
+            self._set_and_copy(handle, run.flag, run.next_carry, self.private)
         self._copy(run.copy_out, stream)
 
     def _host_while(self, run: "_TaskLaunch", stream: Any) -> None:
@@ -276,31 +277,32 @@ class _TaskLaunch:
             self.pred0 = src[0]
             self.copy_in = _pairs(self.step, step.inputs, src[1:])
             slots = step.inputs[call.nconsts:]
-            self.next_carry = [(self.step.address(s), self.step.address(o), s.nbytes)
-                               for s, o, passed in zip(slots, step.outputs[:-1], call.passed)
-                               if not passed and s.nbytes]
-            self.carry_table = CarryTable(self.next_carry)
+            self.next_carry = CopyTable([(self.step.address(s), self.step.address(o), s.nbytes)
+                                         for s, o, passed in zip(slots, step.outputs[:-1], call.passed)
+                                         if not passed])
             self.flag = self.step.address(step.outputs[-1])
-            self.copy_out = [(address(v), self.step.address(s), v.nbytes)
-                             for v, s in zip(node.outputs, slots) if v.nbytes]
+            self.copy_out = CopyTable([(address(v), self.step.address(s), v.nbytes)
+                                       for v, s in zip(node.outputs, slots)])
         else:
             self.index = src[0]
             self.branches = []
             for plan in call.branches:
                 sub = _SubPlan(plan, make_launchers, private)
                 copy_in = _pairs(sub, plan.graph.inputs, src[1:])
-                copy_out = [(address(v), sub.address(o), v.nbytes)
-                            for v, o in zip(node.outputs, plan.graph.outputs) if v.nbytes]
+                copy_out = CopyTable([(address(v), sub.address(o), v.nbytes)
+                                      for v, o in zip(node.outputs, plan.graph.outputs)])
                 self.branches.append((sub, copy_in, copy_out))
 
 
-def _pairs(sub: "_SubPlan", inputs: Sequence[Var], sources: Sequence[int]) -> list:
-    return [(sub.address(v), s, v.nbytes) for v, s in zip(inputs, sources)
-            if v in sub.plan.memory.offsets and v.nbytes]
+def _pairs(sub: "_SubPlan", inputs: Sequence[Var], sources: Sequence[int]) -> CopyTable:
+    return CopyTable([(sub.address(v), s, v.nbytes) for v, s in zip(inputs, sources)
+                      if v in sub.plan.memory.offsets])
 
 
 class _SubPlan:
-    """A sub-plan's arena, constants and launches, every task on one stream."""
+    """A sub-plan's arena, constants and launches on streams of its own, the first the
+    control launchers' private stream (a conditional body is captured there; the others
+    join that capture through events, which become the body graph's edges)."""
 
     def __init__(self, plan: Any, make_launchers: Any, private: Any) -> None:
         from nimblejax.runtime.io import allocate, cupy_dtype
@@ -313,15 +315,20 @@ class _SubPlan:
                 view = self.arena[plan.offset(var): plan.offset(var) + var.nbytes]
                 view.view(cupy_dtype(var.dtype)).set(np.ascontiguousarray(value, var.dtype).reshape(-1)
                                                      .view(cupy_dtype(var.dtype)))
-        self.launchers = make_launchers(plan, [private] * max(1, plan.schedule.num_streams), self.base)
+        import cupy
+
+        self.streams = [private] + [cupy.cuda.Stream(non_blocking=True)
+                                    for _ in range(plan.schedule.num_streams - 1)]
+        self.events = {u: cupy.cuda.Event(disable_timing=True) for u, _ in plan.schedule.syncs}
+        self.launchers = make_launchers(plan, self.streams, self.base)
 
     def address(self, var: Var) -> int:
         return self.base + self.plan.offset(var)
 
     def launch_all(self, stream: Any) -> None:
-        """Every task in launch order on the private stream (its streams all map there)."""
-        for task in self.plan.schedule.order:
-            self.launchers.launch(task, self.plan.schedule.stream[task])
+        """Every task on its stream, forked from and joined into `stream` (the private
+        stream: streams[0])."""
+        self.launchers.launch_all(self.events)
 
 
 class _LiteralPool:

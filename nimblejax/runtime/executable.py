@@ -92,24 +92,8 @@ class Executable:
 
     def launch_tasks(self) -> None:
         """Every task on its stream, in launch order; fork from and join into stream 0."""
-        sched = self.plan.schedule
-        s0 = self.streams[0]
-        fork = self.cupy.cuda.Event(disable_timing=True)
-        fork.record(s0)
-        for s in self.streams[1:]:
-            s.wait_event(fork)
-        for task in sched.order:
-            s = sched.stream[task]
-            for u in sched.waits(task):
-                self.streams[s].wait_event(self.events[u])
-            self.launchers.launch(task, s)
-            if task in self.events:
-                self.events[task].record(self.streams[s])
-        for s in self.streams[1:]:
-            join = self.cupy.cuda.Event(disable_timing=True)
-            join.record(s)
-            s0.wait_event(join)
-        self.stats["task_launches"] += len(sched.order)
+        self.launchers.launch_all(self.events)
+        self.stats["task_launches"] += len(self.plan.schedule.order)
 
     def launch(self) -> None:
         """One run of the plan on stream 0: the graph, or the tasks one by one (eager)."""

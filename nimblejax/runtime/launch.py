@@ -61,6 +61,29 @@ class Launchers:
             self.control = ControlLaunchers(
                 control, self.address, lambda sub, streams, base: Launchers(sub, streams, base, gemm))
 
+    def launch_all(self, events: dict) -> None:
+        """Every task on its stream, in launch order, waiting on and recording the
+        schedule's events (`events`: one per sync source); the other streams fork from
+        and join into streams[0]. Captured, the events become the graph's edges."""
+        import cupy
+
+        sched, streams = self.plan.schedule, self.streams
+        fork = cupy.cuda.Event(disable_timing=True)
+        fork.record(streams[0])
+        for s in streams[1:]:
+            s.wait_event(fork)
+        for task in sched.order:
+            s = sched.stream[task]
+            for u in sched.waits(task):
+                streams[s].wait_event(events[u])
+            self.launch(task, s)
+            if task in events:
+                events[task].record(streams[s])
+        for s in streams[1:]:
+            join = cupy.cuda.Event(disable_timing=True)
+            join.record(s)
+            streams[0].wait_event(join)
+
     def _addresses(self, task: Task) -> tuple:
         """The device addresses a task runs on (kernel params, or a library call's operands:
         None for a GEMM epilogue operand it does not have)."""

@@ -173,6 +173,69 @@ def test_loop_too_large_to_unroll_is_refused_with_the_reason(monkeypatch):
         nimble.jit(f, backend="interpret", fallback="error", loops="unroll")(np.ones(3, np.float32))
 
 
+# ---- while with a counter bound and a data-dependent exit: unrolled, predicated ----
+def bounded_newton(a, tol):
+    """At most 6 Newton steps (the counter term), fewer once a step is below `tol`."""
+    def body(c):
+        x, _, k = c
+        nx = 0.5 * (x + a / x)
+        return nx, jnp.max(jnp.abs(nx - x)), k + 1
+    return lax.while_loop(lambda c: (c[1] > tol) & (c[2] < 6), body,
+                          (a, jnp.float32(jnp.inf), jnp.int32(0)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("tol", [1e-3, 0.0, 1e9])  # stops early / runs to the bound / stops after one
+def test_bounded_while_is_unrolled_with_its_carry_selected(backend, tol):
+    a = np.abs(rand(np.random.default_rng(3), 64)) * 40 + 0.5
+    check(bounded_newton, (a, np.float32(tol)), backend)
+    got = nimble.jit(bounded_newton, backend="interpret")(a, np.float32(tol))
+    assert int(got[2]) == int(jax.jit(bounded_newton)(a, np.float32(tol))[2])  # the counter too
+
+
+def test_bounded_while_decision_says_predicated_and_makes_no_while_task():
+    a = np.abs(rand(np.random.default_rng(4), 8)) + 1.0
+    plan = nimble.jit(bounded_newton, backend="interpret", loops="graph").plan(a, np.float32(1e-3))
+    assert not any(t.control for t in plan.tasks)
+    (d,) = [d for d in plan.control if d.primitive == "while"]
+    assert d.choice == "unrolled, predicated" and "at most 6 iterations" in d.reason
+    # With loops="unroll" it runs too (no WHILE task needed).
+    nimble.jit(bounded_newton, backend="interpret", loops="unroll", fallback="error")(a, np.float32(1e-3))
+
+
+def test_a_bound_beyond_predicated_max_trips_stays_a_while_task():
+    def f(a):
+        return lax.while_loop(lambda c: (c[0].sum() > 1.0) & (c[1] < control.PREDICATED_MAX_TRIPS + 1),
+                              lambda c: (c[0] * 0.5, c[1] + 1), (a, jnp.int32(0)))
+
+    a = np.abs(rand(np.random.default_rng(5), 8)) + 1.0
+    (d,) = [d for d in decisions(f, a) if d.primitive == "while"]
+    assert d.choice == "while task"
+
+
+def test_counter_under_passthroughs_and_a_late_start_bounds_the_loop():
+    """equinox's form: `nonbatchable(and(any(data), convert(lt(i, n))))`, the counter
+    starting at 2: at most n - 2 iterations; integers bit for bit."""
+    def f(x, n0):
+        def cond(c):
+            i, v, j = c
+            go = (v.sum() % 7 != 0) & lax.convert_element_type(i < 9, np.bool_)
+            return go
+        def body(c):
+            i, v, j = c
+            return i + 1, v * 3 + j, j + v[0]
+        return lax.while_loop(cond, body, (jnp.int32(2), x, n0))
+
+    x = np.random.default_rng(6).integers(-50, 50, size=(5,)).astype(np.int32)
+    for n0 in (np.int32(1), np.int32(4)):
+        got = nimble.jit(f, backend="interpret")(x, n0)
+        want = jax.jit(f)(x, n0)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    (d,) = [d for d in decisions(f, x, np.int32(1)) if d.primitive == "while"]
+    assert d.choice == "unrolled, predicated" and "at most 7 iterations" in d.reason
+
+
 # ---- cond / switch --------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cond_on_a_data_value(backend):

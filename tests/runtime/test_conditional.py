@@ -19,7 +19,7 @@ def test_conditional_kernels_compile_to_ptx_with_nvrtc():
     if available_compiler() is None:
         pytest.skip("no NVRTC or nvcc")
     ptx = compile_to_ptx(conditional.SOURCE, "nimble_conditional")
-    for name in ("nimble_set_while", "nimble_set_branch", "nimble_copy_slot", "nimble_next_carry"):
+    for name in ("nimble_set_branch", "nimble_copy_pairs", "nimble_set_and_copy"):
         assert f".entry {name}" in ptx
     assert "cudaGraphSetConditional" in ptx  # the builtin, resolved by the driver's JIT
 
@@ -27,7 +27,7 @@ def test_conditional_kernels_compile_to_ptx_with_nvrtc():
 def test_runtime_ptx_is_made_by_nvrtc_for_the_device_arch():
     pytest.importorskip("cuda.bindings.nvrtc")
     ptx = conditional.ptx_of(conditional.SOURCE, "compute_90")
-    assert b".target sm_90" in ptx and b"nimble_set_while" in ptx
+    assert b".target sm_90" in ptx and b"nimble_set_and_copy" in ptx
 
 
 class _Step:
