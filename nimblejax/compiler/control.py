@@ -10,6 +10,12 @@ Called from `GraphBuilder.inline` (trace.py) for each control-flow equation:
   squeeze), ys stacked (reshape + concatenate). `reverse`, `length` without xs and the
   body's own constants are handled; `unroll` is ignored (everything is unrolled). A
   counting carry (the fori_loop index) becomes a literal in each iteration.
+- `while` whose trip count is data-dependent but bounded by a counter term of its
+  condition (`... & (i < n)`, through `and`s and equinox's batching markers: equinox's
+  `while_loop(..., max_steps=n)`, diffrax's stage loop) is UNROLLED, PREDICATED, when
+  the bound is at most PREDICATED_MAX_TRIPS: each iteration evaluates the condition and
+  the body and keeps the old carry where the condition failed (`select_n`), so no WHILE
+  node runs, at the cost of the iterations the loop would have skipped.
 - `cond` (`lax.cond`, `lax.switch`) whose branches have no side effects becomes a
   `select_n` over all branches' outputs, the index clamped into range as lax.switch does.
 
