@@ -78,7 +78,8 @@ def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] =
     arrays: ``"jax"`` (default), ``"numpy"``, or ``"cupy"`` (cuda backend only).
 
     Compiler and runtime options (``max_streams``, ``eager``, ``conv``, ``gemm``,
-    ``debug``, ``call_path``, ``residency``, ``small_gemm``, ``horizontal``, ``fallback``;
+    ``debug``, ``call_path``, ``residency``, ``small_gemm``, ``tc_gemm``, ``horizontal``,
+    ``fallback``;
     see nimblejax.options) come from the environment when the function is decorated,
     overridden by ``options=Options(...)`` and then by keyword arguments:
     ``nimble.jit(f, max_streams=1)``.

@@ -16,6 +16,7 @@ settings never share a stale plan.
 | call_path    | NIMBLE_CALL_PATH     | "auto" / "ffi" / "python"   | runtime       |
 | residency    | NIMBLE_RESIDENCY     | "auto" / "c" / "python"     | runtime       |
 | small_gemm   | NIMBLE_SMALL_GEMM    | True / False (0 turns off)  | the plan      |
+| tc_gemm      | NIMBLE_TC_GEMM       | True / False (0 turns off)  | the plan      |
 | horizontal   | NIMBLE_HORIZONTAL    | True / False (0 turns off)  | the plan      |
 | fallback     | NIMBLE_FALLBACK      | "xla" / "error"             | unsupported   |
 | loops        | NIMBLE_LOOPS         | "graph" / "unroll"          | the plan      |
@@ -28,6 +29,10 @@ compiler/streams/schedule.py, which says why.
 
 `small_gemm`: small-M float GEMMs (an RNN's recurrent `h @ W_hh`) run as a generated
 kernel instead of the library call (compiler/lowering/gemm_small.py says which, and why).
+
+`tc_gemm`: small and medium TF32 float32 GEMMs (M = 32 to 128 rows) run as a generated
+tensor-core kernel instead of cuBLASLt, epilogue included (compiler/lowering/gemm_tc.py
+says which, and why).
 
 `horizontal`: independent small elementwise kernels of one level are packed into one
 launch (compiler/fusion_horizontal.py says which, and why).
@@ -77,7 +82,7 @@ LOOPS = ("unroll", "graph")
 _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
         "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
         "residency": "NIMBLE_RESIDENCY", "small_gemm": "NIMBLE_SMALL_GEMM",
-        "horizontal": "NIMBLE_HORIZONTAL", "fallback": "NIMBLE_FALLBACK", "loops": "NIMBLE_LOOPS"}
+        "tc_gemm": "NIMBLE_TC_GEMM", "horizontal": "NIMBLE_HORIZONTAL", "fallback": "NIMBLE_FALLBACK", "loops": "NIMBLE_LOOPS"}
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class Options:
     call_path: str = "auto"
     residency: str = "auto"
     small_gemm: bool = True
+    tc_gemm: bool = True
     horizontal: bool = True
     fallback: str = "xla"
     loops: str = "graph"
@@ -104,6 +110,10 @@ class Options:
             raise ValueError(f"small_gemm must be True or False, got {self.small_gemm!r} "
                              f"(environment variable NIMBLE_SMALL_GEMM=0/1 or "
                              f"nimble.jit(..., small_gemm=...))")
+        if not isinstance(self.tc_gemm, bool):
+            raise ValueError(f"tc_gemm must be True or False, got {self.tc_gemm!r} "
+                             f"(environment variable NIMBLE_TC_GEMM=0/1 or "
+                             f"nimble.jit(..., tc_gemm=...))")
         if not isinstance(self.horizontal, bool):
             raise ValueError(f"horizontal must be True or False, got {self.horizontal!r} "
                              f"(environment variable NIMBLE_HORIZONTAL=0/1 or "
@@ -149,6 +159,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "call_path": env.get(_ENV["call_path"], "auto"),
         "residency": env.get(_ENV["residency"], "auto"),
         "small_gemm": _flag(env.get(_ENV["small_gemm"], "1")),
+        "tc_gemm": _flag(env.get(_ENV["tc_gemm"], "1")),
         "horizontal": _flag(env.get(_ENV["horizontal"], "1")),
         "fallback": env.get(_ENV["fallback"], "xla"),
         "loops": env.get(_ENV["loops"], "graph"),

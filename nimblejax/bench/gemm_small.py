@@ -4,7 +4,7 @@
                                          [--columns 8,16,32]
 
 For each (M, N, K), a one-dot nimble plan is built twice, with the small-M kernel off
-(`small_gemm=False`: the cuBLASLt call) and on. Two GPU times from CUDA events, medians:
+(`small_gemm=False`: the cuBLASLt call; the TF32 kernel of gemm_tc.py off too) and on. Two GPU times from CUDA events, medians:
 - `task`: the dot alone, from a CUDA graph of REPEATS back-to-back launches of its task
   (no graph-launch or host cost; what one LSTM step's GEMM costs inside a plan);
 - `plan`: the plan's own graph launched back to back (one dot plus a graph launch).
@@ -63,7 +63,7 @@ def _row(dot, a, b, want: np.ndarray, small: bool, note: str) -> dict:
     import nimblejax as nimble
     from nimblejax.bench.timing import nimble_gpu_us
 
-    f = nimble.jit(dot, backend="cuda", small_gemm=small)
+    f = nimble.jit(dot, backend="cuda", small_gemm=small, tc_gemm=False)  # against cuBLASLt
     got = np.asarray(f(a, b), np.float64)
     (exe,) = f.executables()
     (task,) = exe.plan.tasks

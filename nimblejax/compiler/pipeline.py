@@ -88,7 +88,7 @@ def _fuse(p: Program, options: Options) -> Program:
 
 
 def _lower(p: Program, options: Options) -> Program:
-    tasks = lower(p.groups, small_gemm=options.small_gemm)
+    tasks = lower(p.groups, small_gemm=options.small_gemm, tc_gemm=options.tc_gemm)
     return dataclasses.replace(p, lowered=tuple(fuse_attention(p.groups, tasks, p.graph.outputs)))
 
 

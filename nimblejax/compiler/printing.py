@@ -90,8 +90,10 @@ def groups_text(groups: Sequence[Group]) -> str:
 def launch_text(task: Task) -> str:
     """How a task runs: its kernels' grids and blocks, or its library call."""
     if task.kind is TaskKind.KERNEL:
-        return " then ".join(f"{k.name} grid{list(k.grid)} block{list(k.block)}"
+        text = " then ".join(f"{k.name} grid{list(k.grid)} block{list(k.block)}"
                              for k in task.kernel.launches)
+        # A kernel computing a GEMM (lowering/gemm_tc.py): which one.
+        return text + (f" computing {task.gemm!r}" if task.gemm is not None else "")
     if task.kind is TaskKind.GEMM:
         return repr(task.gemm)
     if task.kind is TaskKind.CUDNN:

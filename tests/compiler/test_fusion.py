@@ -55,7 +55,7 @@ def test_reshape_of_a_buffer_is_a_view():
     plan = nimble.jit(lambda a, b, c: (a @ b).reshape(-1) @ c, backend="interpret").plan(
         rand(r, 30, 5), rand(r, 5, 40), rand(r, 1200))
     assert [t.kind for t in plan.views] == ["view"]
-    assert sum(t.kind == "kernel" for t in plan.tasks) == 0
+    assert sum(t.kind == "kernel" and t.gemm is None for t in plan.tasks) == 0  # (GEMMs may be)
 
 
 def test_generated_kernel_names_are_readable():

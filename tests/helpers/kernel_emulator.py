@@ -15,7 +15,10 @@ afterwards the bytes between buffers must still be the fill: no kernel wrote out
 buffers). A task's launches (`Kernel.launches`: a scatter's copy, then the scatter) run in
 order. Atomics take one lock, so they are atomic across OS threads too. __CUDA_ARCH__ is
 undefined unless `build(..., arch=900)` defines it: a kernel's `#if __CUDA_ARCH__ >= 900`
-branch (a scatter-add's vector atomics) runs then, its other branch otherwise. `launch` runs one
+branch (a scatter-add's vector atomics) runs then, its other branch otherwise. The TF32
+tensor-core kernels' PTX helpers (compiler/lowering/gemm_tc.py, guarded by NIMBLE_TC_PTX)
+are SHIM's own: mma.sync as a warp collective over a per-warp scratch, cvt.rna.tf32.f32
+as rounding to 10 mantissa bits (ties away), cp.async as a plain copy. `launch` runs one
 kernel over given arrays; `compile_library` is the host compiler step, for other host code.
 
 Host math (glibc) is not CUDA's libdevice: results agree within a few ulp, not bit for
@@ -28,6 +31,7 @@ import ctypes
 import hashlib
 import math
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -56,7 +60,8 @@ static Dim3 blockDim, gridDim;
 // array is the block's shared memory. Warp shuffles and __syncthreads are barriers;
 // a thread that returns drops out of them (as an exited thread does on the GPU).
 #define __shared__ static
-struct Warp { std::barrier<> bar{32}; unsigned long long slot[32]; };
+struct Warp { std::barrier<> bar{32}; unsigned long long slot[32];
+              unsigned mma_a[32][4], mma_b[32][2]; };  // nimble_mma_tf32's fragments
 static Warp* warps;
 static std::barrier<>* block_bar;
 static inline int flat_tid() { return threadIdx.x + threadIdx.y * blockDim.x; }
@@ -160,6 +165,37 @@ template <class T> static inline T atomicMax(T* p, T v) {
   return atomic_update(p, [&](T o) { return max(o, v); }); }
 template <class T> static inline T atomicCAS(T* p, T cmp, T v) {
   return atomic_update(p, [&](T o) { return o == cmp ? v : o; }); }
+#define __align__(n) __attribute__((aligned(n)))
+// The TF32 tensor-core helpers of compiler/lowering/gemm_tc.py (its PTX block is skipped).
+#define NIMBLE_TC_PTX
+// cvt.rna.tf32.f32: round to 10 mantissa bits, to nearest, ties away from zero (a
+// carry into the exponent gives the next power of two, or infinity); NaN and inf kept.
+static inline unsigned nimble_tf32(float x) {
+  unsigned u; memcpy(&u, &x, 4);
+  return (u & 0x7f800000u) == 0x7f800000u ? u : (u + 0x1000u) & 0xffffe000u; }
+// mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 as a warp collective: each lane
+// leaves its fragments in the warp's scratch, then computes its four outputs from
+// PTX's layouts (lane = 4 * group + t): a[r] is A(group + 8 * (r % 2), t + 4 * (r / 2)),
+// b[r] is B(t + 4 * r, group), d[r] is D(group + 8 * (r / 2), 2 * t + r % 2).
+static inline void nimble_mma_tf32(float* d, const unsigned* a, const unsigned* b) {
+  int tid = flat_tid(), lane = tid % 32; Warp& w = warps[tid / 32];
+  memcpy(w.mma_a[lane], a, 16); memcpy(w.mma_b[lane], b, 8);
+  w.bar.arrive_and_wait();
+  for (int r = 0; r < 4; ++r) {
+    const int row = lane / 4 + 8 * (r / 2), col = 2 * (lane % 4) + r % 2;
+    float sum = d[r];
+    for (int k = 0; k < 8; ++k)
+      sum = fmaf(__uint_as_float(w.mma_a[(row % 8) * 4 + k % 4][row / 8 + 2 * (k / 4)]),
+                 __uint_as_float(w.mma_b[col * 4 + k % 4][k / 4]), sum);
+    d[r] = sum; }
+  w.bar.arrive_and_wait(); }
+// cp.async as a plain copy (done at once: wait_group has nothing to wait for).
+static inline void nimble_cp_async16(float* dst, const float* src, bool valid) {
+  if (valid) memcpy(dst, src, 16); else memset(dst, 0, 16); }
+static inline void nimble_cp_async4(float* dst, const float* src, bool valid) {
+  *dst = valid ? *src : 0.0f; }
+static inline void nimble_cp_async_commit() {}
+template <int N> static inline void nimble_cp_async_wait() {}
 """
 # Kernels that use any of these run one OS thread per CUDA thread (cooperative).
 COOPERATIVE = ("__shfl", "__syncthreads", "__syncwarp", "__shared__")
@@ -179,8 +215,19 @@ def emulatable(kernel) -> bool:
     return all(_emulatable(k) for k in kernel.launches)
 
 
+# Blocks of device code that SHIM replaces with its own (it defines the guard macro).
+SHIM_GUARDS = ("NIMBLE_TC_PTX",)
+
+
+def _device_only(source: str) -> str:
+    """`source` without the blocks that SHIM replaces."""
+    for guard in SHIM_GUARDS:
+        source = re.sub(rf"#ifndef {guard}\n.*?#endif  // {guard}\n", "", source, flags=re.S)
+    return source
+
+
 def _emulatable(kernel) -> bool:
-    if any(k in kernel.source for k in UNSUPPORTED) or kernel.block[2] != 1:
+    if any(k in _device_only(kernel.source) for k in UNSUPPORTED) or kernel.block[2] != 1:
         return False
     if cooperative(kernel):
         return math.prod(kernel.grid) * math.prod(kernel.block) <= MAX_COOPERATIVE_THREADS

@@ -8,6 +8,7 @@ from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_in
                                          rules_window)  # (registration)
 from nimblejax.compiler.lowering.codegen import elementwise_kernel, reduction_kernel
 from nimblejax.compiler.kinds import CONTROL_PRIMITIVES, GroupKind, TaskKind
+from nimblejax.compiler.lowering.gemm_tc import takes_tc, tc_matmul
 from nimblejax.compiler.lowering.registry import RULES, rule_for
 from nimblejax.compiler.lowering.horizontal import horizontal_kernel
 from nimblejax.compiler.lowering.rows import row_kernel
@@ -20,9 +21,11 @@ if TYPE_CHECKING:  # fusion imports lowering rules; avoid the cycle at import ti
 __all__ = ["lower_group", "lower", "RULES", "Task", "Kernel", "GemmCall", "ConvCall"]
 
 
-def lower_group(group: Group, small_gemm: bool = True) -> Task:
+def lower_group(group: Group, small_gemm: bool = True, tc_gemm: bool = True) -> Task:
     """`small_gemm`: whether small-M float GEMMs become the generated kernel
-    (Options.small_gemm; lowering/gemm_small.py)."""
+    (Options.small_gemm; lowering/gemm_small.py). `tc_gemm`: whether library GEMMs that
+    the TF32 tensor-core kernel was measured faster on become that kernel
+    (Options.tc_gemm; lowering/gemm_tc.py)."""
     root = group.root
     inlined = {n.outputs[0]: n for n in group.nodes if n is not root and n not in group.siblings}
     if root.name in CONTROL_PRIMITIVES:  # a loop or branch kept as one (compiler/loops.py)
@@ -54,6 +57,10 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
         if isinstance(made, GemmCall):
             if group.epilogue is not None:  # fusion made it only for library GEMMs
                 made = group.epilogue.apply(made)
+            if tc_gemm and takes_tc(made):  # the call's problem, epilogue and all, as a kernel
+                kernel = tc_matmul(made)
+                return Task(kernel.name, TaskKind.KERNEL, group.inputs, group.outputs, group.nodes,
+                            kernel=kernel, gemm=made)
             name = f"gemm_{made.dtype}_{made.batch}x{made.m}x{made.n}x{made.k}"
             name += f"[{made.label}]" if made.label else ""
             return Task(name, TaskKind.GEMM, group.inputs, group.outputs, group.nodes, gemm=made)
@@ -73,5 +80,5 @@ def lower_group(group: Group, small_gemm: bool = True) -> Task:
                 group.outputs, group.nodes, kernel=kernel)
 
 
-def lower(groups: list[Group], small_gemm: bool = True) -> list[Task]:
-    return [lower_group(g, small_gemm) for g in groups]
+def lower(groups: list[Group], small_gemm: bool = True, tc_gemm: bool = True) -> list[Task]:
+    return [lower_group(g, small_gemm, tc_gemm) for g in groups]

@@ -89,7 +89,7 @@ def fuse_attention(groups: Sequence, tasks: Sequence[Task], outputs: Sequence) -
 def _attention_triple(t3: Task, made, readers, results):
     """(scores GEMM task, row task, its group) of the triple ending at t3, or None."""
     g2 = t3.gemm
-    if t3.kind is not TaskKind.GEMM or not _plain_f32(g2):
+    if not _plain_f32(g2):  # a library GEMM or the kernel computing one (gemm_tc.py)
         return None
     probs = g2.a if not g2.trans_a and _contiguous(g2, "a") else None
     if probs is None or probs not in made:
@@ -105,7 +105,7 @@ def _attention_triple(t3: Task, made, readers, results):
             continue
         t1, _ = made[scores]
         g1 = t1.gemm
-        if t1.kind is not TaskKind.GEMM or not _plain_f32(g1) or g1.c is not scores:
+        if not _plain_f32(g1) or g1.c is not scores:
             continue
         same_problem = (_contiguous(g1, "c") and g1.batch == g2.batch and g1.n == g2.k
                         and g1.m == queries)

@@ -245,6 +245,8 @@ class Task:
     outputs: tuple[Var, ...]
     eqns: tuple[Node, ...]
     kernel: Optional[Kernel] = None
+    # The GEMM a GEMM task calls the library for; on a KERNEL task, the GEMM its generated
+    # kernel computes (lowering/gemm_tc.py), for passes that look for GEMMs (attention.py).
     gemm: Optional[GemmCall] = None
     conv: Optional[ConvCall] = None
     # (output, input) pairs: the output is computed in the input's bytes (a scatter that

@@ -34,7 +34,8 @@ def small_tasks(plan) -> list:
 
 
 def gemm_tasks(plan) -> list:
-    return [t for t in plan.tasks if t.kind == "gemm"]
+    """Library GEMMs, or the TF32 tensor-core kernels computing them (gemm_tc.py)."""
+    return [t for t in plan.tasks if t.gemm is not None]
 
 
 def matmul(a, b):
@@ -52,15 +53,20 @@ def test_lstm_recurrent_dots_are_small_m_kernels_and_the_input_projection_is_cub
     assert (merged.gemm.m, merged.gemm.n, merged.gemm.k) == (256, 2048, 512)
 
 
-def test_batch_32_keeps_cublaslt_where_it_is_faster():
+def test_batch_32_keeps_the_small_m_kernel_off_where_it_is_slower():
+    """(Its 32 recurrent 32x2048x512 GEMMs are gemm_tc.py's TF32 kernel, measured faster
+    than cuBLASLt there; the merged input projection is cuBLASLt's.)"""
     fn, args = MODELS["lstm"].abstract(32)
-    assert not small_tasks(plan_of(fn, *args)) and len(gemm_tasks(plan_of(fn, *args))) == 33
+    plan = plan_of(fn, *args)
+    assert not small_tasks(plan) and len(gemm_tasks(plan)) == 33
+    assert sum(t.kind == "gemm" for t in gemm_tasks(plan)) == 1
 
 
 def test_lstm_plan_with_small_gemm_off_is_all_cublaslt():
     fn, args = MODELS["lstm"].abstract(32)
-    plan = plan_of(fn, *args, small_gemm=False)
+    plan = plan_of(fn, *args, small_gemm=False, tc_gemm=False)
     assert not small_tasks(plan) and len(gemm_tasks(plan)) == 33
+    assert all(t.kind == "gemm" for t in gemm_tasks(plan))
 
 
 def test_lstm_numbers_match_jax():
@@ -74,7 +80,8 @@ def test_lstm_numbers_match_jax():
 @pytest.mark.parametrize("m,k,n", [(256, 256, 256), (128, 768, 768), (33, 512, 2048),
                                    (32, 256, 1024), (32, 2048, 256)])
 def test_other_sizes_keep_the_library(m, k, n):
-    """The branchy MLP's 256x256, BERT's M=128, M past 32, K*N < 2**19, N < 512."""
+    """The branchy MLP's 256x256, BERT's M=128, M past 32, K*N < 2**19, N < 512: a GEMM
+    (cuBLASLt's, or the TF32 kernel of gemm_tc.py where it takes it), not this kernel."""
     args = (rand(r, m, k), rand(r, k, n))
     plan = plan_of(matmul, *args)
     assert not small_tasks(plan) and len(gemm_tasks(plan)) == 1
@@ -103,7 +110,8 @@ def test_transposed_b_keeps_the_library_and_transposed_a_takes_the_kernel():
 def test_bench_shapes_are_one_task_either_way(m, n, k):
     """nimblejax/bench/gemm_small.py times each shape's one task, kernel off and on."""
     args = (rand(r, m, k), rand(r, k, n))
-    (off,), (on,) = (plan_of(matmul, *args, small_gemm=s).tasks for s in (False, True))
+    # (against cuBLASLt: the TF32 kernel of gemm_tc.py off)
+    (off,), (on,) = (plan_of(matmul, *args, small_gemm=s, tc_gemm=False).tasks for s in (False, True))
     from nimblejax.compiler.lowering.gemm_small import SMALL_M_MAX
 
     assert off.kind == "gemm"

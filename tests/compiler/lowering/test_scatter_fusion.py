@@ -267,7 +267,7 @@ def test_scatter_updates_its_operand_in_place_when_it_is_the_last_reader():
     plan = nimble.jit(_gemm_then_scatters, backend="interpret").plan(*a)
     scatters = [t for t in plan.tasks if "scatter" in t.name]
     assert len(scatters) == 2
-    gemm = [t for t in plan.tasks if t.kind == "gemm"]
+    gemm = [t for t in plan.tasks if t.gemm is not None]
     for t in scatters:
         # One launch (no copy), its output in its operand's bytes, the operand not a param.
         assert len(t.kernel.launches) == 1 and t.aliases
