@@ -93,7 +93,7 @@ def test_scatter_add_result_written_in_place():
 
 
 def test_gemm_operands_and_results_are_still_copied_and_correct():
-    f = nimble.jit(lambda x, w: (x @ w, jnp.tanh(x)))
+    f = nimble.jit(lambda x, w: (x @ w, jnp.tanh(x)), tc_gemm=False)  # a cuBLASLt call
     w = rand(64, 32)
     for _ in range(3):
         x = rand(16, 64)
@@ -217,3 +217,15 @@ def test_a_steady_state_call_returns_before_its_gpu_work_ends():
     close(outs[-1], jax.jit(heavy)(xs[-1], w), tol=2e-2)
     s = stats(f)
     assert s["copy_launches"] == 0 and s["graph_copies"] >= 1
+
+
+def test_tensor_core_gemm_kernels_read_their_operands_in_place():
+    """A GEMM the generated TF32 kernel takes (lowering/gemm_tc.py) is a kernel node:
+    its operands are re-pointed, not copied."""
+    f = nimble.jit(lambda x, w: jnp.tanh(x @ w))
+    w = rand(64, 128)
+    for _ in range(3):
+        x = rand(32, 64)
+        close(f(x, w), jnp.tanh(jnp.matmul(x, w)), tol=2e-2)
+    (runner,) = ffi_runners(f)
+    assert runner.inplace_on[0].inputs == frozenset({0, 1})
