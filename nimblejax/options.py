@@ -106,18 +106,8 @@ class Options:
         _check_choice("conv", self.conv, CONV_PATHS)
         _check_choice("call_path", self.call_path, CALL_PATHS)
         _check_choice("residency", self.residency, RESIDENCY_CHECKS)
-        if not isinstance(self.small_gemm, bool):
-            raise ValueError(f"small_gemm must be True or False, got {self.small_gemm!r} "
-                             f"(environment variable NIMBLE_SMALL_GEMM=0/1 or "
-                             f"nimble.jit(..., small_gemm=...))")
-        if not isinstance(self.tc_gemm, bool):
-            raise ValueError(f"tc_gemm must be True or False, got {self.tc_gemm!r} "
-                             f"(environment variable NIMBLE_TC_GEMM=0/1 or "
-                             f"nimble.jit(..., tc_gemm=...))")
-        if not isinstance(self.horizontal, bool):
-            raise ValueError(f"horizontal must be True or False, got {self.horizontal!r} "
-                             f"(environment variable NIMBLE_HORIZONTAL=0/1 or "
-                             f"nimble.jit(..., horizontal=...))")
+        for switch in ("small_gemm", "tc_gemm", "horizontal"):
+            _check_switch(switch, getattr(self, switch))
         _check_choice("fallback", self.fallback, FALLBACKS)
         _check_choice("loops", self.loops, LOOPS)
         if self.max_streams is not None and (not isinstance(self.max_streams, int)
@@ -135,6 +125,13 @@ class Options:
 
     def replace(self, **changes: Any) -> "Options":
         return dataclasses.replace(self, **changes)
+
+
+def _check_switch(name: str, value: object) -> None:
+    """An on/off option must be a bool; the error names its variable and keyword."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r} (environment variable "
+                         f"{_ENV[name]}=0/1 or nimble.jit(..., {name}=...))")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:

@@ -52,6 +52,18 @@ def test_bad_values_name_their_variable(clean_env, var, value, match):
         from_env()
 
 
+@pytest.mark.parametrize("field,var", [("small_gemm", "NIMBLE_SMALL_GEMM"),
+                                       ("tc_gemm", "NIMBLE_TC_GEMM"),
+                                       ("horizontal", "NIMBLE_HORIZONTAL")])
+def test_kernel_switches_come_from_the_environment_and_must_be_booleans(monkeypatch, field, var):
+    monkeypatch.setenv(var, "0")
+    assert getattr(nimble.jit(abs).options, field) is False
+    monkeypatch.setenv(var, "1")
+    assert getattr(nimble.jit(abs).options, field) is True
+    with pytest.raises(ValueError, match=field):
+        Options(**{field: "yes"})
+
+
 def test_unknown_option_is_a_type_error(clean_env):
     with pytest.raises(TypeError, match="unknown nimblejax option"):
         from_env(streams=2)

@@ -130,15 +130,6 @@ def test_bias_and_activation_after_a_small_dot_are_kernels_not_an_epilogue():
     assert g.gemm.label == "bias+relu"
 
 
-def test_option_from_the_environment(monkeypatch):
-    monkeypatch.setenv("NIMBLE_SMALL_GEMM", "0")
-    assert nimble.jit(matmul).options.small_gemm is False
-    monkeypatch.setenv("NIMBLE_SMALL_GEMM", "1")
-    assert nimble.jit(matmul).options.small_gemm is True
-    with pytest.raises(ValueError, match="small_gemm"):
-        nimble.Options(small_gemm="yes")
-
-
 # ---- the kernel itself, run on the CPU --------------------------------------------------
 def _kernel(m: int, n: int, k: int, trans_a: bool, dtype, out_dtype=None):
     a_shape = (k, m) if trans_a else (m, k)

@@ -189,7 +189,7 @@ def test_sgd_update_and_transposed_operands_match_jax():
         assert_emulated_matches_jax(f, args)
 
 
-def test_the_option_turns_it_off_and_highest_precision_keeps_cublaslt(monkeypatch):
+def test_the_option_turns_it_off_and_highest_precision_keeps_cublaslt():
     args = (rand(r, 32, 64), rand(r, 64, 128), rand(r, 128))
     with bench.kernel_forced():
         assert tc_tasks(plan_of(relu_dense, *args))
@@ -198,12 +198,7 @@ def test_the_option_turns_it_off_and_highest_precision_keeps_cublaslt(monkeypatc
         highest = lambda x, w: jnp.matmul(x, w, precision="highest")  # noqa: E731
         (g,) = plan_of(highest, *args[:2]).tasks
         assert g.kind == "gemm" and g.gemm.compute == "f32"
-    monkeypatch.setenv("NIMBLE_TC_GEMM", "0")
-    assert nimble.jit(relu_dense).options.tc_gemm is False
-    monkeypatch.setenv("NIMBLE_TC_GEMM", "1")
-    assert nimble.jit(relu_dense).options.tc_gemm is True
-    with pytest.raises(ValueError, match="tc_gemm"):
-        nimble.Options(tc_gemm="yes")
+    # The variable and its validation: tests/api/test_options.py.
 
 
 def test_attention_still_fuses_its_gemms():
