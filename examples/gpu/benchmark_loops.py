@@ -113,7 +113,7 @@ def first_call_s(f, args) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
-    ap.add_argument("--only", default="")
+    ap.add_argument("--only", default="", help="run the programs whose name holds this (any case)")
     ap.add_argument("--no-host-callbacks", action="store_true",
                     help="equinox's checks as EQX_ON_ERROR=nan makes them (a failed check gives "
                          "NaN, no host callback): nimble can plan a diffrax solve whole")
@@ -128,7 +128,7 @@ def main() -> None:
     print("| program | config | looped µs | speedup | first call s | max rel err |")
     print("|---|---|---|---|---|---|")
     for name, fn, sets in cases(np.random.default_rng(0)):
-        if opts.only and opts.only not in name:
+        if opts.only and opts.only.lower() not in name.lower():
             continue
         want = jax.tree_util.tree_leaves(jax.jit(fn)(*sets[0]))
         configs = {"jax.jit": jax.jit(fn), "nimble (loops=unroll)": nimble.jit(fn, loops="unroll"),
