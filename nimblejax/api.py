@@ -243,9 +243,8 @@ class NimbleFunction:
             if self._library is None:
                 return "python", self._call_direct
         self._op_jit_fn = self._op_jit()
-        self._steady, self._decide = residency.implementation(self.options.residency,
-                                                              options_mod.cache_dir())
-        self._walker = residency.call_walker(self.options.residency, options_mod.cache_dir())
+        self._steady, self._decide, self._walker = residency.implementation(
+            self.options.residency, options_mod.cache_dir())
         return "xla", self._call_xla
 
     def _resolve_backend(self) -> str:

@@ -42,7 +42,7 @@ import sys
 import sysconfig
 import threading
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 
@@ -191,24 +191,31 @@ _lock = threading.Lock()
 _extension: dict[str, Optional[ModuleType]] = {}  # cache dir -> the loaded module or None
 
 
-def implementation(choice: str, cache_dir: str) -> tuple[Callable, Callable]:
-    """(steady, decide) for Options.residency `choice`: "python", "c" (RuntimeError
-    where the extension cannot be built) or "auto" (the extension, else Python)."""
+class Check(NamedTuple):
+    """A residency check: `steady` and `decide` take the flat leaves; `walker`, where the
+    C extension is used, also walks a call's arguments itself (`steady_call`), so jax
+    need not flatten a steady call; None otherwise."""
+
+    steady: Callable
+    decide: Callable
+    walker: Optional[ModuleType] = None
+
+
+PYTHON_CHECK = Check(steady_python, decide_python)
+
+
+def implementation(choice: str, cache_dir: str) -> Check:
+    """The check for Options.residency `choice`: "python", "c" (RuntimeError where the
+    extension cannot be built) or "auto" (the extension, else Python)."""
     if choice == "python":
-        return steady_python, decide_python
+        return PYTHON_CHECK
     ext = load_extension(cache_dir)
     if ext is None:
         if choice == "c":
             raise RuntimeError("residency='c': nimblejax's residency check could not be built "
                                "(see the warning above); use residency='auto' or 'python'")
-        return steady_python, decide_python
-    return ext.steady, ext.decide
-
-
-def call_walker(choice: str, cache_dir: str) -> Optional[ModuleType]:
-    """The extension whose `steady_call` walks a call's arguments itself, or None (the
-    Python check, or no extension): jax flattens every call."""
-    return None if choice == "python" else load_extension(cache_dir)
+        return PYTHON_CHECK
+    return Check(ext.steady, ext.decide, ext)
 
 
 def structure(walker: Optional[ModuleType], args: tuple, kwargs: dict, leaves: list) -> Optional[tuple]:

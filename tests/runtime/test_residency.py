@@ -273,7 +273,7 @@ def test_no_compiler_falls_back_to_python_with_one_warning(tmp_path, fresh_warni
     cache = str(tmp_path)
     with pytest.warns(RuntimeWarning, match="no C compiler"):
         assert residency.load_extension(cache, compiler="no-such-cc-nimble") is None
-    python_check = (residency.steady_python, residency.decide_python)
+    python_check = (residency.steady_python, residency.decide_python, None)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process: no second warning
         assert residency.load_extension(cache, compiler="no-such-cc-nimble") is None
