@@ -115,7 +115,6 @@ class CopyTable:
         import cupy
 
         pairs = [p for p in pairs if p[2]]
-        self.pairs = pairs
         self.count = len(pairs)
         self.blocks = max((copy_blocks(n) for _, _, n in pairs), default=1)
         table = np.asarray(pairs, np.uint64).reshape(-1, 3) if pairs else np.zeros((1, 3), np.uint64)
@@ -210,7 +209,7 @@ class ControlLaunchers:
         self._set_and_copy(handle, run.pred0, run.copy_in, stream)
         body = _add_conditional(stream, handle, driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE)
         with _capturing_to(self.private, body):
-            run.step.launch_all(self.private)
+            run.step.launch_all()
             self._set_and_copy(handle, run.flag, run.next_carry, self.private)
         self._copy(run.copy_out, stream)
 
@@ -220,7 +219,7 @@ class ControlLaunchers:
         pred = warming or _read_bool(run.pred0, stream)
         self._join(stream, self.private)
         while pred:
-            run.step.launch_all(self.private)
+            run.step.launch_all()
             self._copy(run.next_carry, self.private)
             pred = not warming and _read_bool(run.flag, self.private)
         self._copy(run.copy_out, self.private)
@@ -239,7 +238,7 @@ class ControlLaunchers:
             body = _add_conditional(stream, handle, driver.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF)
             with _capturing_to(self.private, body):
                 self._copy(copy_in, self.private)
-                sub.launch_all(self.private)
+                sub.launch_all()
                 self._copy(copy_out, self.private)
 
     def _host_switch(self, run: "_TaskLaunch", stream: Any) -> None:
@@ -251,7 +250,7 @@ class ControlLaunchers:
         self._join(stream, self.private)
         for sub, copy_in, copy_out in taken:
             self._copy(copy_in, self.private)
-            sub.launch_all(self.private)
+            sub.launch_all()
             self._copy(copy_out, self.private)
         self._join(self.private, stream)
 
@@ -325,9 +324,9 @@ class _SubPlan:
     def address(self, var: Var) -> int:
         return self.base + self.plan.offset(var)
 
-    def launch_all(self, stream: Any) -> None:
-        """Every task on its stream, forked from and joined into `stream` (the private
-        stream: streams[0])."""
+    def launch_all(self) -> None:
+        """Every task on its stream, forked from and joined into the private stream
+        (streams[0])."""
         self.launchers.launch_all(self.events)
 
 

@@ -34,7 +34,7 @@ class _Step:
     def __init__(self) -> None:
         self.launches = 0
 
-    def launch_all(self, stream) -> None:
+    def launch_all(self) -> None:
         self.launches += 1
 
 

@@ -83,6 +83,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
+from nimblejax.compiler.epilogue import GELU_CUBIC, SQRT_2_OVER_PI
 from nimblejax.compiler.lowering.codegen import PRELUDE
 from nimblejax.compiler.lowering.task import GemmCall, Kernel
 
@@ -92,8 +93,6 @@ MAX_OFFSET = 2**31 - 1  # offsets inside one matrix are ints
 SM_COUNT = 132  # H100 and H200: more blocks than this were not measured
 MIN_M, MAX_M = 16, 128
 MAX_BLOCK_READ = 32 * 1024  # K * (BM + BN) floats (128 KB), the largest measured win
-SQRT_2_OVER_PI = 0.7978845608028654
-GELU_CUBIC = 0.044715
 
 
 @dataclass(frozen=True)
