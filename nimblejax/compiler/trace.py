@@ -41,6 +41,10 @@ INLINED = {
 # Primitives that are the identity on values (`name`: jax.ad_checkpoint.checkpoint_name,
 # a tag for remat policies).
 IDENTITY = frozenset({"stop_gradient", "optimization_barrier", "name"})
+# `sharding_constraint` to a sharding of one device (jax.lax.with_sharding_constraint in a
+# program that runs on one GPU) is the identity too: a plan runs on one device. Over
+# several devices it is not supported (unsupported.py): it stays with XLA.
+ONE_DEVICE_IDENTITY = frozenset({"sharding_constraint"})
 # `platform_index` (lax.platform_dependent; jnp.diagonal's Mosaic branch, which numpyro's
 # MultivariateNormal reaches) is known when nimble plans: a plan runs on CUDA. It becomes
 # the index of CUDA's branch, a literal, and the `cond` it feeds keeps that branch alone.
@@ -103,7 +107,7 @@ class GraphBuilder:
             if name in INLINED and _body(eqn) is not None:
                 body, consts = open_jaxpr(_body(eqn))
                 outs = self.inline(body, [self.const(c) for c in consts] + ins, src)
-            elif name in IDENTITY:
+            elif name in IDENTITY or (name in ONE_DEVICE_IDENTITY and one_device(eqn)):
                 outs = ins[: len(eqn.outvars)]
             elif name in RESOLVED:
                 outs = [platform_index(eqn.params["platforms"], src)]
@@ -179,6 +183,15 @@ def _primitive_names(jaxpr: Any) -> set[str]:
         for inner in control._sub_jaxprs(eqn.params):
             names |= _primitive_names(open_jaxpr(inner)[0])
     return names
+
+
+def one_device(eqn: Any) -> bool:
+    """Whether `eqn`'s `sharding` param places its value on a single device."""
+    sharding = eqn.params.get("sharding")
+    try:
+        return len(sharding.device_set) == 1
+    except Exception:  # an abstract mesh's sharding names no devices
+        return getattr(sharding, "num_devices", None) == 1
 
 
 def _body(eqn: Any) -> Any:

@@ -40,7 +40,8 @@ _reason("collectives and named axes: a plan is one device's program (use the nim
         "unreduced_reduce_scatter", "unreduced_reduce_scatter_start", "vary_unreduced_cast_p",
         # jax 0.11 (main at cec06d1):
         "unreduced_pmax", "unreduced_pmin")
-_reason("sharding, placement and XLA annotations: a plan runs on one device, without XLA",
+_reason("sharding, placement and XLA annotations: a plan runs on one device, without XLA "
+        "(a sharding_constraint to one device is the identity)",
         "compute_on", "custom_partitioning", "device_put", "global_array_to_host_local_array",
         "host_local_array_to_global_array", "inspect_sharding", "layout_constraint", "reshard",
         "shard_alike", "shard_map", "sharding_constraint", "xla_metadata_call",

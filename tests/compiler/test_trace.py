@@ -60,6 +60,23 @@ def test_identities_leave_no_node():
     assert graph.nodes == () and graph.outputs == graph.inputs
 
 
+def test_a_sharding_constraint_to_one_device_is_the_identity():
+    """jax.lax.with_sharding_constraint in a one-device program (issue 33): no node, and
+    co-execution leaves nothing of it to XLA."""
+    import nimblejax as nimble
+
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def f(x):
+        return jnp.tanh(jax.lax.with_sharding_constraint(x * 2.0, one)) + 1.0
+
+    x = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    assert "sharding_constraint" not in names(trace(f, x))
+    left = nimble.jit(f).partition(x).xla_steps()
+    assert not [s for s in left if "no lowering rule" in (s.why or "")], [s.why for s in left]
+    np.testing.assert_allclose(nimble.jit(f, backend="interpret")(x), jax.jit(f)(x), rtol=1e-6, atol=1e-6)
+
+
 def test_common_subexpressions_are_merged():
     graph = assert_matches_jax(lambda x: jnp.sin(x) + jnp.sin(x) * jnp.sin(x), rand(6))
     assert names(graph).count("sin") == 1
