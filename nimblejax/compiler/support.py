@@ -47,7 +47,7 @@ def handled() -> dict[str, frozenset[str]]:
         LOWERED: frozenset(RULES),
         REWRITTEN: frozenset(CANONICALIZED | control.PRIMITIVES | prng.RANDOM_PRIMITIVES
                              | trace.RESOLVED),
-        INLINED: frozenset(set(trace.INLINED) | trace.IDENTITY),
+        INLINED: frozenset(set(trace.INLINED) | trace.IDENTITY | trace.SOLVES),
         NOT_SUPPORTED_GROUP: frozenset(NOT_SUPPORTED),
     }
 

@@ -45,6 +45,10 @@ IDENTITY = frozenset({"stop_gradient", "optimization_barrier", "name"})
 # program that runs on one GPU) is the identity too: a plan runs on one device. Over
 # several devices it is not supported (unsupported.py): it stays with XLA.
 ONE_DEVICE_IDENTITY = frozenset({"sharding_constraint"})
+# `custom_linear_solve` (lax.custom_linear_solve: jax.scipy.sparse.linalg's solvers,
+# lineax) computes its value with its `solve` jaxpr: that body is inlined with its
+# constants and the right-hand side (the other jaxprs are for its derivatives).
+SOLVES = frozenset({"custom_linear_solve"})
 # `platform_index` (lax.platform_dependent; jnp.diagonal's Mosaic branch, which numpyro's
 # MultivariateNormal reaches) is known when nimble plans: a plan runs on CUDA. It becomes
 # the index of CUDA's branch, a literal, and the `cond` it feeds keeps that branch alone.
@@ -111,6 +115,9 @@ class GraphBuilder:
                 outs = ins[: len(eqn.outvars)]
             elif name in RESOLVED:
                 outs = [platform_index(eqn.params["platforms"], src)]
+            elif name in SOLVES:
+                body, consts = open_jaxpr(eqn.params["jaxprs"].solve)
+                outs = self.inline(body, [self.const(c) for c in consts] + _solve_operands(eqn, ins), src)
             elif name in control.PRIMITIVES:  # unrolled loop or select (compiler/control.py)
                 outs = control.inline_control(self, eqn, ins, src)
             elif name in prng.RANDOM_PRIMITIVES or prng.touches_keys(eqn):
@@ -183,6 +190,14 @@ def _primitive_names(jaxpr: Any) -> set[str]:
         for inner in control._sub_jaxprs(eqn.params):
             names |= _primitive_names(open_jaxpr(inner)[0])
     return names
+
+
+def _solve_operands(eqn: Any, ins: list) -> list:
+    """A custom_linear_solve's operands for its `solve` jaxpr: that jaxpr's constants
+    (the third of the four constant groups), then the right-hand side."""
+    lengths = eqn.params["const_lengths"]
+    start = lengths.matvec + lengths.vecmat
+    return ins[start:start + lengths.solve] + ins[sum(lengths):]
 
 
 def one_device(eqn: Any) -> bool:

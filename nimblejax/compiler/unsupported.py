@@ -59,9 +59,9 @@ _reason("calls into other compilers and libraries (XLA FFI, cuDNN fused attentio
         "dot_product_attention_fp8_fwd_wrapper", "dot_product_attention_fwd",
         "dot_product_attention_fwd_wrapper", "ffi_call", "fused_call", "pallas_call", "rnn_bwd",
         "rnn_fwd", "scaled_matmul", "scaled_matmul_wrapper", "with_memory_space_constraint")
-_reason("call-like primitives whose bodies are not inlined yet (custom_linear_solve, "
-        "custom_vmap, linear_call, lax.composite)",
-        "composite", "custom_jvp_call_jaxpr", "custom_linear_solve", "custom_vmap_call",
+_reason("call-like primitives whose bodies are not inlined yet (custom_vmap, linear_call, "
+        "lax.composite)",
+        "composite", "custom_jvp_call_jaxpr", "custom_vmap_call",
         "linear_call", "remat_opt")
 _reason("random bits from generators other than threefry2x32 (XLA's RngBitGenerator, "
         "rng_uniform, Philox, threefry4x32)",

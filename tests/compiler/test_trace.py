@@ -77,6 +77,30 @@ def test_a_sharding_constraint_to_one_device_is_the_identity():
     np.testing.assert_allclose(nimble.jit(f, backend="interpret")(x), jax.jit(f)(x), rtol=1e-6, atol=1e-6)
 
 
+def test_custom_linear_solve_is_its_solve_inlined():
+    """lax.custom_linear_solve (issue 33): its value is its `solve` jaxpr, inlined with
+    that jaxpr's constants and the right-hand side; its gradient (the transposed solve)
+    goes through the same path."""
+    import nimblejax as nimble
+
+    def f(d, w, b):
+        a = jnp.diag(d) + 0.01 * w  # solved approximately: the solve is a Jacobi step
+        x = jax.lax.custom_linear_solve(lambda v: a @ v, b, solve=lambda mv, r: r / d,
+                                        transpose_solve=lambda vm, r: r / d)
+        return jnp.tanh(x) * w.sum()
+
+    r = np.random.default_rng(1)
+    d = (2.0 + r.random(6)).astype(np.float32)
+    w = r.standard_normal((6, 6)).astype(np.float32)
+    b = r.standard_normal(6).astype(np.float32)
+    assert "custom_linear_solve" not in names(trace(f, d, w, b))
+    np.testing.assert_allclose(nimble.jit(f, backend="interpret")(d, w, b), jax.jit(f)(d, w, b),
+                               rtol=1e-5, atol=1e-6)
+    g = jax.grad(lambda *a: f(*a).sum(), argnums=(0, 2))
+    for got, want in zip(nimble.jit(g, backend="interpret")(d, w, b), jax.jit(g)(d, w, b)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_common_subexpressions_are_merged():
     graph = assert_matches_jax(lambda x: jnp.sin(x) + jnp.sin(x) * jnp.sin(x), rand(6))
     assert names(graph).count("sin") == 1
