@@ -115,6 +115,14 @@ rec("scatter-add", lambda x, i, u: x.at[i].add(u), i32(7, 4), idx(9, lo=0, hi=7)
 rec("scatter-add", lambda x, i, u: x.at[i].add(u), u32(7), idx(9, lo=0, hi=7), u32(9), label="u32")
 rec("scatter-add", lambda x, i, u: x.at[i].add(u), dt(jnp.uint8, 7, lo=0, hi=200),
     idx(9, lo=0, hi=7), dt(jnp.uint8, 9, lo=0, hi=200), label="u8")
+# scatter-sub is rewritten to a negation and a scatter-add (canonicalize/scatter_sub.py).
+rec("scatter-sub", lambda x, i, u: x.at[i].subtract(u), f32(10, 4), idx(12, lo=-10, hi=10), f32(12, 4))
+rec("scatter-sub", lambda x, i, u: x.at[i].subtract(u), i32(7, 4), idx(9, lo=0, hi=7), i32(9, 4),
+    label="i32")
+rec("scatter-sub", lambda x, i, u: x.at[i].subtract(u), dt(jnp.uint8, 7, lo=0, hi=200),
+    idx(9, lo=0, hi=7), dt(jnp.uint8, 9, lo=0, hi=200), label="u8-wraps")
+rec("scatter-sub", lambda x, i, u: x.at[i].subtract(3.0) + u.sum(), f32(6, 3), every(-9, 9, 20),
+    f32(20, 3), label="literal")
 rec("scatter-add", lambda x, i, u: x.at[i[:, 0], i[:, 1]].add(u), f32(5, 6), idx(10, 2, lo=-6, hi=6),
     f32(10), label="two-axes")
 rec("scatter-add", lambda x, i, u: lax.scatter_add(

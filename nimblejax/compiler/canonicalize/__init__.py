@@ -8,6 +8,7 @@ forms lowering expects, each rewrite registered for its primitives beside it
   reductions (reductions.py, split.py);
 - split → one slice per output (slices.py);
 - a transpose that moves only axes of size 1 → a reshape (transposes.py);
+- scatter-sub → a negation and a scatter-add (scatter_sub.py);
 - stack, unstack, tile → reshapes, slices, broadcasts and a concatenate (stacking.py);
 - independent dots sharing an operand → one dot and free slices of its result
   (merge_dots.py: a pass over the whole graph, not a rewrite of one node), once the
@@ -29,8 +30,8 @@ that nothing reads (the unused outputs of an unstack or a split) are dropped at 
 from __future__ import annotations
 
 # Each rewrite module registers its rewrites on import.
-from nimblejax.compiler.canonicalize import (conv_path, dot, reductions, slices, stacking,  # noqa: F401
-                                             transposes)
+from nimblejax.compiler.canonicalize import (conv_path, dot, reductions, scatter_sub, slices,  # noqa: F401
+                                             stacking, transposes)
 from nimblejax.compiler.canonicalize.merge_dots import merge_dots
 from nimblejax.compiler.canonicalize.registry import REWRITES, sweep
 from nimblejax.compiler.canonicalize.small_dots import strength_reduce_small_dots

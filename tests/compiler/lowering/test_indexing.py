@@ -133,7 +133,7 @@ def test_large_embedding_lookup_and_backward_gpu(dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32,
                                    jnp.int8, jnp.uint8, jnp.int16])
-@pytest.mark.parametrize("op", ["add", "mul", "min", "max", "set"])
+@pytest.mark.parametrize("op", ["add", "subtract", "mul", "min", "max", "set"])
 def test_scatter_family_with_collisions_gpu(dtype, op):
     """Every update index collides with others: the atomic (or CAS) paths are exercised.
     'set' uses distinct indices (with duplicates any one update wins, as in XLA)."""
@@ -144,7 +144,7 @@ def test_scatter_family_with_collisions_gpu(dtype, op):
         x, u = r.integers(-3, 4, (64, 3)), np.where(r.random((2000, 3)) < 0.99, 1, -1)
     else:
         x, u = r.uniform(-50, 50, (64, 3)), r.uniform(-50, 50, (2000, 3))
-        if dtype == jnp.uint8:
+        if dtype == jnp.uint8:  # subtract wraps, as XLA's does
             x, u = np.abs(x), np.abs(u) / 20
     x, u = jnp.asarray(x, dtype), jnp.asarray(u, dtype)
     i = jnp.asarray(r.integers(-8, 72, 2000), jnp.int32)  # some out of range: dropped
@@ -154,7 +154,7 @@ def test_scatter_family_with_collisions_gpu(dtype, op):
     got = np.asarray(nimble.jit(fn, backend="cuda")(x, i, u)).astype(np.float64)
     want = np.asarray(jax.jit(fn)(x, i, u)).astype(np.float64)
     tol = 0.0  # min, max, set and integer arithmetic (wrapping, order-free) are exact
-    if op in ("add", "mul") and jnp.issubdtype(dtype, jnp.floating):
+    if op in ("add", "subtract", "mul") and jnp.issubdtype(dtype, jnp.floating):
         # Atomic updates combine in another order than XLA: equal within rounding.
         tol = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2, jnp.float16: 4e-3}[dtype]
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * 4 * np.abs(want).max())
