@@ -176,13 +176,16 @@ def _flatten(jaxpr: Any, env: dict, classify: Classify, steps: list, prefix: str
              outer: str) -> None:
     """`jaxpr`'s steps appended to `steps`; `outer` is the user line of the call being
     opened (a cached body, jnp.linalg's, has none of its own)."""
-    from nimblejax.compiler.trace import INLINED, _body, source_line
+    from nimblejax.compiler.trace import INLINED, RESOLVED, _body, platform_index, source_line
 
     for eqn in jaxpr.eqns:
         ins = [_read(env, v) for v in eqn.invars]
         name = eqn.primitive.name
         src = source_line(eqn)
         src = outer if src == "<unknown>" else src
+        if name in RESOLVED:  # CUDA's branch, known now: the cond it feeds keeps that branch
+            env[eqn.outvars[0]] = Const(platform_index(eqn.params["platforms"], src).value)
+            continue
         why = classify(eqn, ins)
         if why is not None and name in CUSTOM_RULES and "call_jaxpr" in eqn.params:
             outs = [None if type(v).__name__ == "DropVar" else Value(v.aval) for v in eqn.outvars]

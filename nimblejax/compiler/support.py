@@ -46,7 +46,7 @@ def handled() -> dict[str, frozenset[str]]:
     return {
         LOWERED: frozenset(RULES),
         REWRITTEN: frozenset(CANONICALIZED | control.PRIMITIVES | prng.RANDOM_PRIMITIVES
-                             | trace.RESOLVED),
+                             | trace.RESOLVED | trace.PLACEHOLDERS),
         INLINED: frozenset(set(trace.INLINED) | trace.IDENTITY | trace.SOLVES),
         NOT_SUPPORTED_GROUP: frozenset(NOT_SUPPORTED),
     }

@@ -54,6 +54,9 @@ SOLVES = frozenset({"custom_linear_solve"})
 # the index of CUDA's branch, a literal, and the `cond` it feeds keeps that branch alone.
 PLATFORM = "cuda"
 RESOLVED = frozenset({"platform_index"})
+# `empty2` (an uninitialized scalar: the unused residual of a `cond` branch under
+# autodiff, jnp.diagonal's) is the zero JAX's own lowering writes: a literal.
+PLACEHOLDERS = frozenset({"empty2"})
 
 
 def make_graph(fun: Callable, specs: Sequence[jax.ShapeDtypeStruct]) -> tuple[Graph, Any]:
@@ -115,6 +118,8 @@ class GraphBuilder:
                 outs = ins[: len(eqn.outvars)]
             elif name in RESOLVED:
                 outs = [platform_index(eqn.params["platforms"], src)]
+            elif name in PLACEHOLDERS:
+                outs = [Literal(np.zeros((), eqn.outvars[0].aval.dtype))]
             elif name in SOLVES:
                 body, consts = open_jaxpr(eqn.params["jaxprs"].solve)
                 outs = self.inline(body, [self.const(c) for c in consts] + _solve_operands(eqn, ins), src)

@@ -21,10 +21,12 @@ def _reason(reason: str, *names: str) -> None:
         NOT_SUPPORTED[name] = reason
 
 
-_reason("linear algebra: factorizations and solves need cuSOLVER/cuBLAS calls not written yet",
-        "cholesky", "cholesky_update", "eig", "eigh", "geqp3", "geqrf", "hessenberg",
-        "householder_product", "lu", "lu_pivots_to_permutation", "ormqr", "qr", "schur", "svd",
-        "symmetric_product", "triangular_solve", "tridiagonal", "tridiagonal_solve")
+_reason("linear algebra beyond Cholesky, LU and triangular solves of small float32 matrices "
+        "(lowering/rules_linalg.py): eigen, QR, SVD and Schur decompositions need cuSOLVER "
+        "calls not written yet",
+        "cholesky_update", "eig", "eigh", "geqp3", "geqrf", "hessenberg",
+        "householder_product", "ormqr", "qr", "schur", "svd",
+        "symmetric_product", "tridiagonal", "tridiagonal_solve")
 _reason("FFT: no cuFFT call yet", "fft")
 _reason("complex numbers: complex64/complex128 are not supported dtypes",
         "complex", "conj", "real", "imag")
@@ -92,7 +94,7 @@ _reason("not lowered yet (no rule written)",
         "approx_top_k", "polygamma", "reduce_xor", "zeta")
 _reason("JAX-internal bookkeeping (dead-code sinks, staging, uninitialized placeholders, "
         "autodiff zeros): not lowered",
-        "dce_sink", "empty", "empty2", "stage", "tie", "unreachable", "zeros_like")
+        "dce_sink", "empty", "stage", "tie", "unreachable", "zeros_like")
 
 
 def reason(name: str) -> str | None:

@@ -4,8 +4,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_indexing,  # noqa: F401
-                                         rules_kernels, rules_reduce, rules_sort, rules_special,
-                                         rules_window)  # (registration)
+                                         rules_kernels, rules_linalg, rules_reduce, rules_sort,
+                                         rules_special, rules_window)  # (registration)
 from nimblejax.compiler.lowering.codegen import elementwise_kernel, reduction_kernel
 from nimblejax.compiler.kinds import CONTROL_PRIMITIVES, GroupKind, TaskKind
 from nimblejax.compiler.lowering.gemm_tc import takes_tc, tc_matmul

@@ -19,6 +19,10 @@ Rule kinds, and the signature of their `fn`:
   for integer types and, with `small_gemm` (Options.small_gemm), small-M float GEMMs
   (gemm_small.py).
 - "cudnn": `fn(node) -> ConvCall` (a cuDNN convolution on the GPU).
+
+A rule registered with `accepts=fn(node) -> reason or None` takes only some nodes of its
+primitive (rules_linalg.py: small float32 matrices); check_supported raises with that
+reason for the others, so co-execution leaves them to XLA and `explain` says why.
 """
 from __future__ import annotations
 
@@ -36,20 +40,24 @@ class Rule:
     fn: Callable
     fuses: tuple[int, ...] = ()  # kernel rules: operands whose producers may be inlined
     in_place: Optional[int] = None  # kernel rules: the operand the output may update
+    # Why the rule does not take a node of its primitive (a shape or dtype it has no
+    # kernel for), or None when it does; not taken, the node is unsupported (XLA's).
+    accepts: Optional[Callable[[Node], Optional[str]]] = None
 
 
 RULES: dict[str, Rule] = {}
 
 
 def register(*names: str, kind: RuleKind | str, fuses: tuple[int, ...] = (),
-             in_place: Optional[int] = None) -> Callable:
+             in_place: Optional[int] = None,
+             accepts: Optional[Callable[[Node], Optional[str]]] = None) -> Callable:
     kind = RuleKind(kind)  # a misspelt kind fails here, at import
     if (fuses or in_place is not None) and kind is not RuleKind.KERNEL:
         raise ValueError(f"fuses/in_place are for kernel rules, not {kind} ({names})")
 
     def deco(fn: Callable) -> Callable:
         for n in names:
-            RULES[n] = Rule(kind, fn, tuple(fuses), in_place)
+            RULES[n] = Rule(kind, fn, tuple(fuses), in_place, accepts)
         return fn
 
     return deco
@@ -75,7 +83,12 @@ def check_supported(nodes, rewritten: frozenset = frozenset()) -> None:
 
     for node in nodes:
         if node.name not in rewritten:
-            rule_for(node)
+            rule = rule_for(node)
+            why = rule.accepts(node) if rule.accepts is not None else None
+            if why is not None:
+                raise UnsupportedPrimitiveError(
+                    f"nimblejax does not lower this '{node.name}' (from {node.source}): {why}. "
+                    f"Use nimble.jit(..., backend=\"jax\") to run this function with plain jax.jit.")
     for node in nodes:
         for v in list(node.inputs) + list(node.outputs):
             if not dtypes.is_supported(v.dtype):
