@@ -88,8 +88,6 @@ _reason("sparse arrays (jax.experimental.sparse): not lowered",
 _reason("extended dtypes other than PRNG keys: not supported", "from_edtype", "to_edtype")
 _reason("block-scaled and ragged matrix products (fp8/mx scales, grouped GEMMs): not lowered yet",
         "ragged_dot_general", "scaled_dot")
-_reason("comparisons in JAX's total order (jnp.searchsorted, sort comparators): not lowered yet",
-        "eq_to", "le_to", "lt_to")
 _reason("not lowered yet (no rule written)",
         "approx_top_k", "polygamma", "reduce_xor", "zeta")
 _reason("JAX-internal bookkeeping (dead-code sinks, staging, uninitialized placeholders, "

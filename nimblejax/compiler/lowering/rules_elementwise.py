@@ -43,6 +43,24 @@ def binary(b: KernelBuilder, node: Node, idx: Index) -> str:
     return _result(b, node, binary_template(node.name, x.dtype).format(a=a, b=c))
 
 
+_TOTAL_ORDER = {"eq_to": "==", "le_to": "<=", "lt_to": "<"}
+
+
+@register(*_TOTAL_ORDER, kind=RuleKind.ELEMENTWISE)
+def total_order_compare(b: KernelBuilder, node: Node, idx: Index) -> str:
+    """Comparisons in XLA's total order (jnp.searchsorted's `le_to`): -NaN < -inf < ... <
+    -0 < +0 < ... < inf < +NaN. A float compares by its bits read as sign and magnitude:
+    the magnitude bits flipped where the sign is set, as a signed integer (half types are
+    widened to float first, which keeps that order). Integers compare by value."""
+    x, y = node.inputs
+    a, c = b.value(x, idx), b.value(y, idx)
+    if dtypes.is_float(x.dtype):
+        key = "({v} ^ (({v} >> 31) & 0x7fffffff))"
+        u, w = b.tmp("int", f"__float_as_int({a})"), b.tmp("int", f"__float_as_int({c})")
+        a, c = key.format(v=u), key.format(v=w)
+    return b.tmp("bool", f"({a} {_TOTAL_ORDER[node.name]} {c})")
+
+
 # bits of a half type, and back (cuda_fp16.h, cuda_bf16.h).
 _HALF_BITS = {"float16": ("__half_as_ushort(__float2half_rn({}))",
                           "__half2float(__ushort_as_half({}))"),
