@@ -88,7 +88,7 @@ _reason("block-scaled and ragged matrix products (fp8/mx scales, grouped GEMMs):
 _reason("comparisons in JAX's total order (jnp.searchsorted, sort comparators): not lowered yet",
         "eq_to", "le_to", "lt_to")
 _reason("not lowered yet (no rule written)",
-        "approx_top_k", "polygamma", "reduce_xor", "scatter-sub", "zeta")
+        "approx_top_k", "scatter-sub")
 _reason("JAX-internal bookkeeping (dead-code sinks, staging, uninitialized placeholders, "
         "autodiff zeros): not lowered",
         "dce_sink", "empty", "empty2", "stage", "tie", "unreachable", "zeros_like")
