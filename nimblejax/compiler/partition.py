@@ -38,8 +38,8 @@ from nimblejax.compiler.jaxprs import open_jaxpr
 MIN_REGION_EQNS = 16
 HEAVY = frozenset({
     "dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "reduce_min",
-    "reduce_prod", "reduce_and", "reduce_or", "argmax", "argmin", "cumsum", "cumprod",
-    "cummax", "cummin", "cumlogsumexp", "sort", "scatter", "scatter-add", "scatter_add",
+    "reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin", "cumsum",
+    "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "scatter", "scatter-add", "scatter_add",
     "scatter-mul", "scatter-min", "scatter-max", "gather", "reduce_precision",
     "reduce_window_sum", "reduce_window_max", "reduce_window_min", "scan", "while",
     "random_bits", "threefry2x32",

@@ -89,7 +89,7 @@ _reason("extended dtypes other than PRNG keys: not supported", "from_edtype", "t
 _reason("block-scaled and ragged matrix products (fp8/mx scales, grouped GEMMs): not lowered yet",
         "ragged_dot_general", "scaled_dot")
 _reason("not lowered yet (no rule written)",
-        "approx_top_k", "polygamma", "reduce_xor", "zeta")
+        "approx_top_k")
 _reason("JAX-internal bookkeeping (dead-code sinks, staging, uninitialized placeholders, "
         "autodiff zeros): not lowered",
         "dce_sink", "empty", "stage", "tie", "unreachable", "zeros_like")

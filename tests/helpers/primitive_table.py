@@ -187,6 +187,19 @@ rec("reduce_min", lambda x: jnp.min(x, axis=-1), f32(6, 37))
 rec("reduce_prod", lambda x: jnp.prod(x, axis=-1), f32(4, 9, lo=0.5, hi=1.5))
 rec("reduce_or", lambda x: jnp.any(x > 1.0, axis=-1), f32(6, 9))
 rec("reduce_and", lambda x: jnp.all(x > -1.5, axis=-1), f32(6, 9))
+I32_ALL = {"lo": -2**31, "hi": 2**31 - 1}  # every int32 bit pattern
+rec("reduce_xor", lambda x: jnp.bitwise_xor.reduce(x, axis=1), i32(6, 40, 3, **I32_ALL))
+rec("reduce_xor", lambda x: jnp.bitwise_xor.reduce(x, axis=(0, 1)), i32(30, 7, 2, **I32_ALL),
+    label="i32-axes")
+rec("reduce_xor", lambda x: jnp.bitwise_xor.reduce(x), i32(3000, **I32_ALL), label="i32-full")
+rec("reduce_xor", lambda x: (x ^ jnp.bitwise_xor.reduce(x, axis=-1, keepdims=True)) + 1,
+    i32(6, 300, **I32_ALL), label="i32-row")
+rec("reduce_xor", lambda x: jnp.bitwise_xor.reduce(x, axis=0), dt(jnp.int8, 33, 5, lo=-128, hi=127),
+    label="i8")
+rec("reduce_xor", lambda x: jnp.logical_xor.reduce(x, axis=-1), boolean(5, 33), label="bool")
+rec("reduce_xor", lambda x: jnp.logical_xor.reduce(x > 0.5, axis=(0, 2)), f32(6, 5, 70),
+    label="bool-axes")
+rec("reduce_xor", lambda x: jnp.logical_xor.reduce(x > 0.0), f32(4, 1000), label="bool-full")
 rec("argmax", lambda x: jnp.argmax(x, axis=1), f32(5, 70))
 rec("argmin", lambda x: jnp.argmin(x, axis=0), f32(70, 5))
 rec("cumsum", lambda x: jnp.cumsum(x, axis=1), f32(3, 20))

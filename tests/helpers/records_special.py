@@ -43,11 +43,24 @@ rec("digamma", lax.digamma, non_integers(5, 8), label="reflection")
 rec("digamma", lambda x: lax.digamma(x * 7.0) + 1.0, f32(40, lo=0.01, hi=20.0), label="fused")
 for label, dtype in HALVES.items():
     rec("digamma", lax.digamma, dt(dtype, 33, lo=1.0, hi=3.0), label=label)
+    rec("zeta", lax.zeta, dt(dtype, 33, lo=1.5, hi=5.0), dt(dtype, 33, lo=0.1, hi=3.0), label=label)
+    rec("polygamma", lambda x: lax.polygamma(jnp.ones_like(x), x), dt(dtype, 33, lo=0.5, hi=4.0),
+        label=label)
     rec("bessel_i0e", lax.bessel_i0e, normal(dtype, 33), label=label)
     rec("bessel_i1e", lax.bessel_i1e, normal(dtype, 33), label=label)
     rec("regularized_incomplete_beta", lax.betainc, dt(dtype, 33, lo=0.05, hi=1.0),
         dt(dtype, 33, lo=0.05, hi=1.0), dt(dtype, 33, lo=0.0, hi=1.0), label=label)
 rec("bessel_i0e", lax.bessel_i0e, normal(jnp.float32, 6, 7))
+rec("zeta", lax.zeta, f32(5, 8, lo=1.0, hi=6.0), f32(5, 8, lo=0.05, hi=4.0))
+rec("zeta", lambda x, q: lax.zeta(x * x + 1.5, q) * 2.0, f32(40, lo=-3.0, hi=3.0),
+    f32(40, lo=-2.5, hi=30.0), label="fused")  # q < 0 too (x is not an integer there: NaN)
+for m in range(4):  # polygamma(0, x) is digamma
+    rec("polygamma", lambda x, m=m: lax.polygamma(jnp.full_like(x, m), x), non_integers(5, 8),
+        label=f"m{m}")
+rec("polygamma", lambda m, x: lax.polygamma(m, x) + 1.0, lambda r: jnp.asarray(
+    r.integers(0, 4, 40), jnp.float32), f32(40, lo=0.1, hi=12.0), label="m-operand")
+rec("polygamma", jax.grad(lambda x: lax.digamma(x).sum()), f32(6, 7, lo=0.2, hi=5.0),
+    label="digamma-grad")  # digamma's derivative is polygamma(1, x)
 rec("bessel_i1e", lax.bessel_i1e, normal(jnp.float32, 6, 7))
 rec("bessel_i0e", lambda x: lax.bessel_i0e(x) * lax.bessel_i1e(x),
     normal(jnp.float32, 50, scale=40.0), label="large")
@@ -97,5 +110,7 @@ rec("igamma_grad_a", lambda a, x: jax.grad(lambda a: lax.igamma(a, x).sum())(a),
 rec("igamma_grad_a", lambda a, x: jax.grad(lambda a: lax.igammac(a, x).sum())(a),
     f32(40, lo=0.5, hi=5.0), f32(40, lo=0.0, hi=12.0), label="igammac-wide")
 
-# The integer records, whose kernels test_lax_peer.py also runs on the host.
-INTEGER_RECORDS = [r for r in RECORDS[_FIRST:] if r.label in INTEGER_LABELS]
+# The integer records, whose kernels test_lax_peer.py also runs on the host, and
+# primitive_table's bitwise reductions (integer and bool kernels too).
+INTEGER_RECORDS = [r for r in RECORDS[_FIRST:] if r.label in INTEGER_LABELS] + [
+    r for r in RECORDS[:_FIRST] if r.primitive in ("reduce_and", "reduce_or", "reduce_xor")]

@@ -65,3 +65,10 @@ def reduce_and(dtype) -> Reducer:
     if dtypes.name(dtype) == "bool":
         return Reducer("({a} && {b})", "1", "int")
     return Reducer("({a} & {b})", "(~0)", _acc_type(dtype))
+
+
+@register("reduce_xor", kind=RuleKind.REDUCTION)
+def reduce_xor(dtype) -> Reducer:
+    # Bool accumulates 0/1 in an int, where ^ is the parity; sign-extended 8- and 16-bit
+    # integers stay sign-extended under ^.
+    return Reducer("({a} ^ {b})", "0", _acc_type(dtype))

@@ -1,8 +1,8 @@
-"""Special functions (digamma, igamma, igammac, igamma_grad_a, betainc, bessel_i0e/i1e)
-and mulhi.
+"""Special functions (digamma, polygamma, zeta, igamma, igammac, igamma_grad_a, betainc,
+bessel_i0e/i1e) and mulhi.
 
 Each special function is a C block computing `r` (a double) from its double operands
-(`x`, or `a`, `x`, or `a`, `b`, `x`): series, continued fractions and asymptotic
+(`x`, or `a`, `x`, or `a`, `b`, `x`, ...): series, continued fractions and asymptotic
 expansions evaluated in double, so a float32 result is the correctly rounded value
 (within JAX's test tolerances of XLA's float32 algorithms, which are themselves
 checked against SciPy), and float16/bfloat16 results round once at the end, as XLA's
@@ -10,8 +10,18 @@ upcast to float32 does. The blocks are plain C (only <math.h> functions that CUD
 has in double), so tests compile them for the host too and compare with JAX.
 The rule emits the block in braces inside the fused kernel: it fuses like any
 elementwise op, in every kernel template, with no file-scope helper needed.
+
+zeta and polygamma follow XLA's CHLO expansion term for term, in double: its values,
+edge cases included, are what jax.jit returns. Where XLA's answers on the CPU and on the
+GPU could differ, these are the CPU's: XLA keeps its first ten terms alone where the
+rest is below the smallest denormal, a test that never passes on the CPU, which flushes
+denormals (on a GPU that does not flush, zeta(inf, 1) would be 1; it is NaN on the CPU
+and here).
 """
 from __future__ import annotations
+
+from fractions import Fraction
+from math import comb, factorial
 
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.ir import Node
@@ -20,6 +30,7 @@ from nimblejax.compiler.lowering.codegen import Index, KernelBuilder
 from nimblejax.compiler.lowering.registry import register
 
 _NAN = "(0.0 / 0.0)"
+_INF = "(1.0 / 0.0)"
 
 # digamma: reflection below 1/2, recurrence up to 10, asymptotic series there.
 DIGAMMA = f"""
@@ -36,6 +47,55 @@ else {{
   double t = z * (1.0 / 12 - z * (1.0 / 120 - z * (1.0 / 252 - z * (1.0 / 240 - z * (1.0 / 132
              - z * (691.0 / 32760 - z * (1.0 / 12)))))));
   r = s + log(y) - 0.5 / y - t;
+}}
+"""
+
+
+def _bernoulli(n: int) -> list[Fraction]:
+    """B_0 .. B_n, from sum_{k<=m} C(m+1, k) B_k = 0 (so B_1 = -1/2)."""
+    b = [Fraction(1)]
+    for m in range(1, n + 1):
+        b.append(-sum(comb(m + 1, k) * b[k] for k in range(m)) / (m + 1))
+    return b
+
+
+# Hurwitz zeta(x, q) = sum_{n>=0} (q + n)^-x by Euler-Maclaurin at a = q + 10: the first
+# ten terms, the rest's integral a^(1-x)/(x-1), half the term at a, and the Bernoulli
+# terms sum_{k=1..12} B_2k/(2k)! x(x+1)...(x+2k-2) a^(-x-2k+1), nested from k = 12 down.
+# As XLA's CHLO expansion (what jax.jit returns): the same 10 + 12 terms for every q (for
+# q < -10 that is not the function's value, nor is XLA's), then, each overriding the
+# last: NaN for x < 1; NaN for q <= 0 and x not an integer; at an integer q <= 0, inf
+# for an even integer x and NaN otherwise; inf for x = 1 (whatever q). Where XLA's
+# float32 overflows and double does not, jax.jit's answer is NaN or inf and this one the
+# value: zeta of x above about 1e3 (XLA's product of the (x + j) overflows; zeta(1e4, 1)
+# is NaN there, 1 here) and polygamma of m >= 35 (m! overflows).
+_ZETA_TAIL = [float(_bernoulli(24)[2 * k] / factorial(2 * k)) for k in range(1, 13)]
+_HORNER = "".join(f"  h = (x + {2 * k - 3}.0) * (x + {2 * k - 2}.0) * ia2 * ({c!r} + h);\n"
+                  for k, c in reversed(list(enumerate(_ZETA_TAIL, 1))) if k > 1)
+ZETA = f"""
+if (x == 1.0) {{ r = {_INF}; }}
+else if (q <= 0.0 && q == floor(q)) {{
+  r = (x == floor(x) && fmod(x, 2.0) == 0.0) ? {_INF} : {_NAN};
+}}
+else if (x < 1.0 || (q <= 0.0 && x != floor(x))) {{ r = {_NAN}; }}
+else {{
+  double s = 0.0, a = q;
+  for (int n = 0; n < 10; ++n) {{ s += pow(a, -x); a += 1.0; }}
+  double b = pow(a, -x), ia2 = 1.0 / (a * a), h = 0.0;
+{_HORNER}  r = s + b * a / (x - 1.0) + b * (0.5 + x / a * ({_ZETA_TAIL[0]!r} + h));
+}}
+"""
+
+# polygamma(m, x) = (-1)^(m+1) m! zeta(m + 1, x), digamma(x) at m = 0, NaN for m not a
+# natural number, as XLA's expansion (whose m! = exp(lgamma(m + 1)) in float32 errs by up
+# to 9e-7 for m <= 3: 3! is 6.0000052 there; here m! is tgamma(m + 1) in double).
+POLYGAMMA = f"""
+if (m != floor(m) || m < 0.0) {{ r = {_NAN}; }}
+else if (m == 0.0) {{ {DIGAMMA} }}
+else {{
+  double z;
+  {{ const double q = x; const double x = m + 1.0; double r; {ZETA} z = r; }}
+  r = (fmod(m, 2.0) == 0.0 ? -z : z) * tgamma(m + 1.0);
 }}
 """
 
@@ -179,6 +239,8 @@ else {{
 # primitive → (operand names in order, C block).
 BLOCKS = {
     "digamma": (("x",), DIGAMMA),
+    "polygamma": (("m", "x"), POLYGAMMA),
+    "zeta": (("x", "q"), ZETA),
     "bessel_i0e": (("x",), BESSEL_I0E),
     "bessel_i1e": (("x",), BESSEL_I1E),
     "igamma": (("a", "x"), IGAMMA),
