@@ -42,7 +42,8 @@ HEAVY = frozenset({
     "cumprod", "cummax", "cummin", "cumlogsumexp", "sort", "scatter", "scatter-add", "scatter_add",
     "scatter-mul", "scatter-min", "scatter-max", "gather", "reduce_precision",
     "reduce_window_sum", "reduce_window_max", "reduce_window_min", "scan", "while",
-    "random_bits", "threefry2x32",
+    "random_bits", "threefry2x32", "scatter-sub", "cholesky", "triangular_solve", "lu",
+    "custom_linear_solve",
 })  # and the same inside the body of a call-like equation (`_weight`)
 CALL_LIKE = frozenset({"pjit", "jit", "closed_call", "core_call", "call", "eval_jaxpr",
                        "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "remat",
