@@ -45,7 +45,9 @@ def test_newton_root_find_matches_jax_jit():
     close(got, jax.jit(newton_root)(y0, b))
     np.testing.assert_allclose(np.tanh(got) + got, b, atol=1e-5)  # a root indeed
     report = nimble.explain(f, y0, b)
-    assert "xla while" in str(report) and "xla lu" in str(report)  # lineax's LU: XLA's
+    # lineax's LU is nimble's kernel (lowering/rules_linalg.py), so the Newton loop is a
+    # WHILE task of a region; only equinox's host-callback check is left to XLA.
+    assert "xla while" not in str(report) and "xla lu" not in str(report)
     assert report.regions
     # The gradient by optimistix's implicit-function rule, kept around the partition.
     loss = lambda fn: lambda b: jnp.sum(fn(y0, b) ** 2)  # noqa: E731

@@ -322,6 +322,27 @@ for src, dst, make in [("float32", "uint32", f32(5, 6, lo=-1e3, hi=1e3)), ("uint
     rec("bitcast_convert_type", lambda x, dst=dst: lax.bitcast_convert_type(x, dst) if dst.startswith(("u", "i"))
         else lax.bitcast_convert_type(x, dst) * 1.5, make, label=f"{src}-{dst}")
 
+# Small dense linear algebra (lowering/rules_linalg.py; tests/compiler/lowering/
+# test_linalg.py runs its kernels on the emulator and the GPU).
+def spd(n, batch=()):
+    def make(r):
+        x = r.standard_normal((*batch, n, n)).astype(np.float32)
+        return jnp.asarray(x @ np.swapaxes(x, -1, -2) + n * np.eye(n, dtype=np.float32))
+    return make
+
+
+rec("cholesky", jnp.linalg.cholesky, spd(6, (2,)))
+rec("triangular_solve", lambda a, b: jax.scipy.linalg.solve_triangular(a, b, lower=True),
+    lambda r: jnp.tril(spd(5)(r)), f32(5, 3))
+rec("lu", lambda a: lax.linalg.lu(a), f32(3, 6, 4))
+rec("lu_pivots_to_permutation", lambda p: lax.linalg.lu_pivots_to_permutation(p, 7),
+    lambda r: jnp.asarray(np.stack([r.integers(i, 7, 2) for i in range(5)], -1), jnp.int32))
+# Comparisons in XLA's total order (jnp.searchsorted's le_to): signed zeros, both NaNs.
+TOTAL = np.array([np.nan, -np.nan, -np.inf, np.inf, -0.0, 0.0, 1.0, -1.0, 2.5], np.float32)
+for name, prim in (("eq_to", lax.eq_to_p), ("le_to", lax.le_to_p), ("lt_to", lax.lt_to_p)):
+    rec(name, lambda x, y, prim=prim: prim.bind(x, y), lambda r: jnp.asarray(np.repeat(TOTAL, 9)),
+        lambda r: jnp.asarray(np.tile(TOTAL, 9)))
+
 # Records of the indexing, sorting, random-number and special-function rules live beside
 # this file, one module per rule module; importing them appends to RECORDS.
 from tests.helpers import records_indexing  # noqa: E402,F401
