@@ -45,14 +45,15 @@ def mvn_value_and_grad(s, x):
 def cases() -> Iterator[tuple[str, Callable, Callable]]:
     """name, function, argument maker (from a Generator)."""
     yield "cholesky, 256 matrices 16×16", jnp.linalg.cholesky, lambda r: (spd(r, 256, 16, 16),)
-    yield "cholesky, one 64×64", jnp.linalg.cholesky, lambda r: (spd(r, 64, 64),)
+    yield "cholesky, one 32×32", jnp.linalg.cholesky, lambda r: (spd(r, 32, 32),)
+    yield "cholesky, one 64×64 (above MAX_DIM: XLA's)", jnp.linalg.cholesky, lambda r: (spd(r, 64, 64),)
     yield ("multivariate normal log density + gradient, 16-dim, 256 points", mvn_value_and_grad,
            lambda r: (spd(r, 16, 16), r.standard_normal((256, 16)).astype(np.float32)))
     yield ("jnp.linalg.solve 32×32, 8 right-hand sides", jnp.linalg.solve,
            lambda r: (r.standard_normal((32, 32)).astype(np.float32), r.standard_normal((32, 8)).astype(np.float32)))
-    yield ("cho_solve 64×64 (factor + two triangular solves)",
+    yield ("cho_solve 32×32 (factor + two triangular solves)",
            lambda a, b: jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(a), b),
-           lambda r: (spd(r, 64, 64), r.standard_normal(64).astype(np.float32)))
+           lambda r: (spd(r, 32, 32), r.standard_normal(32).astype(np.float32)))
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Is a small co-execution region worth a nimble plan? (issue 33: the measured rule behind
 compiler/partition.py's MIN_REGION_EQNS.) A function with one equation nimble leaves to
-XLA (an `eigvalsh`) and a region beside it: an elementwise chain of n equations (which
+XLA (an FFT, a few µs) and a region beside it: an elementwise chain of n equations (which
 XLA fuses into one kernel), or n independent small reductions (which XLA runs as
 several kernels). Each is timed with the region as a nimble plan (MIN_REGION_EQNS = 1)
 and left to XLA (MIN_REGION_EQNS above n, no HEAVY primitive counted), and under
@@ -28,7 +28,7 @@ from nimblejax.compiler import partition
 
 def chain(n: int, size: int):
     def f(x, s):
-        y = x * jnp.sum(jnp.linalg.eigvalsh(s))  # the equation left to XLA
+        y = x * jnp.sum(jnp.abs(jnp.fft.rfft(s)))  # the FFT is left to XLA
         for _ in range(n // 2):
             y = jnp.tanh(y) * 1.01
         return y
@@ -37,7 +37,7 @@ def chain(n: int, size: int):
 
 def reductions(n: int, size: int):
     def f(x, s):
-        y = x * jnp.sum(jnp.linalg.eigvalsh(s))
+        y = x * jnp.sum(jnp.abs(jnp.fft.rfft(s)))
         return [jnp.max(y[i::n // 2] * (i + 1)) for i in range(n // 2)]  # mul + reduce each
     return f, (size,)
 

@@ -1,7 +1,9 @@
 """Fusible rules: each computes a node's output at one index inside a fused kernel."""
 from __future__ import annotations
 
-from nimblejax.compiler.ir import Node
+import numpy as np
+
+from nimblejax.compiler.ir import Literal, Node
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, linear
@@ -50,15 +52,33 @@ _TOTAL_ORDER = {"eq_to": "==", "le_to": "<=", "lt_to": "<"}
 def total_order_compare(b: KernelBuilder, node: Node, idx: Index) -> str:
     """Comparisons in XLA's total order (jnp.searchsorted's `le_to`): -NaN < -inf < ... <
     -0 < +0 < ... < inf < +NaN. A float compares by its bits read as sign and magnitude:
-    the magnitude bits flipped where the sign is set, as a signed integer (half types are
-    widened to float first, which keeps that order). Integers compare by value."""
+    the magnitude bits flipped where the sign is set, as a signed integer. Half types use
+    their own 16 bits, read from memory where the operand is a buffer (converting a half
+    NaN to float on the GPU drops its sign). Integers compare by value."""
     x, y = node.inputs
-    a, c = b.value(x, idx), b.value(y, idx)
     if dtypes.is_float(x.dtype):
-        key = "({v} ^ (({v} >> 31) & 0x7fffffff))"
-        u, w = b.tmp("int", f"__float_as_int({a})"), b.tmp("int", f"__float_as_int({c})")
-        a, c = key.format(v=u), key.format(v=w)
+        width = 16 if dtypes.is_half(x.dtype) else 32
+        u, w = (b.tmp("int", _signed_bits(b, v, idx, width)) for v in (x, y))
+        mask = "0x7fff" if width == 16 else "0x7fffffff"
+        a, c = (f"({v} ^ (({v} >> 31) & {mask}))" for v in (u, w))
+    else:
+        a, c = b.value(x, idx), b.value(y, idx)
     return b.tmp("bool", f"({a} {_TOTAL_ORDER[node.name]} {c})")
+
+
+def _signed_bits(b: KernelBuilder, atom, idx: Index, width: int) -> str:
+    """The bits of `atom` at `idx` as a signed int (16-bit patterns sign-extended)."""
+    if width == 32:
+        return f"__float_as_int({b.value(atom, idx)})"
+    if isinstance(atom, Literal):
+        return str(int(np.asarray(atom.value).astype(atom.dtype).view(np.int16)))
+    if atom in b.inlined:  # computed in float here: its half's bits
+        return f"(int)(short){_HALF_BITS[dtypes.name(atom.dtype)][0].format(b.value(atom, idx))}"
+    if atom.ndim == 0:
+        idx = ()
+    elif 1 in atom.shape:  # broadcast along size-1 axes, as KernelBuilder.value reads it
+        idx = tuple("0" if n == 1 else i for n, i in zip(atom.shape, idx))
+    return f"(int)((const short*){b.input(atom)})[{b.linear(idx, atom.shape)}]"
 
 
 # bits of a half type, and back (cuda_fp16.h, cuda_bf16.h).

@@ -37,7 +37,7 @@ def _cases():
     return {
         "cholesky": (jnp.linalg.cholesky, lambda r: [_spd(r, 6, 6)]),
         "cholesky-batched": (jnp.linalg.cholesky, lambda r: [_spd(r, 3, 2, 5, 5)]),
-        "cholesky-64": (jnp.linalg.cholesky, lambda r: [_spd(r, 64, 64)]),
+        "cholesky-32": (jnp.linalg.cholesky, lambda r: [_spd(r, 32, 32)]),
         "cholesky-not-spd": (jnp.linalg.cholesky,  # one of two is not positive definite
                              lambda r: [np.stack([_spd(r, 4, 4), -_spd(r, 4, 4)])]),
         "cholesky-raw": (lambda a: jax.lax.linalg.cholesky_p.bind(a), lambda r: [_spd(r, 5, 5)]),

@@ -43,6 +43,20 @@ def test_kernel_on_cpu_matches_jax_bit_for_bit(p, dtype):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(jax.jit(_fn(p))(x, y)))
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: np.dtype(d).name)
+def test_a_fused_half_operand_compares_by_its_half_bits(dtype):
+    """An operand computed in the kernel (in float) is compared as the half it rounds to."""
+    if kernel_emulator.compiler() is None:
+        pytest.skip("no host C++ compiler")
+    # No NaNs, and no denormals (XLA on the CPU flushes them in arithmetic).
+    finite = SPECIAL[~np.isnan(SPECIAL) & ((np.abs(SPECIAL) > 1e-30) | (SPECIAL == 0))]
+    x, y = np.repeat(finite, len(finite)).astype(dtype), np.tile(finite, len(finite)).astype(dtype)
+    fn = lambda x, y: jax.lax.lt_to_p.bind(x * 2, y * 2) | jax.lax.eq_to_p.bind(x, y * 1)  # noqa: E731
+    plan = nimble.jit(fn, backend="interpret").plan(x, y)
+    got, _ = kernel_emulator.run(plan, [x, y])
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(jax.jit(fn)(x, y)))
+
+
 def test_searchsorted_and_interp_on_the_interpreter():
     r = np.random.default_rng(1)
     grid = np.sort(r.standard_normal(40)).astype(np.float32)
