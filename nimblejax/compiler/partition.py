@@ -31,11 +31,14 @@ from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.jaxprs import open_jaxpr
 
 # A region is worth a plan when it holds one of these (work XLA would launch a kernel or
-# a library call for anyway) or at least MIN_REGION_EQNS equations. A nimble_call costs
-# a custom call with two copy kernels on the GPU (a few µs), and XLA fuses a short
-# elementwise chain into one kernel of its own: such a region gains nothing. The
-# threshold is a first guess, to be measured on the GPU against leaving the region to XLA.
-MIN_REGION_EQNS = 16
+# a library call for anyway) or at least MIN_REGION_EQNS equations. XLA fuses an
+# elementwise chain into one kernel of its own, and a nimble_call adds its custom call.
+# Measured on an H100 (examples/gpu/probe_region_threshold.py, 86163ef: a chain beside
+# an FFT left to XLA, planned against left to XLA, looped): chains of 6 to 66 equations,
+# 4K and 1M elements, ran 0.95-1.12x as long planned (median 1.06x), so an elementwise
+# region stays with XLA up to at least that length; a region of column reductions
+# (HEAVY) ran 1.02-1.08x at 4K elements and 0.84-0.97x at 1M.
+MIN_REGION_EQNS = 128
 HEAVY = frozenset({
     "dot_general", "conv_general_dilated", "reduce_sum", "reduce_max", "reduce_min",
     "reduce_prod", "reduce_and", "reduce_or", "reduce_xor", "argmax", "argmin", "cumsum",
