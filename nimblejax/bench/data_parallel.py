@@ -3,7 +3,7 @@ body of `jax.shard_map`, JAX's own collectives (NCCL on GPUs) between devices.
 
     PYTHONPATH=. python3 -m nimblejax.bench.data_parallel [--models mlp,resnet50]
         [--per-device-batch 32] [--devices 1,2] [--calls 30] [--rounds 5]
-        [--backend cuda] [--json out.json]
+        [--backend cuda] [--json out.json] [--floor]
 
 For each model and device count n, one SGD step over a global batch of n x per-device
 batch: per-device loss and gradients (nimble.jit or jax.jit), `lax.pmean` of them over
@@ -14,7 +14,9 @@ host is shared), `--calls` steps a loop (the new parameters fed back, a batch fr
 pool of distinct ones each call, one block at the end); medians over the rounds.
 Reports samples/s of both steps, nimble / jax.jit, each one's scaling from the first
 device count to n, and each step's µs with what its pmean costs (the step less the step
-without it), so that a missed scaling or speed target shows where the time goes. The
+without it), so that a missed scaling or speed target shows where the time goes; with
+--floor, also the step of a body that only scales the parameters (JAX's dispatch of a
+step over that parameter tree on n devices). The
 JSON keeps every round's µs and how far the two steps' updates differ.
 """
 from __future__ import annotations
@@ -138,6 +140,27 @@ def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
     return row
 
 
+def floor_us(model: str, n_devices: int, per_device: int, calls: int = 30, rounds: int = 5) -> float:
+    """µs a step of the same shard_map, donation and batches whose body only scales the
+    parameters: what JAX's dispatch of a step over this parameter tree costs on n devices,
+    whatever the model computes."""
+    from nimblejax.bench.timing import fed_back_us
+
+    mesh = Mesh(np.array(jax.devices()[:n_devices]), ("data",))
+    _, params, x, labels = build(model, per_device * n_devices, np.random.default_rng(0))
+    data = NamedSharding(mesh, P("data"))
+    batches = [(jax.device_put(x + 0.01 * i, data), jax.device_put(labels, data)) for i in range(4)]
+
+    def local(p, x, labels):
+        return jax.tree_util.tree_map(lambda a: a * 0.999, p), jnp.sum(x)
+
+    step = jax.jit(shard_map(local, mesh, (P(), P("data"), P("data")), (P(), P()), check=False),
+                   donate_argnums=(0,))
+    state = [jax.device_put(jax.tree_util.tree_map(jnp.copy, params), NamedSharding(mesh, P()))]
+    fed_back_us(step, state, batches, 3)
+    return statistics.median(fed_back_us(step, state, batches, calls) for _ in range(rounds))
+
+
 HEADER = ("| model | GPUs | jax.jit samples/s | nimble samples/s | nimble / jax | jax.jit scaling "
           "| nimble scaling | jax.jit step µs (of which pmean) | nimble step µs (of which pmean) |\n"
           "|---|---|---|---|---|---|---|---|---|")
@@ -160,6 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5, help="alternating rounds (medians over them)")
     ap.add_argument("--backend", default="cuda", help="nimble backend (interpret: a CPU check)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--floor", action="store_true",
+                    help="also time each row's dispatch floor (a body that only scales the parameters)")
     opts = ap.parse_args(argv)
     total = len(jax.devices())
     counts = [int(c) for c in opts.devices.split(",")] if opts.devices else sorted({1, total})
@@ -177,8 +202,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in ("jax", "nimble"):
                 base.setdefault(name, row[f"{name}_samples_per_s"])
                 row[f"{name}_scaling"] = row[f"{name}_samples_per_s"] / base[name]
+            if opts.floor:
+                row["floor_us"] = floor_us(model, n, opts.per_device_batch, opts.calls, opts.rounds)
             rows.append(row)
-            print(table_row(row), flush=True)
+            print(table_row(row) + (f"  (dispatch floor {row['floor_us']:.0f} µs)" if opts.floor else ""),
+                  flush=True)
             if row["max_rel_err"] > 0.05:  # loose: TF32 matmuls on GPUs differ by ~1e-3
                 print(f"  ({model} on {n}: jax.jit's and nimble's updates differ by "
                       f"{row['max_rel_err']:.2g} relative; not the same step)")

@@ -11,7 +11,7 @@ def test_rows_time_both_steps_with_and_without_pmean(tmp_path, capsys):
     out = tmp_path / "dp.json"
     assert data_parallel.main(["--models", "mlp", "--per-device-batch", "2", "--devices", "1",
                                "--calls", "1", "--rounds", "2", "--backend", "interpret",
-                               "--json", str(out)]) == 0
+                               "--json", str(out), "--floor"]) == 0
     printed = capsys.readouterr().out
     assert "jax.jit scaling" in printed and "nimble step µs (of which pmean)" in printed
     (row,) = json.loads(out.read_text())["rows"]
@@ -21,3 +21,4 @@ def test_rows_time_both_steps_with_and_without_pmean(tmp_path, capsys):
         assert row[f"{name}_scaling"] == 1.0
         assert len(row["rounds_us"][f"{name}_step_us"]) == 2
     assert row["max_rel_err"] < 1e-3  # the same step: jax.jit's gradients reduced once
+    assert row["floor_us"] > 0 and "dispatch floor" in printed
