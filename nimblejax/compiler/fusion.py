@@ -63,6 +63,10 @@ class Group:
     # A REDUCTION group's other roots (fusion_siblings.py): reductions of the same shape
     # computed in the root's loop, each writing its own output (before the root's).
     siblings: tuple[Node, ...] = ()
+    # A GEMM group's elementwise reader, computed by the tensor-core GEMM kernel from its
+    # accumulators (fusion_gemm_post.py): its nodes follow the GEMM's, and the group
+    # writes its output instead of the GEMM's result.
+    post: "Group | None" = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", GroupKind(self.kind))  # a string is checked
@@ -75,6 +79,8 @@ class Group:
     def outputs(self) -> tuple[Var, ...]:
         if self.members:
             return tuple(v for g in self.members for v in g.outputs)
+        if self.post is not None:
+            return self.post.outputs
         if self.epilogue is not None:
             return (self.epilogue.output,)
         return tuple(n.outputs[0] for n in self.siblings) + self.root.outputs + self.extra_outputs

@@ -28,6 +28,7 @@ from nimblejax.compiler import loops, printing
 from nimblejax.compiler.buffers import Buffers, analyze_buffers
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize
 from nimblejax.compiler.fusion import Group, fuse
+from nimblejax.compiler.fusion_gemm_post import fuse_gemm_posts
 from nimblejax.compiler.fusion_horizontal import pack_horizontal
 from nimblejax.compiler.fusion_siblings import merge_sibling_reductions
 from nimblejax.compiler.ir import Graph, fresh_ids
@@ -82,6 +83,8 @@ def _fuse(p: Program, options: Options) -> Program:
     # has the small-M kernel (lowering/gemm_small.py), which the library call is not.
     groups = merge_sibling_reductions(
         fuse(p.graph, gemm_epilogues=options.gemm != "cublas", small_gemm=options.small_gemm))
+    if options.tc_gemm and options.gemm != "cublas":
+        groups = fuse_gemm_posts(groups, p.graph, small_gemm=options.small_gemm)
     if options.horizontal:
         groups = pack_horizontal(groups)
     return dataclasses.replace(p, groups=tuple(groups))

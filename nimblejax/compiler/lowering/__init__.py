@@ -8,6 +8,7 @@ from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_in
                                          rules_special, rules_window)  # (registration)
 from nimblejax.compiler.lowering.codegen import elementwise_kernel, reduction_kernel
 from nimblejax.compiler.kinds import CONTROL_PRIMITIVES, GroupKind, TaskKind
+from nimblejax.compiler.lowering.gemm_post import post_code
 from nimblejax.compiler.lowering.gemm_tc import takes_tc, tc_matmul
 from nimblejax.compiler.lowering.registry import RULES, rule_for
 from nimblejax.compiler.lowering.horizontal import horizontal_kernel
@@ -57,6 +58,10 @@ def lower_group(group: Group, small_gemm: bool = True, tc_gemm: bool = True) -> 
         if isinstance(made, GemmCall):
             if group.epilogue is not None:  # fusion made it only for library GEMMs
                 made = group.epilogue.apply(made)
+            if group.post is not None:  # fusion_gemm_post.py: takes_tc held there
+                kernel = tc_matmul(made, post=post_code(group.post, made.c))
+                return Task(kernel.name, TaskKind.KERNEL, group.inputs, group.outputs, group.nodes,
+                            kernel=kernel, gemm=made)
             if tc_gemm and takes_tc(made):  # the call's problem, epilogue and all, as a kernel
                 kernel = tc_matmul(made)
                 return Task(kernel.name, TaskKind.KERNEL, group.inputs, group.outputs, group.nodes,

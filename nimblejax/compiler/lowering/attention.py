@@ -89,7 +89,7 @@ def fuse_attention(groups: Sequence, tasks: Sequence[Task], outputs: Sequence) -
 def _attention_triple(t3: Task, made, readers, results):
     """(scores GEMM task, row task, its group) of the triple ending at t3, or None."""
     g2 = t3.gemm
-    if not _plain_f32(g2):  # a library GEMM or the kernel computing one (gemm_tc.py)
+    if not _plain_f32(g2) or t3.outputs != (g2.c,):  # a GEMM (gemm_tc.py: with no post group)
         return None
     probs = g2.a if not g2.trans_a and _contiguous(g2, "a") else None
     if probs is None or probs not in made:

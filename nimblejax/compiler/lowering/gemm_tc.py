@@ -73,9 +73,9 @@ GELU, applied in cuBLASLt's order: activation last).
 - Shared tiles are stored as the operand is in memory, rows padded (`smem_stride`) so
   that a warp's fragment reads hit 32 banks; all in 48 KB of static shared memory.
 
-The PTX sits in `__device__` helpers under `#ifndef NIMBLE_TC_PTX`: a module may hold
-several such kernels (runtime/compile.py), and the CPU emulator (tests/helpers/
-kernel_emulator.py) defines NIMBLE_TC_PTX and supplies its own versions.
+The PTX sits in `__device__` helpers under `#ifndef NIMBLE_TC_PTX` (a module may hold
+several such kernels; the CPU emulator defines NIMBLE_TC_PTX and supplies its own).
+With a post group (gemm_post.py) the epilogue also computes the GEMM's elementwise reader.
 """
 from __future__ import annotations
 
@@ -84,6 +84,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from nimblejax.compiler.epilogue import GELU_CUBIC, SQRT_2_OVER_PI
+from nimblejax.compiler.lowering.gemm_post import PostCode
 from nimblejax.compiler.lowering.codegen import PRELUDE
 from nimblejax.compiler.lowering.task import GemmCall, Kernel
 
@@ -268,17 +269,18 @@ template <int N> __device__ __forceinline__ void nimble_cp_async_wait() {
 """
 
 
-def tc_matmul(call: GemmCall, tile: Optional[Tile] = None) -> Kernel:
-    """The kernel computing `call` (its operands given), with `tile` or choose_tile's."""
+def tc_matmul(call: GemmCall, tile: Optional[Tile] = None, post: Optional[PostCode] = None) -> Kernel:
+    """The kernel computing `call` (its operands given), with `tile` or choose_tile's;
+    with `post` (gemm_post.py), its elementwise reader's output instead of C."""
     assert qualifies(call), call
     tile = tile or choose_tile(call)
     assert smem_floats(call, tile) * 4 <= SMEM_BYTES, (call, tile)
-    body = _source(call, tile)
+    body = _source(call, tile, post)
     digest = hashlib.sha1(body.encode()).hexdigest()[:4]
-    name = f"nimble_gemm_tc_{_shape_label(call)}_{digest}"
+    name = f"nimble_gemm_tc_{_shape_label(call)}{'_then_' + '_'.join(post.ops[-2:]) if post else ''}_{digest}"
     grid = (-(-call.n // tile.bn), -(-call.m // tile.bm), call.batch)
-    params = (call.c, call.a, call.b) + ((call.bias,) if call.epilogue.bias else ()) \
-        + ((call.residual,) if call.epilogue.residual else ())
+    params = (post.output if post else call.c, call.a, call.b) + ((call.bias,) if call.epilogue.bias else ()) \
+        + ((call.residual,) if call.epilogue.residual else ()) + (post.inputs if post else ())
     return Kernel(name, PRELUDE + PTX_HELPERS + body.replace("NAME", name, 1), grid,
                   (tile.threads, 1, 1), params)
 
@@ -290,12 +292,13 @@ def _shape_label(call: GemmCall) -> str:
     return "_".join(filter(None, (shape, ops, call.epilogue.label(call.alpha).replace("+", "_"))))
 
 
-def _source(call: GemmCall, tile: Tile) -> str:
+def _source(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> str:
     a, b = _operand(call, "a", tile), _operand(call, "b", tile)
     ldc, stride_c = call.layout("c")
     ep = call.epilogue
     args = ["float* __restrict__ C", "const float* __restrict__ A", "const float* __restrict__ B"]
     args += ["const float* __restrict__ bias"] * ep.bias + ["const float* __restrict__ R"] * ep.residual
+    args += post.params() if post else []
     k_steps = -(-call.k // tile.bk)
     lines = [
         f"// C ({call.m} x {call.n}) = {_formula(call)}; A stored "
@@ -373,7 +376,7 @@ def _source(call: GemmCall, tile: Tile) -> str:
         f"    multiply_stage(step % {tile.stages});",
         "  }",
         *_split_k_sum(tile),
-        *_epilogue(call, tile),
+        *_epilogue(call, tile, post),
         "}",
     ]
     return "\n".join(lines) + "\n"
@@ -443,17 +446,14 @@ def _split_k_sum(tile: Tile) -> list[str]:
     ]
 
 
-def _epilogue(call: GemmCall, tile: Tile) -> list[str]:
-    """alpha, residual, bias, activation, then C: each lane's two neighbouring columns of
-    rows `group` and `group + 8` of each product (PTX's accumulator layout)."""
+def _epilogue(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> list[str]:
+    """alpha, residual, bias, activation, the post group, then C: each lane's two
+    neighbouring columns of rows `group` and `group + 8` of each product (PTX's layout)."""
     ep, n, ldc = call.epilogue, call.n, call.layout("c")[0]
     steps = []
     if call.alpha != 1.0:
         steps.append(f"v *= {_float(call.alpha)};")
-    if ep.residual:
-        steps.append(f"v += R[row * {n} + col];")
-    if ep.bias:
-        steps.append("v += bias[col];")
+    steps += [f"v += R[row * {n} + col];"] * ep.residual + ["v += bias[col];"] * ep.bias
     if ep.activation == "relu":
         steps.append("v = fmaxf(v, 0.0f);")
     elif ep.activation == "gelu_tanh":
@@ -468,6 +468,8 @@ def _epilogue(call: GemmCall, tile: Tile) -> list[str]:
              f"        const int row = m0 + wm * {tile.bm // tile.warps_m} + i * 16 + group + 8 * h;",
              f"        const int col0 = n0 + wn * {tile.bn // tile.warps_n} + j * 8 + 2 * thread;"]
     value = ["float v = acc[i][j][2 * h + e];", *steps]
+    if post:  # its value at (row, col) becomes v
+        value += ["{", *(f"  {line}" for line in post.lines), f"  v = {post.result};", "}"]
     if n % 2 == 0 and ldc % 2 == 0:  # col0 and col0 + 1 both inside, 8-byte aligned
         lines += [f"        if (row >= {call.m} || col0 >= {n}) continue;",
                   "        float out[2];",

@@ -1,0 +1,93 @@
+"""A GEMM and the elementwise kernel after it as one kernel: the TF32 tensor-core GEMM
+(lowering/gemm_tc.py) computes any elementwise group that reads its result, at the
+same element, from its accumulators, where cuBLASLt's epilogues take only a scale, a
+bias, a residual and relu or GELU (compiler/epilogue.py).
+
+An MLP's training step at batch 32 is a chain of small GEMMs with elementwise work
+between them: `tanh(x @ w)`, the loss gradient `(h @ v - y) * 2 / n`, the tanh backward
+`(d @ vᵀ) * (1 - h²)`. Each of those was a kernel of its own on the step's critical path
+(an SGD step of two layers: 7 tasks in a row); as the GEMM's epilogue it costs no launch.
+
+A GEMM group takes the group after it (`post`) when
+- the GEMM is the tensor-core kernel's (`takes_tc` on its call, epilogue included:
+  Options.tc_gemm, batch 1, the rule's shapes) and writes a contiguous row-major C;
+- its result is read by that one group only and is not a graph output;
+- that group is elementwise (FUSED, one output, nothing else written) over the GEMM
+  result's shape, float32, and reads the result only at the element it writes (no
+  broadcast, transpose, slice or reshape of it).
+The merged group writes the post group's output; the GEMM's result is never written.
+Its other operands are read as the fused kernel read them (buffers written earlier,
+literals, their own inlined producers), and the merged group stands where the post group
+stood, after everything it reads.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from nimblejax.compiler import dtypes
+from nimblejax.compiler.fusion import Group
+from nimblejax.compiler.ir import Graph, Var
+from nimblejax.compiler.kinds import GroupKind, RuleKind
+from nimblejax.compiler.lowering.codegen import INDEX_ONLY
+from nimblejax.compiler.lowering.registry import rule_for
+
+
+def fuse_gemm_posts(groups: list[Group], graph: Graph, small_gemm: bool = True) -> list[Group]:
+    """`groups` with each qualifying (GEMM group, elementwise reader) pair as one group."""
+    readers: dict[Var, list[int]] = {}
+    for i, g in enumerate(groups):
+        for v in set(g.inputs):
+            readers.setdefault(v, []).append(i)
+    results = {v for v in graph.outputs if isinstance(v, Var)}
+    merged: dict[int, Group] = {}  # index of the post group → the merged group
+    dropped: set[int] = set()
+    for i, g in enumerate(groups):
+        j = _post_of(g, readers, groups, results, small_gemm)
+        if j is not None and j not in merged and j not in dropped:
+            merged[j] = _merge(g, groups[j])
+            dropped.add(i)
+    return [merged.get(i, g) for i, g in enumerate(groups) if i not in dropped]
+
+
+def _post_of(g: Group, readers, groups, results, small_gemm: bool) -> Optional[int]:
+    if g.kind is not GroupKind.GEMM or g.post is not None or len(g.outputs) != 1:
+        return None
+    out = g.output
+    if out in results or len(readers.get(out, ())) != 1 or not _takes_tc(g, small_gemm):
+        return None
+    j = readers[out][0]
+    e = groups[j]
+    if (e.kind is not GroupKind.FUSED or e.extra_outputs or len(e.outputs) != 1
+            or e.output.shape != out.shape or dtypes.name(e.output.dtype) != "float32"):
+        return None
+    if not all(_reads_at_its_element(n, out) for n in e.nodes if out in n.inputs):
+        return None
+    return j
+
+
+def _reads_at_its_element(node, value: Var) -> bool:
+    """Whether `node` reads `value` at the index it computes (an elementwise op whose
+    operands all have its output's shape where they are not scalars)."""
+    if node.name in INDEX_ONLY or node.name == "gather" or rule_for(node).kind is not RuleKind.ELEMENTWISE:
+        return False
+    return node.outputs[0].shape == value.shape
+
+
+def _takes_tc(g: Group, small_gemm: bool) -> bool:
+    """Whether lowering makes this GEMM group the tensor-core kernel (as lower_group does)."""
+    from nimblejax.compiler.lowering.gemm_tc import takes_tc
+    from nimblejax.compiler.lowering.task import GemmCall
+
+    made = rule_for(g.root).fn(g.root, small_gemm=small_gemm)
+    if not isinstance(made, GemmCall):
+        return False
+    if g.epilogue is not None:
+        made = g.epilogue.apply(made)
+    ldc, _ = made.layout("c")
+    return takes_tc(made) and made.batch == 1 and ldc == made.n and made.c is g.output
+
+
+def _merge(g: Group, e: Group) -> Group:
+    inputs = tuple(dict.fromkeys(v for v in g.inputs + e.inputs if v is not g.output))
+    return dataclasses.replace(g, nodes=g.nodes + e.nodes, inputs=inputs, post=e)

@@ -1,0 +1,48 @@
+"""The C code of a GEMM's post group (compiler/fusion_gemm_post.py) inside the tensor-core
+GEMM kernel's epilogue (gemm_tc.py): the group's output at element (row, col), computed
+with the GEMM's value there (`v`, after its own epilogue) in place of a read of the
+GEMM's result, and the group's other operands read as its fused kernel would read them
+(KernelBuilder, the same code generation)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nimblejax.compiler import dtypes
+from nimblejax.compiler.ir import Var
+from nimblejax.compiler.lowering.codegen import KernelBuilder
+
+
+@dataclass(frozen=True)
+class PostCode:
+    lines: tuple[str, ...]   # statements ending with the value in `result`
+    result: str              # the C name of the group's output at (row, col)
+    inputs: tuple[Var, ...]  # the other buffers read, the kernel's params in{k} in order
+    output: Var              # what the kernel writes (instead of the GEMM's result)
+    ops: tuple[str, ...]
+
+    def params(self) -> list[str]:
+        return [f"const {dtypes.storage_type(v.dtype)}* __restrict__ in{k}"
+                for k, v in enumerate(self.inputs)]
+
+
+class _Builder(KernelBuilder):
+    """A KernelBuilder that reads the GEMM's result as the epilogue's `v`."""
+
+    def __init__(self, inlined, gemm_out: Var) -> None:
+        super().__init__(inlined)
+        self.gemm_out = gemm_out
+
+    def load(self, var: Var, idx) -> str:
+        return "v" if var is self.gemm_out else super().load(var, idx)
+
+
+def post_code(post, gemm_out: Var) -> PostCode:
+    """`post` (a FUSED fusion.Group reading `gemm_out` at its own element, 2-D)."""
+    inlined = {n.outputs[0]: n for n in post.nodes}
+    b = _Builder(inlined, gemm_out)
+    value = b.value(post.output, ("row", "col"))
+    result = b.tmp("float", dtypes.round_to(post.output.dtype, value))
+    lines = tuple(line.strip() for line in b.lines)
+    inputs = tuple(b.inputs)
+    assert [b.inputs[v] for v in inputs] == [f"in{k}" for k in range(len(inputs))]
+    return PostCode(lines, result, inputs, post.output, tuple(b.ops))
