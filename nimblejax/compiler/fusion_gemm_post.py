@@ -10,7 +10,8 @@ between them: `tanh(x @ w)`, the loss gradient `(h @ v - y) * 2 / n`, the tanh b
 
 A GEMM group takes the group after it (`post`) when
 - the GEMM is the tensor-core kernel's (`takes_tc` on its call, epilogue included:
-  Options.tc_gemm, batch 1, the rule's shapes) and writes a contiguous row-major C;
+  Options.tc_gemm, batch 1, the rule's shapes) and writes a contiguous row-major C of
+  its result's shape (M, N), leading axes of size 1 aside;
 - its result is read by that one group only and is not a graph output;
 - that group is elementwise (FUSED, one output, nothing else written) over the GEMM
   result's shape, float32, and reads the result only at the element it writes (no
@@ -85,7 +86,16 @@ def _takes_tc(g: Group, small_gemm: bool) -> bool:
     if g.epilogue is not None:
         made = g.epilogue.apply(made)
     ldc, _ = made.layout("c")
-    return takes_tc(made) and made.batch == 1 and ldc == made.n and made.c is g.output
+    return (takes_tc(made) and made.batch == 1 and ldc == made.n and made.c is g.output
+            and _matrix_shape(g.output.shape) == (made.m, made.n))
+
+
+def _matrix_shape(shape) -> tuple:
+    """`shape` without leading axes of size 1 (the post group's index is (0.., row, col))."""
+    shape = tuple(shape)
+    while len(shape) > 2 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
 
 
 def _merge(g: Group, e: Group) -> Group:

@@ -40,7 +40,8 @@ def post_code(post, gemm_out: Var) -> PostCode:
     """`post` (a FUSED fusion.Group reading `gemm_out` at its own element, 2-D)."""
     inlined = {n.outputs[0]: n for n in post.nodes}
     b = _Builder(inlined, gemm_out)
-    value = b.value(post.output, ("row", "col"))
+    leading = ("0",) * (post.output.ndim - 2)  # axes of size 1 before the matrix
+    value = b.value(post.output, (*leading, "row", "col"))
     result = b.tmp("float", dtypes.round_to(post.output.dtype, value))
     lines = tuple(line.strip() for line in b.lines)
     inputs = tuple(b.inputs)

@@ -77,6 +77,15 @@ def test_a_post_group_reading_other_buffers_and_a_bias_epilogue():
     assert_emulated_matches_jax(tanh_dense, args)
 
 
+@needs_cxx
+def test_a_result_with_a_leading_axis_of_one():
+    """x of (1, 32, 64), as a model with a batch of one writes it: merged, indexed (0, row, col)."""
+    fn = lambda x, w, s: jnp.tanh(x @ w) * s  # noqa: E731
+    args = (rand(r, 1, 32, 64), rand(r, 64, 128, scale=0.1), rand(r, 1, 32, 128))
+    assert [t.name for t in plan_of(fn, *args).tasks if "_then_" in t.name]
+    assert_emulated_matches_jax(fn, args)
+
+
 @pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
 def test_merged_kernels_compile_for_sm90():
     for fn, args in ((sgd_step, sgd_args()), (tanh_dense, (rand(r, 32, 64), rand(r, 64, 96), rand(r, 96),
