@@ -6,7 +6,7 @@ import numpy as np
 from nimblejax.compiler.ir import Literal, Node
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
-from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, linear
+from nimblejax.compiler.lowering.codegen import Index, KernelBuilder
 from nimblejax.compiler.lowering.elementwise import (BINARY_NAMES, UNARY_NAMES, binary_template,
                                             unary_template, _FMAX, _FMIN)
 from nimblejax.compiler.lowering.registry import UnsupportedPrimitiveError, register
