@@ -77,7 +77,9 @@ def run_emulating_gemms(plan, args, seed: int = 0) -> list[np.ndarray]:
     arena = interpret.loaded(plan, args)
     with jax.default_device(interpret.device()):
         for task in interpret.interleaving(plan.schedule, random.Random(seed)):
-            if task.gemm is not None:  # cuBLASLt's, or gemm_tc.py's kernel for it
+            # cuBLASLt's, or gemm_tc.py's kernel for it (not one that also computes its
+            # reader, fusion_gemm_post.py: the interpreter runs that one's equations).
+            if task.gemm is not None and task.outputs == (task.gemm.c,):
                 emulate_gemm(task, arena)
             else:
                 interpret.execute(task, arena)
