@@ -15,8 +15,8 @@ pool of distinct ones each call, one block at the end); medians over the rounds.
 Reports samples/s of both steps, nimble / jax.jit, each one's scaling from the first
 device count to n, and each step's µs with what its pmean costs (the step less the step
 without it), so that a missed scaling or speed target shows where the time goes; with
---floor, also the step of a body that only scales the parameters (JAX's dispatch of a
-step over that parameter tree on n devices). The
+--floor, also the same step with no model, its update `p - lr * p` (JAX's dispatch of a
+step over that parameter tree on n devices), in the same rounds. The
 JSON keeps every round's µs and how far the two steps' updates differ.
 """
 from __future__ import annotations
@@ -94,10 +94,12 @@ def rel_err(got, want) -> float:
 
 
 def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
-            backend: str = "cuda", rounds: int = 5) -> dict:
+            backend: str = "cuda", rounds: int = 5, floor: bool = False) -> dict:
     """One row: jax.jit's and nimble's step, and each without its pmean, all four built
     and warmed up first, then looped in alternating rounds in this process (the host is
-    shared, so drift hits all four alike); medians over the rounds."""
+    shared, so drift hits all four alike); medians over the rounds. With `floor`, a fifth
+    loop: the same step whose gradients are the parameters themselves (no model), what
+    JAX's dispatch of a step over this parameter tree costs on n devices."""
     import nimblejax as nimble
     from nimblejax.bench.timing import fed_back_us
 
@@ -112,13 +114,16 @@ def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
     batches = [(jax.device_put(x + 0.01 * i, data), jax.device_put(labels, data)) for i in range(4)]
     start = jax.device_put(params, NamedSharding(mesh, P()))
     grads = {"jax": jax.value_and_grad(loss), "nimble": nimble.jit(jax.value_and_grad(loss), backend=backend)}
+    variants = [(f"{name}_{variant}_us", grad_fn, reduce) for name, grad_fn in grads.items()
+                for variant, reduce in (("step", True), ("local", False))]
+    if floor:
+        variants.append(("floor_us", lambda p, x, labels: (jnp.sum(x), p), False))
     loops: dict = {}
-    for name, grad_fn in grads.items():
-        for variant, reduce in (("step", True), ("local", False)):
-            step = dp_step(grad_fn, mesh, reduce=reduce)
-            state = [jax.tree_util.tree_map(jnp.copy, start)]  # each loop donates its own
-            fed_back_us(step, state, batches, 3)  # compile and warm up
-            loops[f"{name}_{variant}_us"] = (step, state)
+    for key, grad_fn, reduce in variants:
+        step = dp_step(grad_fn, mesh, reduce=reduce)
+        state = [jax.tree_util.tree_map(jnp.copy, start)]  # each loop donates its own
+        fed_back_us(step, state, batches, 3)  # compile and warm up
+        loops[key] = (step, state)
     row = dict(model=model, devices=n_devices, per_device_batch=per_device, calls=calls, rounds=rounds)
     # Same start, same batches: after the warm-up both steps must have moved the params
     # alike (a step that reduced twice would show as an error of about 1 - 1/n).
@@ -138,27 +143,6 @@ def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
     row["speedup"] = row["jax_step_us"] / row["nimble_step_us"]
     row["rounds_us"] = times  # every round's µs/call, to judge the noise
     return row
-
-
-def floor_us(model: str, n_devices: int, per_device: int, calls: int = 30, rounds: int = 5) -> float:
-    """µs a step of the same shard_map, donation and batches whose body only scales the
-    parameters: what JAX's dispatch of a step over this parameter tree costs on n devices,
-    whatever the model computes."""
-    from nimblejax.bench.timing import fed_back_us
-
-    mesh = Mesh(np.array(jax.devices()[:n_devices]), ("data",))
-    _, params, x, labels = build(model, per_device * n_devices, np.random.default_rng(0))
-    data = NamedSharding(mesh, P("data"))
-    batches = [(jax.device_put(x + 0.01 * i, data), jax.device_put(labels, data)) for i in range(4)]
-
-    def local(p, x, labels):
-        return jax.tree_util.tree_map(lambda a: a * 0.999, p), jnp.sum(x)
-
-    step = jax.jit(shard_map(local, mesh, (P(), P("data"), P("data")), (P(), P()), check=False),
-                   donate_argnums=(0,))
-    state = [jax.device_put(jax.tree_util.tree_map(jnp.copy, params), NamedSharding(mesh, P()))]
-    fed_back_us(step, state, batches, 3)
-    return statistics.median(fed_back_us(step, state, batches, calls) for _ in range(rounds))
 
 
 HEADER = ("| model | GPUs | jax.jit samples/s | nimble samples/s | nimble / jax | jax.jit scaling "
@@ -184,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--backend", default="cuda", help="nimble backend (interpret: a CPU check)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--floor", action="store_true",
-                    help="also time each row's dispatch floor (a body that only scales the parameters)")
+                    help="also time each row's dispatch floor (a step with no model: the update p - lr * p)")
     opts = ap.parse_args(argv)
     total = len(jax.devices())
     counts = [int(c) for c in opts.devices.split(",")] if opts.devices else sorted({1, total})
@@ -198,12 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if n > total:
                 print(f"| {model} | {n} | (only {total} device(s)) | | | | | | |")
                 continue
-            row = measure(model, n, opts.per_device_batch, opts.calls, opts.backend, opts.rounds)
+            row = measure(model, n, opts.per_device_batch, opts.calls, opts.backend, opts.rounds,
+                          opts.floor)
             for name in ("jax", "nimble"):
                 base.setdefault(name, row[f"{name}_samples_per_s"])
                 row[f"{name}_scaling"] = row[f"{name}_samples_per_s"] / base[name]
-            if opts.floor:
-                row["floor_us"] = floor_us(model, n, opts.per_device_batch, opts.calls, opts.rounds)
             rows.append(row)
             print(table_row(row) + (f"  (dispatch floor {row['floor_us']:.0f} µs)" if opts.floor else ""),
                   flush=True)

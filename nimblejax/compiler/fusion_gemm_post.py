@@ -30,8 +30,11 @@ from nimblejax.compiler import dtypes
 from nimblejax.compiler.fusion import Group
 from nimblejax.compiler.ir import Graph, Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind
+from nimblejax.compiler.lowering import gemm_of
 from nimblejax.compiler.lowering.codegen import INDEX_ONLY
+from nimblejax.compiler.lowering.gemm_tc import takes_tc
 from nimblejax.compiler.lowering.registry import rule_for
+from nimblejax.compiler.lowering.task import GemmCall
 
 
 def fuse_gemm_posts(groups: list[Group], graph: Graph, small_gemm: bool = True) -> list[Group]:
@@ -45,14 +48,14 @@ def fuse_gemm_posts(groups: list[Group], graph: Graph, small_gemm: bool = True) 
     dropped: set[int] = set()
     for i, g in enumerate(groups):
         j = _post_of(g, readers, groups, results, small_gemm)
-        if j is not None and j not in merged and j not in dropped:
+        if j is not None and j not in merged:  # a group reading two GEMMs takes the first
             merged[j] = _merge(g, groups[j])
             dropped.add(i)
     return [merged.get(i, g) for i, g in enumerate(groups) if i not in dropped]
 
 
 def _post_of(g: Group, readers, groups, results, small_gemm: bool) -> Optional[int]:
-    if g.kind is not GroupKind.GEMM or g.post is not None or len(g.outputs) != 1:
+    if g.kind is not GroupKind.GEMM:
         return None
     out = g.output
     if out in results or len(readers.get(out, ())) != 1 or not _takes_tc(g, small_gemm):
@@ -68,23 +71,19 @@ def _post_of(g: Group, readers, groups, results, small_gemm: bool) -> Optional[i
 
 
 def _reads_at_its_element(node, value: Var) -> bool:
-    """Whether `node` reads `value` at the index it computes (an elementwise op whose
-    operands all have its output's shape where they are not scalars)."""
+    """Whether `node` reads `value` at the index it computes: an elementwise op that
+    moves no index, whose output has `value`'s shape (so `value` is not broadcast)."""
     if node.name in INDEX_ONLY or node.name == "gather" or rule_for(node).kind is not RuleKind.ELEMENTWISE:
         return False
     return node.outputs[0].shape == value.shape
 
 
 def _takes_tc(g: Group, small_gemm: bool) -> bool:
-    """Whether lowering makes this GEMM group the tensor-core kernel (as lower_group does)."""
-    from nimblejax.compiler.lowering.gemm_tc import takes_tc
-    from nimblejax.compiler.lowering.task import GemmCall
-
-    made = rule_for(g.root).fn(g.root, small_gemm=small_gemm)
+    """Whether lowering makes this GEMM group the tensor-core kernel (lower_group's test,
+    on the call it builds), writing its (M, N) result contiguously."""
+    made = gemm_of(g, small_gemm)
     if not isinstance(made, GemmCall):
         return False
-    if g.epilogue is not None:
-        made = g.epilogue.apply(made)
     ldc, _ = made.layout("c")
     return (takes_tc(made) and made.batch == 1 and ldc == made.n and made.c is g.output
             and _matrix_shape(g.output.shape) == (made.m, made.n))

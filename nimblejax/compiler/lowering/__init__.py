@@ -54,16 +54,13 @@ def lower_group(group: Group, small_gemm: bool = True, tc_gemm: bool = True) -> 
         name = f"cudnn_{kind}_{call.x.shape[1]}x{call.x.shape[2]}x{call.x.shape[3]}_k{call.w.shape[1]}"
         return Task(name, TaskKind.CUDNN, group.inputs, group.outputs, group.nodes, conv=call)
     elif group.kind is GroupKind.GEMM:
-        made = rule_for(root).fn(root, small_gemm=small_gemm)
+        made = gemm_of(group, small_gemm)
         if isinstance(made, GemmCall):
-            if group.epilogue is not None:  # fusion made it only for library GEMMs
-                made = group.epilogue.apply(made)
-            if group.post is not None:  # fusion_gemm_post.py: takes_tc held there
-                kernel = tc_matmul(made, post=post_code(group.post, made.c))
-                return Task(kernel.name, TaskKind.KERNEL, group.inputs, group.outputs, group.nodes,
-                            kernel=kernel, gemm=made)
-            if tc_gemm and takes_tc(made):  # the call's problem, epilogue and all, as a kernel
-                kernel = tc_matmul(made)
+            # The call's problem, epilogue and all, as a kernel; with its post group
+            # (fusion_gemm_post.py, which found takes_tc true) computed there too.
+            if group.post is not None or (tc_gemm and takes_tc(made)):
+                post = post_code(group.post, made.c) if group.post is not None else None
+                kernel = tc_matmul(made, post=post)
                 return Task(kernel.name, TaskKind.KERNEL, group.inputs, group.outputs, group.nodes,
                             kernel=kernel, gemm=made)
             name = f"gemm_{made.dtype}_{made.batch}x{made.m}x{made.n}x{made.k}"
@@ -83,6 +80,15 @@ def lower_group(group: Group, small_gemm: bool = True, tc_gemm: bool = True) -> 
                         kernel=kernel, aliases=((group.output, operand),))
     return Task(kernel.name, TaskKind.KERNEL, tuple(v for v in kernel.params if v not in group.outputs),
                 group.outputs, group.nodes, kernel=kernel)
+
+
+def gemm_of(group: Group, small_gemm: bool = True) -> GemmCall | Kernel:
+    """What a GEMM group's rule makes: the library call with the group's epilogue (fusion
+    made one only for library GEMMs), or a generated kernel (integers, gemm_small.py)."""
+    made = rule_for(group.root).fn(group.root, small_gemm=small_gemm)
+    if isinstance(made, GemmCall) and group.epilogue is not None:
+        made = group.epilogue.apply(made)
+    return made
 
 
 def lower(groups: list[Group], small_gemm: bool = True, tc_gemm: bool = True) -> list[Task]:

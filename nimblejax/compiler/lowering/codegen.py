@@ -74,12 +74,7 @@ class KernelBuilder:
         """C name (or literal) of `atom` at multi-index `idx`, in its compute type."""
         if isinstance(atom, Literal):
             return dtypes.literal(atom.value, atom.dtype)
-        if atom.ndim == 0:
-            idx = ()
-        elif 1 in atom.shape and len(idx) == atom.ndim:
-            # An operand broadcast along its size-1 axes without a broadcast_in_dim
-            # (newer JAX lets `add` take f32[16,64] and f32[1,64]) reads index 0 there.
-            idx = tuple("0" if n == 1 else i for n, i in zip(atom.shape, idx))
+        idx = operand_index(atom, idx)
         key = (atom.id, idx)
         if key in self.memo:
             return self.memo[key]
@@ -128,11 +123,13 @@ class KernelBuilder:
     def params(self) -> tuple[Var, ...]:
         return tuple(self.outputs) + tuple(self.inputs)
 
+    def input_params(self) -> list[str]:
+        """The inputs' parameter declarations, in order."""
+        return [f"const {dtypes.storage_type(v.dtype)}* __restrict__ {n}" for v, n in self.inputs.items()]
+
     def signature(self, name: str) -> str:
         args = [f"{dtypes.storage_type(v.dtype)}* __restrict__ {n}" for v, n in self.outputs.items()]
-        args += [f"const {dtypes.storage_type(v.dtype)}* __restrict__ {n}"
-                 for v, n in self.inputs.items()]
-        return f'extern "C" __global__ void {name}({", ".join(args)})'
+        return f'extern "C" __global__ void {name}({", ".join(args + self.input_params())})'
 
     def text(self, prelude: str = "") -> str:
         """The kernel's text without PRELUDE, named NAME."""
@@ -160,6 +157,17 @@ def kernel_name(kind: str, ops: Sequence[str], dtype, text: str) -> str:
 
 INDEX_ONLY = frozenset({"broadcast_in_dim", "reshape", "squeeze",
                         "transpose", "slice", "rev", "convert_element_type"})
+
+
+def operand_index(atom: Atom, idx: Index) -> Index:
+    """The index an operand is read at for an output index `idx`: none for a scalar, 0
+    along size-1 axes (newer JAX lets `add` take f32[16,64] and f32[1,64]: an operand
+    broadcast without a broadcast_in_dim)."""
+    if atom.ndim == 0:
+        return ()
+    if 1 in atom.shape and len(idx) == atom.ndim:
+        return tuple("0" if n == 1 else i for n, i in zip(atom.shape, idx))
+    return tuple(idx)
 
 
 def linear(idx: Index, shape: Sequence[int]) -> str:

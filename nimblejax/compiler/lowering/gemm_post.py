@@ -16,13 +16,10 @@ from nimblejax.compiler.lowering.codegen import KernelBuilder
 class PostCode:
     lines: tuple[str, ...]   # statements ending with the value in `result`
     result: str              # the C name of the group's output at (row, col)
-    inputs: tuple[Var, ...]  # the other buffers read, the kernel's params in{k} in order
+    inputs: tuple[Var, ...]  # the other buffers read, the kernel's last params
+    params: tuple[str, ...]  # their declarations (KernelBuilder.input_params)
     output: Var              # what the kernel writes (instead of the GEMM's result)
     ops: tuple[str, ...]
-
-    def params(self) -> list[str]:
-        return [f"const {dtypes.storage_type(v.dtype)}* __restrict__ in{k}"
-                for k, v in enumerate(self.inputs)]
 
 
 class _Builder(KernelBuilder):
@@ -44,6 +41,4 @@ def post_code(post, gemm_out: Var) -> PostCode:
     value = b.value(post.output, (*leading, "row", "col"))
     result = b.tmp("float", dtypes.round_to(post.output.dtype, value))
     lines = tuple(line.strip() for line in b.lines)
-    inputs = tuple(b.inputs)
-    assert [b.inputs[v] for v in inputs] == [f"in{k}" for k in range(len(inputs))]
-    return PostCode(lines, result, inputs, post.output, tuple(b.ops))
+    return PostCode(lines, result, tuple(b.inputs), tuple(b.input_params()), post.output, tuple(b.ops))

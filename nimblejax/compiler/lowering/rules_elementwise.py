@@ -6,7 +6,7 @@ import numpy as np
 from nimblejax.compiler.ir import Literal, Node
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
-from nimblejax.compiler.lowering.codegen import Index, KernelBuilder
+from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, operand_index
 from nimblejax.compiler.lowering.elementwise import (BINARY_NAMES, UNARY_NAMES, binary_template,
                                             unary_template, _FMAX, _FMIN)
 from nimblejax.compiler.lowering.registry import UnsupportedPrimitiveError, register
@@ -74,10 +74,7 @@ def _signed_bits(b: KernelBuilder, atom, idx: Index, width: int) -> str:
         return str(int(np.asarray(atom.value).astype(atom.dtype).view(np.int16)))
     if atom in b.inlined:  # computed in float here: its half's bits
         return f"(int)(short){_HALF_BITS[dtypes.name(atom.dtype)][0].format(b.value(atom, idx))}"
-    if atom.ndim == 0:
-        idx = ()
-    elif 1 in atom.shape:  # broadcast along size-1 axes, as KernelBuilder.value reads it
-        idx = tuple("0" if n == 1 else i for n, i in zip(atom.shape, idx))
+    idx = operand_index(atom, idx)  # as KernelBuilder.value reads it
     return f"(int)((const short*){b.input(atom)})[{b.linear(idx, atom.shape)}]"
 
 
