@@ -138,15 +138,17 @@ def triangular_solve(node: Node) -> Kernel:
     b = KernelBuilder()
     b.ops = ["triangular_solve"]
     b.output(out)
-    b.input(a)
-    bin_ = b.input(rhs)
+    ain, bin_ = b.input(a), b.input(rhs)
     b.emit(f"__shared__ float s[{m * m}];")
     b.emit(f"float y[{m}];")
     b.open(f"for (long long w = blockIdx.x; w < {_batch(a) * chunks}LL; w += gridDim.x)")
     b.emit(f"const long long mat = w / {chunks};")
     b.emit(f"const int v = (int)(w % {chunks}) * {THREADS} + threadIdx.x;")
     b.emit("__syncthreads();  // the previous matrix's solves are done with s")
-    _load_matrix(b, a, "mat", "s", transpose=transposed)
+    b.open(f"for (int e = threadIdx.x; e < {m * m}; e += {THREADS})")
+    b.emit(f"s[e] = {ain}[mat * {m * m}LL + {f'(e % {m}) * {m} + e / {m}' if transposed else 'e'}];")
+    b.close()
+    b.emit("__syncthreads();")
     b.open(f"if (v < {vectors})")
     b.emit(f"const long long base = mat * {m * vectors}LL;")
     order = f"int i = 0; i < {m}; ++i" if lower else f"int i = {m} - 1; i >= 0; --i"
@@ -173,11 +175,14 @@ def lu(node: Node) -> Kernel:
     b.ops = ["lu"]
     for o in node.outputs:
         b.output(o)
+    ain = b.input(a)
     b.emit(f"__shared__ float s[{rows * cols}];")
     b.emit(f"__shared__ int piv[{k}];")
     b.open(f"for (long long mat = blockIdx.x; mat < {_batch(a)}LL; mat += gridDim.x)")
     b.emit("__syncthreads();  // the previous matrix is written out")
-    _load_matrix(b, a, "mat", "s")
+    b.emit(f"for (int e = threadIdx.x; e < {rows * cols}; e += {THREADS}) "
+           f"s[e] = {ain}[mat * {rows * cols}LL + e];")
+    b.emit("__syncthreads();")
     b.open(f"for (int j = 0; j < {k}; ++j)")
     _pivot_search(b, rows, cols)
     b.emit("const int p = piv[j];")
@@ -204,8 +209,11 @@ def lu(node: Node) -> Kernel:
            f"{b.output(out)}[mat * {rows * cols}LL + e] = s[e];")
     b.emit(f"for (int e = threadIdx.x; e < {k}; e += {THREADS}) "
            f"{b.output(pivots)}[mat * {k}LL + e] = piv[e];")
+    b.emit("// lu_pivots_to_permutation")
     b.open("if (threadIdx.x == 0)")
-    _permutation(b, f"{b.output(perm)} + mat * {rows}LL", "piv", rows, k)
+    b.emit(f"int* q = {b.output(perm)} + mat * {rows}LL;")
+    b.emit(f"for (int i = 0; i < {rows}; ++i) q[i] = i;")
+    b.emit(f"for (int i = 0; i < {k}; ++i) {{ const int t = q[i]; q[i] = q[piv[i]]; q[piv[i]] = t; }}")
     b.close()
     b.close()
     return b.finish("lu", out, _grid(_batch(a)), THREADS)
@@ -223,18 +231,12 @@ def lu_pivots_to_permutation(node: Node) -> Kernel:
     q, p = b.output(perm), b.input(pivots)
     b.open(f"for (long long mat = blockIdx.x * (long long)blockDim.x + threadIdx.x; mat < {batch}LL; "
            f"mat += (long long)gridDim.x * blockDim.x)")
-    _permutation(b, f"{q} + mat * {m}LL", f"({p} + mat * {k}LL)", m, k)
+    b.emit(f"int* o = {q} + mat * {m}LL;")
+    b.emit(f"const int* v = {p} + mat * {k}LL;")
+    b.emit(f"for (int i = 0; i < {m}; ++i) o[i] = i;")
+    b.emit(f"for (int i = 0; i < {k}; ++i) {{ const int j = v[i]; const int t = o[i]; o[i] = o[j]; o[j] = t; }}")
     b.close()
     return b.finish("permutation", perm, _grid(-(-batch // THREADS)), THREADS)
-
-
-def _permutation(b: KernelBuilder, out: str, pivots: str, rows: int, k: int) -> None:
-    """out[0:rows] = the identity with the row swaps pivots[0:k] applied in order
-    (lu_pivots_to_permutation), by one thread."""
-    b.emit(f"{{ int* q = {out};")
-    b.emit(f"  for (int i = 0; i < {rows}; ++i) q[i] = i;")
-    b.emit(f"  for (int i = 0; i < {k}; ++i) {{ const int j = {pivots}[i]; const int t = q[i]; "
-           f"q[i] = q[j]; q[j] = t; }} }}")
 
 
 def _pivot_search(b: KernelBuilder, rows: int, cols: int) -> None:
