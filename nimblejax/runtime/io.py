@@ -211,12 +211,14 @@ def retry_after_freeing(make: Callable):
 def allocate(nbytes: int, what: str):
     import cupy
 
+    # Zeroed once: a graph's warm-up launches every task before any operand is in its
+    # slot, and must not read another plan's leftover bytes as indices.
     try:
         try:
-            return cupy.empty(max(nbytes, 1), dtype=np.uint8)
+            return cupy.zeros(max(nbytes, 1), dtype=np.uint8)
         except cupy.cuda.memory.OutOfMemoryError:
             cupy.get_default_memory_pool().free_all_blocks()  # cached blocks of dead plans
-            return cupy.empty(max(nbytes, 1), dtype=np.uint8)
+            return cupy.zeros(max(nbytes, 1), dtype=np.uint8)
     except cupy.cuda.memory.OutOfMemoryError as e:
         free, total = cupy.cuda.runtime.memGetInfo()
         raise OutOfMemoryError(

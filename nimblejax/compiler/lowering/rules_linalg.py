@@ -222,7 +222,7 @@ def lu(node: Node) -> Kernel:
 @register("lu_pivots_to_permutation", kind=RuleKind.KERNEL)
 def lu_pivots_to_permutation(node: Node) -> Kernel:
     """jax.scipy.linalg.lu_solve's permutation: the identity with the pivots' row swaps
-    applied in order, one thread per matrix."""
+    applied in order, one thread per matrix; a pivot out of range swaps nothing."""
     pivots, perm = node.inputs[0], node.outputs[0]
     k, m = pivots.shape[-1], perm.shape[-1]
     batch = math.prod(pivots.shape[:-1])
@@ -234,7 +234,10 @@ def lu_pivots_to_permutation(node: Node) -> Kernel:
     b.emit(f"int* o = {q} + mat * {m}LL;")
     b.emit(f"const int* v = {p} + mat * {k}LL;")
     b.emit(f"for (int i = 0; i < {m}; ++i) o[i] = i;")
-    b.emit(f"for (int i = 0; i < {k}; ++i) {{ const int j = v[i]; const int t = o[i]; o[i] = o[j]; o[j] = t; }}")
+    b.emit("// A pivot outside [0, m) swaps nothing, as in XLA's GPU kernel (and the graph's")
+    b.emit("// warm-up, which runs before any operand is in place, reads no index out of range).")
+    b.emit(f"for (int i = 0; i < {k}; ++i) {{ const int j = v[i]; if (j < 0 || j >= {m}) continue; "
+           f"const int t = o[i]; o[i] = o[j]; o[j] = t; }}")
     b.close()
     return b.finish("permutation", perm, _grid(-(-batch // THREADS)), THREADS)
 

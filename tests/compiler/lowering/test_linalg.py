@@ -102,6 +102,24 @@ def test_kernels_on_cpu_match_jax(name, emulated):
     _close(got, jax.jit(CASES[name][0])(*args), name)
 
 
+def test_pivots_out_of_range_swap_nothing_as_in_xlas_gpu_kernel():
+    """XLA's GPU kernel skips a pivot outside [0, m) (jax on the CPU clamps it instead:
+    the contract is written out here). The graph's warm-up relies on it too: it runs
+    before any operand is in place."""
+    if kernel_emulator.compiler() is None:
+        pytest.skip("no host C++ compiler")
+    pivots = np.array([[2, -1, 9, 3], [7, 1, 2, 0]], np.int32)
+    fn = lambda p: jax.lax.linalg.lu_pivots_to_permutation(p, 5)  # noqa: E731
+    plan = nimble.jit(fn, backend="interpret").plan(pivots)
+    got, _ = kernel_emulator.run(plan, [pivots], kernel_emulator.build(kernel_emulator.kernels(plan)))
+    want = np.tile(np.arange(5, dtype=np.int32), (2, 1))
+    for row, piv in zip(want, pivots):
+        for i, j in enumerate(piv):
+            if 0 <= j < 5:
+                row[i], row[j] = row[j], row[i]
+    np.testing.assert_array_equal(np.asarray(got[0]), want)
+
+
 def test_not_positive_definite_is_all_nan_as_in_jax():
     fn, make = CASES["cholesky-not-spd"]
     args = make(_rng(1))
