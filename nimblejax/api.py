@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -25,7 +24,9 @@ from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.pipeline import Stages, compile_function, trace_stages
 from nimblejax.compiler.plan import Plan
 from nimblejax.options import Options
-from nimblejax.runtime import residency
+from nimblejax.runtime import choose, residency
+from nimblejax.runtime import runner as runner_mod
+from nimblejax.runtime.runner import DIRECT, RESIDENT, Compiled
 
 BACKENDS = ("cuda", "interpret", "jax")
 OUTPUTS = ("jax", "cupy", "numpy")
@@ -92,13 +93,6 @@ def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] =
     return NimbleFunction(fun, **kwargs)
 
 
-@dataclass
-class Compiled:
-    plan: Plan
-    out_tree: Any
-    run: Callable[[list], list]
-
-
 class NimbleFunction:
     def __init__(self, fun: Callable, *, static_argnums=(), static_argnames=(), donate_argnums=(),
                  backend: Optional[str] = None, output: str = "jax",
@@ -119,16 +113,16 @@ class NimbleFunction:
         self.donate_argnums = _as_tuple(donate_argnums)
         self.backend = backend
         self.output = output
-        self._cache: dict[Any, Compiled] = {}
+        # The one call-spec cache: (body key, operand signatures) → runner.Compiled (the
+        # plan, the output tree, its runners by arena), for every call path.
+        self._specs: dict[Any, Compiled] = {}
         self._lock = threading.Lock()
         self._jax_fn: Optional[Callable] = None
         self._resolved_backend: Optional[str] = None  # checked on the first call
         # The last call's (treedef, leaves, signatures): leaves that are the very same
         # objects as last time (model parameters) keep their signature without a look.
         self._last: Optional[tuple] = None
-        self._hit: Optional[tuple] = None  # (key, Compiled) of the last call
-        self._plans: dict = {}  # the XLA-operation path's plans, per body and signature
-        self._runners: dict = {}  # and their runners (made when lowered)
+        self._hit: Optional[tuple] = None  # (key, Compiled) of the last direct call
         self._entry: Optional[Callable] = None  # what a call runs, chosen on the first call
         self._resident: Optional[residency.Record] = None  # the XLA path's last call
         self._resident_fns: dict = {}  # (tree, statics, sigs, sources, precision) -> jitted call
@@ -169,17 +163,17 @@ class NimbleFunction:
         return view
 
     def _call_direct(self, *args, **kwargs):
-        """The Python call path: flatten, look up the plan, run its executable."""
+        """The Python call path: flatten, look up the call spec, run its direct runner."""
         backend = self._resolved_backend
         leaves, key, in_tree, statics = self._flatten(args, kwargs)
         hit = self._hit
         # Same key object as last call (every leaf identical): skip hashing the key.
-        compiled = hit[1] if hit is not None and hit[0] is key else self._cache.get(key)
-        if compiled is None:
+        compiled = hit[1] if hit is not None and hit[0] is key else self._specs.get(key)
+        if compiled is None or compiled.call is None:
             with self._lock:
-                compiled = self._cache.get(key) or self._compile(key, leaves, in_tree, statics, backend)
+                compiled = self._direct(key, leaves, in_tree, statics, backend)
         self._hit = (key, compiled)
-        outs = compiled.run(leaves)
+        outs = compiled.call(leaves)
         return jax.tree_util.tree_unflatten(compiled.out_tree, outs)
 
     def plan(self, *args, **kwargs) -> Plan:
@@ -198,7 +192,7 @@ class NimbleFunction:
     @property
     def cache_size(self) -> int:
         """Plans made so far (one per signature; grad and vmap add their own)."""
-        return len(self._cache) + len(self._plans)
+        return len(self._specs)
 
     @property
     def call_path(self) -> Optional[str]:
@@ -206,11 +200,15 @@ class NimbleFunction:
         once the first call has chosen."""
         return getattr(self, "_path", None)
 
+    def runners(self) -> list:
+        """Every runner made so far (runtime/runner.py), of every cached plan."""
+        return [r for c in list(self._specs.values()) for r in c.runners.values()]
+
     def executables(self) -> list:
-        """The compiled GPU runners, one per cached plan (Executable objects with a
-        `stats` dict of calls, graph launches and task launches on the Python path)."""
-        exes = [c.run for c in self._cache.values()]
-        return exes + [e for r in self._runners.values() for e in getattr(r, "exes", {}).values()]
+        """The plans built on a GPU so far: runtime/graph.py's DeviceGraph objects (one
+        per runner and device), each with a `stats` dict of calls, graph launches and
+        task launches (calls and input copies on the Python path)."""
+        return runner_mod.graphs_of(list(self._specs.values()))
 
     def _choose_entry(self) -> Callable:
         with self._lock:
@@ -321,11 +319,11 @@ class NimbleFunction:
         donated = self._donated_leaves(in_tree)
         precision = _PRECISION.value
         body = xla_op.Body((id(self), in_tree, statics, donated, precision), flat_fun,
-                           self._plan_flat, self._make_runner(), self._runners, self._plans, donated,
-                           arena="resident", options=self.options)
+                           self._plan_flat, self._make_runner(), self._specs, donated,
+                           arena=RESIDENT, options=self.options)
         avals = tuple(jax.core.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type) for s in specs)
         try:
-            plan, _ = body.plan(avals)
+            plan = body.plan(avals)
         except UnsupportedPrimitiveError:  # co-execution: the full path (_op_call)
             if self.options.fallback == "error":
                 raise
@@ -337,7 +335,7 @@ class NimbleFunction:
         always_passed = frozenset(s.index for s in slots if s.kind == "input") | donated
         feedable = frozenset(j for j, s in enumerate(slots) if s.kind == "buffer")
         layout = xla_op.Residency(sources, avals)
-        positions = [i for i, src in enumerate(sources) if src == xla_op.PASSED]
+        positions = [i for i, src in enumerate(sources) if src == runner_mod.PASSED]
         donate = tuple(k for k, i in enumerate(positions) if i in donated)
         fn = jax.jit(lambda *xs: xla_op.resident_call(body, layout, list(xs)), donate_argnums=donate)
         return fn, always_passed, feedable, lambda: out_tree_box[-1]
@@ -358,7 +356,7 @@ class NimbleFunction:
         precision = jax.config.jax_default_matmul_precision
         fallback = None if self.options.fallback == "error" else coexec.fallback
         body = xla_op.Body((id(self), in_tree, statics, donated, precision), flat_fun,
-                           self._plan_flat, self._make_runner(), self._runners, self._plans, donated,
+                           self._plan_flat, self._make_runner(), self._specs, donated,
                            fallback=fallback, owned=True, options=self.options)
         try:
             outs = xla_op.call(body, leaves)
@@ -380,9 +378,7 @@ class NimbleFunction:
         return compile_function(flat_fun, specs, self.options)[0]
 
     def _make_runner(self) -> Callable:
-        from nimblejax.runtime import xla_op
-
-        return xla_op.make_runner(self._resolved_backend, self.options, getattr(self, "_library", None))
+        return choose.runner_maker(self._resolved_backend, self.options, getattr(self, "_library", None))
 
     def _jax(self) -> Callable:
         if self._jax_fn is None:
@@ -396,12 +392,12 @@ class NimbleFunction:
         if statics:
             _check_hashable(statics, self.fun)
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        last = self._last
+        last, precision = self._last, _PRECISION.value
         # A leaf that is the same immutable jax.Array as last call keeps its signature
         # without a look (a numpy array may have been reshaped in place since).
         if last is not None and last[0] == in_tree and len(last[1]) == len(leaves):
             same = [a is b and isinstance(a, jax.Array) for a, b in zip(leaves, last[1])]
-            if last[4] == statics and all(same):
+            if last[4] == statics and last[3][0][3] == precision and all(same):
                 return leaves, last[3], in_tree, statics
             sigs = [sig if s else None for s, sig in zip(same, last[2])]
         else:
@@ -412,7 +408,7 @@ class NimbleFunction:
                         (abstract_ok and isinstance(leaves[i], jax.ShapeDtypeStruct))):
                     self._raise_bad_leaf(args, kwargs, abstract_ok)
                 sigs[i] = _signature(leaves[i])
-        key = (in_tree, tuple(sigs), statics)
+        key = ((DIRECT, in_tree, statics, precision), tuple(sigs))  # the call spec
         self._last = (in_tree, leaves, sigs, key, statics)
         return leaves, key, in_tree, statics
 
@@ -455,20 +451,20 @@ class NimbleFunction:
         plan, out_shapes = compile_function(flat_fun, [_spec(x) for x in leaves], self.options)
         return plan, out_tree_box[-1], out_shapes
 
-    def _compile(self, key, leaves, in_tree, statics, backend) -> Compiled:
-        from nimblejax.runtime import interpret, xla_op
+    def _direct(self, key, leaves, in_tree, statics, backend) -> Compiled:
+        """The direct path's entry for call spec `key`: its plan and runner, made once
+        (`call`: the runner, with typed PRNG keys crossing as their key data)."""
+        from nimblejax.runtime import xla_op
 
+        compiled = self._specs.get(key)
+        if compiled is not None and compiled.call is not None:
+            return compiled
         plan, out_tree, out_shapes = self._trace(leaves, in_tree, statics)
-        if backend == "interpret":
-            run = interpret.direct_runner(plan, self.output)
-        else:
-            from nimblejax.runtime.executable import make_executable
-
-            run = make_executable(plan, output=self.output, eager=self.options.eager,
-                                  gemm=self.options.gemm, donate=self._donated_leaves(in_tree))
-        run = xla_op.runner_on_key_data(run, leaves, out_shapes, self.output)
-        compiled = Compiled(plan, out_tree, run)
-        self._cache[key] = compiled
+        run = choose.make_runner(plan, backend=backend, direct=True, options=self.options, output=self.output,
+                              donated=self._donated_leaves(in_tree))
+        compiled = Compiled(plan, out_tree, {DIRECT: run})
+        compiled.call = xla_op.runner_on_key_data(run, leaves, out_shapes, self.output)
+        self._specs[key] = compiled
         return compiled
 
     def _donated_leaves(self, in_tree) -> frozenset[int]:

@@ -24,20 +24,20 @@ def main() -> None:
     import cupy
 
     args = branchy_args(np.random.default_rng(0), branches=8, layers=6, width=256, batch=1)
-    f = nimble.jit(branchy_mlp, backend="cuda")
+    f = nimble.jit(branchy_mlp, backend="cuda", call_path="python")  # the direct path's pieces below
     jax.block_until_ready(f(*args))
-    (exe,) = f.executables()
+    (exe,) = f.runners()  # runtime/direct_runner.py's DirectRunner
     leaves = jax.tree_util.tree_leaves(args)
-    s0 = exe.streams[0]
+    s0 = exe.graph.streams[0]
     rows = {
         "whole call + block": lambda: jax.block_until_ready(f(*args)),
         "tree_flatten": lambda: jax.tree_util.tree_flatten((args, {})),
         "NimbleFunction._flatten": lambda: f._flatten(args, {}),
         "bind inputs (unchanged)": lambda: exe._bind_inputs(leaves),
-        "graph.launch + sync": lambda: (exe.graph.launch(s0), s0.synchronize()),
+        "graph.launch + sync": lambda: (exe.graph.graph.launch(s0), s0.synchronize()),
         "outputs (alloc + copy) + sync": lambda: (exe._outputs(leaves), s0.synchronize()),
         "outputs + sync + wrap": lambda: [exe._wrap(o, np.float32) for o in (exe._outputs(leaves), s0.synchronize())[0]],
-        "executable call": lambda: exe(leaves),
+        "runner call": lambda: exe(leaves),
     }
     arr = cupy.ones(256, dtype=cupy.float32)
     rows["jnp.asarray(cupy)"] = lambda: jnp.asarray(arr)
@@ -51,10 +51,10 @@ def main() -> None:
         print(f"{name:36s} {median_us(fn):8.1f} µs")
     # The trivial function: one input, one output.
     x = jnp.asarray(np.random.default_rng(1).standard_normal(256), jnp.float32)
-    g = nimble.jit(lambda a: a * 2.0 + 1.0, backend="cuda")
+    g = nimble.jit(lambda a: a * 2.0 + 1.0, backend="cuda", call_path="python")
     jax.block_until_ready(g(x))
-    (ge,) = g.executables()
-    gs0 = ge.streams[0]
+    (ge,) = g.runners()
+    gs0 = ge.graph.streams[0]
     outs = ge._outputs([x])
     gs0.synchronize()
     trivial = {
@@ -62,11 +62,11 @@ def main() -> None:
         "trivial: whole call, output=cupy": None,
         "trivial: _flatten": lambda: g._flatten((x,), {}),
         "trivial: bind": lambda: ge._bind_inputs([x]),
-        "trivial: graph.launch": lambda: ge.graph.launch(gs0),
+        "trivial: graph.launch": lambda: ge.graph.graph.launch(gs0),
         "trivial: _outputs": lambda: ge._outputs([x]),
         "trivial: synchronize": lambda: gs0.synchronize(),
         "trivial: wrap as jax": lambda: ge._wrap(outs[0], np.float32),
-        "trivial: executable call": lambda: ge([x]),
+        "trivial: runner call": lambda: ge([x]),
         "trivial: whole call, no block": lambda: g(x),
     }
     y = g(x)

@@ -46,7 +46,7 @@ def handler_counters(f) -> dict:
     from nimblejax.runtime.ffi_runner import FfiRunner
 
     total: dict = {}
-    for runner in f._runners.values():
+    for runner in f.runners():
         if isinstance(runner, FfiRunner):
             for ordinal in runner.exes:
                 for k, v in runner.stats(ordinal).items():

@@ -17,16 +17,14 @@ rng = np.random.default_rng(0)
 params = init(rng)
 vel = jax.tree_util.tree_map(lambda p: p * 0.0, params)
 x, labels = batch(rng, 32)
-f = nimble.jit(step, backend="cuda")
+f = nimble.jit(step, backend="cuda", call_path="python")  # the direct path's pieces below
 state = (params, vel)
 for _ in range(5):
     p, v, loss = f(*state, x, labels)
     state = (p, v)
 jax.block_until_ready(state)
-(exe,) = f.executables()
-s0 = exe.streams[0]
-
-
+(exe,) = f.runners()  # runtime/direct_runner.py's DirectRunner
+s0 = exe.graph.streams[0]
 
 
 def loop():
@@ -37,7 +35,7 @@ def loop():
 
 
 print("train step e2e (fed back)", median_us(loop))
-print("graph.launch + sync", median_us(lambda: (exe.graph.launch(s0), s0.synchronize())))
+print("graph.launch + sync", median_us(lambda: (exe.graph.graph.launch(s0), s0.synchronize())))
 leaves = jax.tree_util.tree_leaves((state, x, labels))
 print("unpacker call + block", median_us(lambda: jax.block_until_ready(exe.unpacker(leaves))))
 print("flatten", median_us(lambda: f._flatten((*state, x, labels), {})))

@@ -1,2 +1,3 @@
-"""Runtime: runs a plan: the CUDA graph executable, launchers, argument/result I/O, the XLA
-FFI call path, the CPU plan interpreter, and the libraries (libs/)."""
+"""Runtime: runs a plan: the graph build (graph.py), the runners (runner.py lists them),
+launchers, argument/result I/O, the XLA FFI call path, the CPU plan interpreter, and the
+libraries (libs/)."""

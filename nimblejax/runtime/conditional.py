@@ -122,7 +122,7 @@ class CopyTable:
         self.address = self.buffer.data.ptr
 
 
-# The warm-up run before capture (executable.py) launches a plan on whatever its arena
+# The warm-up run before capture (graph.py) launches a plan on whatever its arena
 # holds: no inputs yet. A loop whose trip count comes from data could then run for ever
 # (a Newton iteration on garbage never converges), so under `warming()` a WHILE task runs
 # its step once and a SWITCH task each branch once, reading no condition: every launch

@@ -25,10 +25,10 @@ class FfiRunner(Runner):
     GPU it runs on (each device of a shard_map launches its own copy: own arena, own
     graph, on XLA's stream of that device)."""
 
-    def __init__(self, plan: Plan, out_shapes, library, gemm: str, donated: frozenset) -> None:
+    def __init__(self, plan: Plan, library, gemm: str, donated: frozenset) -> None:
         self.plan, self.library, self.gemm = plan, library, gemm
         self.id = 0
-        self.exes: dict = {}  # device ordinal -> Executable
+        self.exes: dict = {}  # device ordinal -> DeviceGraph
         self.views: dict = {}  # operand sources -> the id of the view registered for them
         self.donated = donated
         self.buffers = list(plan.output_buffers)
@@ -40,8 +40,11 @@ class FfiRunner(Runner):
 
     @property
     def exe(self):
-        """The Executable of the first device this plan was placed on."""
+        """The DeviceGraph of the first device this plan was placed on."""
         return next(iter(self.exes.values()))
+
+    def graphs(self) -> list:
+        return list(self.exes.values())
 
     def place(self, devices) -> None:
         for d in devices:
@@ -51,15 +54,15 @@ class FfiRunner(Runner):
     def _register(self, ordinal: int) -> None:
         import cupy
 
-        from nimblejax.runtime.executable import Executable
+        from nimblejax.runtime.graph import DeviceGraph
 
         plan, library = self.plan, self.library
         with cupy.cuda.Device(ordinal):
             copy_fn = _copy_function(library, ordinal)
-            exe = Executable(plan, output="cupy", gemm=self.gemm, capture="raw",
-                             bracket=lambda stream, which: library.capture_copy_node(copy_fn, stream, which))
-            in_dst = [exe.base + plan.offset(v) if _in_arena(plan, v) else 0 for v in plan.graph.inputs]
-            in_bytes = [v.nbytes if _in_arena(plan, v) else 0 for v in plan.graph.inputs]
+            exe = DeviceGraph(plan, gemm=self.gemm, capture="raw",
+                              bracket=lambda stream, which: library.capture_copy_node(copy_fn, stream, which))
+            in_dst = [exe.slot(v) for v in plan.graph.inputs]
+            in_bytes = [v.nbytes if exe.slot(v) else 0 for v in plan.graph.inputs]
             out_src = [exe.base + plan.offset(a) for a in self.buffers]
             self.id = library.register(exe.raw_exec, copy_fn, in_dst, in_bytes,
                                        out_src, [a.nbytes for a in self.buffers],
@@ -127,8 +130,8 @@ class FfiRunner(Runner):
         result array holds), or read there in place; HELD operands are not touched
         (still in their slot, or in the buffer the graph points at)."""
         plan, exe = self.plan, self.exes[ordinal]
-        slot = lambda v: exe.base + plan.offset(v) if _in_arena(plan, v) else 0  # noqa: E731
-        size = lambda v: v.nbytes if _in_arena(plan, v) else 0  # noqa: E731
+        slot = exe.slot
+        size = lambda v: v.nbytes if slot(v) else 0  # noqa: E731
         inputs = plan.graph.inputs
         passed = [i for i, src in enumerate(sources) if src == PASSED]
         fed = [(i, plan.graph.outputs[src]) for i, src in enumerate(sources) if src >= 0]
@@ -200,10 +203,6 @@ def _kernel_nodes(library, exe) -> dict:
         if func in n_params:  # one of ours: its arguments are n 8-byte pointers
             found.setdefault((func, library.kernel_node_params(node, n_params[func])), []).append(node)
     return found
-
-
-def _in_arena(plan: Plan, v) -> bool:
-    return v in plan.memory.offsets and v.nbytes > 0
 
 
 def _aliases(inputs, buffers, donated: frozenset) -> dict:

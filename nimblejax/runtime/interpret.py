@@ -198,17 +198,3 @@ def outputs(plan: Plan, arena: Arena, args) -> list[np.ndarray]:
     """The plan's flat outputs once its tasks ran on `arena` (`args`: its inputs)."""
     made = [arena.read(a) for a in plan.output_buffers]
     return assemble(plan, made, lambda k: np.asarray(args[k]), np.asarray)
-
-
-def direct_runner(plan: Plan, output: str) -> Callable[[list], list]:
-    """api.py's direct path on the interpret backend: each call another interleaving."""
-    import jax.numpy as jnp
-
-    calls = iter(range(1 << 62))
-    wrap = np.asarray if output == "numpy" else jnp.asarray
-
-    def call(leaves: list) -> list:
-        outs = run(plan, [np.asarray(x) for x in leaves], seed=next(calls))
-        return [wrap(o) for o in outs]
-
-    return call

@@ -1,9 +1,24 @@
-"""What a lowered nimble operation emits: the runner interface every backend implements
-(runtime/xla_op.py's InterpretRunner, runtime/ffi_runner.py's FfiRunner), and the
-operand sources of a resident call."""
+"""The one runner model: a call spec's plan and the runners that run it.
+
+A runner runs one plan one way; every way is a strategy of `Runner`:
+
+| runner | backend | how a call runs |
+|---|---|---|
+| runtime/direct_runner.py `DirectRunner` | cuda | `runner(leaves)` from Python: inputs copied into the arena, the DeviceGraph launched, outputs handed back |
+| runtime/ffi_runner.py `FfiRunner` | cuda | as a JAX operation: `lower` emits an XLA custom call that launches the DeviceGraph on XLA's stream |
+| runtime/interpret_runner.py `InterpretRunner` | interpret | both: `runner(leaves)`, or `lower` as a host callback |
+
+GPU runners share one graph build (runtime/graph.py's DeviceGraph: arena, streams,
+launchers, capture). A function's calls are cached under one call-spec key,
+`(body key, operand signatures)`, in one dict of `Compiled` entries: the plan, the
+output tree, and its runners by arena name (api.py's `_specs`; runtime/xla_op.py's
+`Body` fills the same dict for the XLA operation). runtime/choose.py picks the
+runner.
+"""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from jax.interpreters import mlir
@@ -12,11 +27,20 @@ from nimblejax.compiler.plan import Plan
 
 PASSED, HELD = -1, -2  # a resident call's operand sources; j >= 0: the previous call's output j
 
+# The arenas a plan's runners are kept under (runtime/xla_op.py's Body.arena): the XLA
+# operation's, the resident path's (it holds operands between calls, so nothing else may
+# write it) and the direct Python path's.
+OPERATION, RESIDENT, DIRECT = "", "resident", "direct"
+
 
 class Runner:
-    """Emits the traced computation that runs `plan` (inside lowering)."""
+    """Runs `plan`: called directly (`runner(leaves)`), or lowered inside a JAX
+    computation (`place`, then `lower`). A runner that does not run one way says so."""
 
     plan: Plan
+
+    def __call__(self, leaves: list) -> list:
+        raise NotImplementedError(f"{type(self).__name__} runs only as a JAX operation")
 
     def place(self, devices) -> None:
         """Make the plan runnable on these (local) devices."""
@@ -28,11 +52,29 @@ class Runner:
         return mlir.lower_fun(emit, multiple_results=True)(ctx, *args)
 
     def emit(self, *xs):
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} runs only from Python")
 
     def emit_resident(self, sources: tuple, *xs):
         """`emit` with only the operands whose source is PASSED (Residency)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} takes no resident operands")
+
+    def graphs(self) -> list:
+        """The DeviceGraphs this runner launches (one per GPU it was placed on)."""
+        return []
+
+    def close(self) -> None:
+        """Give back what the runner holds outside Python's memory."""
+
+
+@dataclass
+class Compiled:
+    """One call spec: its plan, the function's output tree (once known) and the plan's
+    runners by arena name."""
+
+    plan: Plan
+    out_tree: Any = None
+    runners: dict = field(default_factory=dict)
+    call: Any = None  # the direct path's call: its runner, keys crossing as key data
 
 
 def assemble(plan: Plan, made: Sequence, input_at: Callable[[int], Any], value: Callable) -> list:
@@ -41,3 +83,8 @@ def assemble(plan: Plan, made: Sequence, input_at: Callable[[int], Any], value: 
     Every runner hands back its results through this."""
     return [made[s.index] if s.kind == "buffer" else input_at(s.index) if s.kind == "input" else value(s.value)
             for s in plan.output_slots]
+
+
+def graphs_of(entries) -> list:
+    """Every DeviceGraph of these Compiled entries' runners."""
+    return [g for c in entries for r in c.runners.values() for g in r.graphs()]

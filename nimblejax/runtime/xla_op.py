@@ -20,8 +20,6 @@ dispatch, result arrays) and no nimble Python runs in a steady-state call.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import itertools
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -34,7 +32,7 @@ from jax.interpreters import batching, mlir
 
 from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.plan import Plan
-from nimblejax.runtime.runner import PASSED, Runner
+from nimblejax.runtime.runner import OPERATION, Compiled, Runner
 
 nimble_call_p = Primitive("nimble_call")
 nimble_call_p.multiple_results = True
@@ -47,19 +45,19 @@ class Body:
 
     `flat_fun` maps flat operands to flat results; `plan_fn(flat_fun, specs)` plans it
     (the owning NimbleFunction's options); `make_runner(plan, donated)` makes
-    the runner for the backend; `plans` and `runners` are the owner's caches; `donated`
-    are flat operand indices whose buffers jax.jit donates (results may alias them)."""
+    the runner for the backend; `specs` is the owner's one call-spec cache (call spec →
+    runner.Compiled); `donated` are flat operand indices whose buffers jax.jit donates
+    (results may alias them)."""
 
     key: tuple
     flat_fun: Callable = field(compare=False)
     plan_fn: Callable = field(compare=False)
     make_runner: Callable = field(compare=False)
-    runners: dict = field(compare=False)
-    plans: dict = field(compare=False)
+    specs: dict = field(compare=False)
     donated: frozenset = frozenset()
     # Names the arena: bodies that differ only here share plans but not runners (the
     # resident path's arena holds operands between calls; nothing else may write it).
-    arena: str = field(default="", compare=False)
+    arena: str = field(default=OPERATION, compare=False)
     # `fallback(body, operands)`: what runs where this body cannot be planned (a VJP or
     # a batched body holding a primitive nimble cannot lower): runtime/coexec.py's
     # partitioned evaluation. None: the planner's error is raised. `owned`: the caller
@@ -77,32 +75,35 @@ class Body:
         return isinstance(other, Body) and self.key == other.key
 
     def derive(self, tag: tuple, flat_fun: Callable) -> "Body":
-        return Body(self.key + (tag,), flat_fun, self.plan_fn, self.make_runner, self.runners,
-                    self.plans, fallback=self.fallback, options=self.options)
+        return Body(self.key + (tag,), flat_fun, self.plan_fn, self.make_runner, self.specs,
+                    fallback=self.fallback, options=self.options)
 
     def out_shapes(self, avals) -> list:
         return jax.eval_shape(self.flat_fun, *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
                                                for a in avals])
 
-    def plan(self, avals) -> tuple[Plan, tuple]:
-        """The plan for these operand types, made once. Made at trace time (abstract
-        eval), so that the user's frames are on the stack and errors name their lines."""
+    def compiled(self, avals) -> Compiled:
+        """The call spec's entry for these operand types, its plan made once. Made at
+        trace time (abstract eval), so that the user's frames are on the stack and errors
+        name their lines."""
         specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals)
         key = (self.key, tuple((s.shape, np.dtype(s.dtype), s.weak_type) for s in specs))
         with _lock:
-            found = self.plans.get(key)
+            found = self.specs.get(key)
             if found is None:
-                found = self.plans[key] = (self.plan_fn(self.flat_fun, specs), key)
+                found = self.specs[key] = Compiled(self.plan_fn(self.flat_fun, specs))
         return found
 
-    def runner(self, avals) -> "Runner":
+    def plan(self, avals) -> Plan:
+        return self.compiled(avals).plan
+
+    def runner(self, avals) -> Runner:
         """The runner of the plan for these operand types (at lowering), made once."""
-        plan, key = self.plan(avals)
-        key = key + (self.arena,)
+        entry = self.compiled(avals)
         with _lock:
-            found = self.runners.get(key)
+            found = entry.runners.get(self.arena)
             if found is None:
-                found = self.runners[key] = self.make_runner(plan, self.donated)
+                found = entry.runners[self.arena] = self.make_runner(entry.plan, self.donated)
         return found
 
 
@@ -126,11 +127,11 @@ def _lowering(ctx, *args, body: Body, residency: "Residency | None" = None):
     (`residency`) only those its sources say PASSED."""
     avals = ctx.avals_in if residency is None else residency.avals
     runner = body.runner(avals)
-    runner.place(_lowering_devices(ctx))
+    runner.place(lowering_devices(ctx))
     return runner.lower(ctx, *args, sources=None if residency is None else residency.sources)
 
 
-def _lowering_devices(ctx) -> list:
+def lowering_devices(ctx) -> list:
     """The devices the computation being lowered may run on: its device assignment
     (jit), the mesh of a shard_map, or else every local device."""
     axis = ctx.module_context.axis_context
@@ -286,101 +287,3 @@ def _vjp_body(body: Body, n: int) -> Body:
         return [g for g, x in zip(pull(cts), xs) if _is_float(x)]
 
     return body.derive(("vjp", n), backward)
-
-
-# ---- runners: what a lowered nimble_call emits ----------------------------------------
-class InterpretRunner(Runner):
-    """The CPU plan interpreter behind a host callback; each call takes another
-    interleaving of the streams.
-
-    The callback is `jax.pure_callback`'s, emitted directly so that the interpreter gets
-    the operands as the NumPy arrays XLA hands over: `jax.pure_callback` first copies
-    them onto a JAX CPU device, and on the CPU that copy (above about 128 KiB) waits for
-    a worker thread of JAX's CPU client, which every device of a shard_map over host
-    devices may be holding while it waits in this callback. The interpreter then runs
-    the equations on a CPU client of its own (`interpret.device()`)."""
-
-    def __init__(self, plan: Plan, out_shapes) -> None:
-        self.plan = plan
-        self.out_shapes = out_shapes
-        self.calls = itertools.count()
-        self.held: list = [None] * len(plan.graph.inputs)  # the operands, as the GPU arena holds them
-        self.last_outs: tuple = ()  # the previous call's results, as the arena's output buffers
-        self.held_lock = threading.Lock()
-        # The constants' host values now, outside any callback (a jax.Array keeps them),
-        # so that no callback waits for one still being computed by JAX's CPU client.
-        for value in plan.graph.consts.values():
-            np.asarray(value)
-
-    def _run(self, *xs):
-        from nimblejax.runtime import interpret
-
-        outs = interpret.run(self.plan, [np.asarray(x) for x in xs], seed=next(self.calls))
-        return tuple(np.asarray(o, dtype=s.dtype).reshape(s.shape) for o, s in zip(outs, self.out_shapes))
-
-    def lower(self, ctx, *args, sources: "tuple | None" = None):
-        from nimblejax.runtime import interpret
-
-        direct = _host_callback()
-        cpus = [d for d in _lowering_devices(ctx) if d.platform == "cpu"]
-        if len(cpus) > 1 and (direct is None or not interpret.own_device()):
-            raise NotImplementedError(
-                f"backend='interpret' cannot run inside a computation over {len(cpus)} CPU "
-                f"devices with this JAX (jax {jax.__version__}): its callback would wait for "
-                "worker threads of JAX's CPU client that the computation holds. Run it on "
-                "one device.")
-        if direct is None:
-            return super().lower(ctx, *args, sources=sources)
-        emit, op_sharding = direct
-        run = self._run if sources is None else functools.partial(self._run_resident, sources)
-        sharding = op_sharding(ctx.module_context.axis_context, None, ctx.avals_out)
-        results, _, _ = emit(ctx, run, None, list(args), ctx.avals_in, ctx.avals_out,
-                             has_side_effect=False, returns_token=False, sharding=sharding)
-        return results
-
-    def emit(self, *xs):
-        return list(jax.pure_callback(self._run, tuple(self.out_shapes), *xs))
-
-    def _run_resident(self, sources: tuple, *xs):
-        it = iter(xs)
-        with self.held_lock:
-            for i, src in enumerate(sources):
-                if src == PASSED:
-                    self.held[i] = np.array(next(it))  # a copy: XLA may reuse its buffer
-                elif src >= 0:
-                    self.held[i] = self.last_outs[src]
-                elif self.held[i] is None:
-                    raise RuntimeError(f"nimblejax: operand {i} is resident but was never passed")
-            outs = self._run(*self.held)
-            self.last_outs = outs  # as the GPU arena's output buffers keep them
-        return outs
-
-    def emit_resident(self, sources: tuple, *xs):
-        """Only for a JAX without the direct callback (`lower`)."""
-        run = functools.partial(self._run_resident, sources)
-        return list(jax.pure_callback(run, tuple(self.out_shapes), *xs))
-
-
-def _host_callback():
-    """(emit_python_callback, the op sharding jax.pure_callback gives it), the pieces of
-    jax.pure_callback's lowering; None for a JAX without them."""
-    try:
-        from jax._src.callback import _callback_op_sharding
-
-        return mlir.emit_python_callback, _callback_op_sharding
-    except (ImportError, AttributeError):
-        return None
-
-
-def make_runner(backend: str, options, library: Any = None) -> Callable:
-    """The `make_runner` of a Body for `backend` ("interpret" or "cuda")."""
-
-    def make(plan: Plan, donated: frozenset) -> Runner:
-        shapes = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in plan.graph.outputs]
-        if backend == "interpret":
-            return InterpretRunner(plan, shapes)
-        from nimblejax.runtime.ffi_runner import FfiRunner
-
-        return FfiRunner(plan, shapes, library, options.gemm, donated)
-
-    return make

@@ -71,7 +71,7 @@ def test_vmap_plans_the_batched_function():
     x3 = rand(r, 2, 4, 3)
     close(jax.vmap(f, in_axes=(None, 2))(PARAMS, x3), jax.vmap(mlp, in_axes=(None, 2))(PARAMS, x3))
     # one plan of the batched function (its tasks see the batch dimension), not a loop
-    shapes = [v.shape for p in f._plans.values() for v in p[0].graph.inputs]
+    shapes = [v.shape for c in f._specs.values() for v in c.plan.graph.inputs]
     assert (5, 2, 4) in shapes
 
 

@@ -139,10 +139,10 @@ def main(backend: str) -> None:
 
 
 def refused(mesh: Mesh, params, x) -> None:
-    from nimblejax.runtime import xla_op
+    from nimblejax.runtime import interpret_runner
 
-    saved = xla_op._host_callback
-    xla_op._host_callback = lambda: None
+    saved = interpret_runner._host_callback
+    interpret_runner._host_callback = lambda: None
     try:
         f = nimble.jit(lambda p, x: mlp(p, x) * 2, backend="interpret")
         jax.jit(shard_map(f, mesh, in_specs=(P(), P("data")), out_specs=P("data"))).lower(params, x)
@@ -152,7 +152,7 @@ def refused(mesh: Mesh, params, x) -> None:
     else:
         raise AssertionError("a computation that could hang was not refused")
     finally:
-        xla_op._host_callback = saved
+        interpret_runner._host_callback = saved
 
 
 if __name__ == "__main__":

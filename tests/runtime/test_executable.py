@@ -129,10 +129,10 @@ def test_donated_arguments():
 
 
 def test_exception_during_capture_leaves_the_stream_usable(monkeypatch):
-    from nimblejax.runtime import executable
+    from nimblejax.runtime.graph import DeviceGraph
 
     calls = {"n": 0}
-    original = executable.Executable.launch_tasks
+    original = DeviceGraph.launch_tasks
 
     def flaky(self):
         calls["n"] += 1
@@ -140,11 +140,11 @@ def test_exception_during_capture_leaves_the_stream_usable(monkeypatch):
             raise RuntimeError("injected failure during capture")
         return original(self)
 
-    monkeypatch.setattr(executable.Executable, "launch_tasks", flaky)
+    monkeypatch.setattr(DeviceGraph, "launch_tasks", flaky)
     x = rand(np.random.default_rng(0), 32)
     with pytest.raises(RuntimeError, match="injected"):
         nimble.jit(lambda a: jnp.exp(a) + 1.0, backend="cuda")(x)
-    monkeypatch.setattr(executable.Executable, "launch_tasks", original)
+    monkeypatch.setattr(DeviceGraph, "launch_tasks", original)
     np.testing.assert_allclose(nimble.jit(lambda a: jnp.exp(a) + 2.0, backend="cuda")(x),
                                jnp.exp(x) + 2.0, rtol=1e-5)
 

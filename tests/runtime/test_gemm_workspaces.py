@@ -27,7 +27,7 @@ def test_side_stream_gemms_choose_with_the_full_workspace_and_get_what_they_need
     got, want = f(x, *ws), jax.jit(three_projections)(x, *ws)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-2, atol=2e-2)  # TF32
-    (runner,) = [x for x in f._runners.values() if isinstance(x, FfiRunner)]
+    (runner,) = [x for x in f.runners() if isinstance(x, FfiRunner)]
     launchers = runner.exe.launchers
     gemms = launchers.lt
     assert len(gemms) == 3

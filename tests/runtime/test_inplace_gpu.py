@@ -27,7 +27,7 @@ def close(a, b, tol=1e-5):
 def ffi_runners(f) -> list:
     from nimblejax.runtime.ffi_runner import FfiRunner
 
-    return [x for x in f._runners.values() if isinstance(x, FfiRunner)]
+    return [x for x in f.runners() if isinstance(x, FfiRunner)]
 
 
 def stats(f) -> dict:

@@ -41,7 +41,7 @@ def fresh_x(r) -> jax.Array:
     return jnp.asarray(r.normal(size=(4, 16)), jnp.float32)
 
 
-P, H = -1, -2  # a leaf passed to JAX, a leaf held in the arena (xla_op.PASSED, HELD)
+P, H = -1, -2  # a leaf passed to JAX, a leaf held in the arena (runner.PASSED, HELD)
 
 
 def masks(f) -> list:
