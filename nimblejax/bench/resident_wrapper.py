@@ -1,4 +1,4 @@
-"""The host cost of the XLA call path's wrapper (api.py `_call_xla`) alone, on the CPU.
+"""The host cost of the XLA call path's wrapper (xla_path.py `_call_xla`) alone, on the CPU.
 
 The resident record's jitted call (`record.fn`) is replaced by a Python function that
 returns ready-made results, so what is timed is nimble's own work per call: flattening,

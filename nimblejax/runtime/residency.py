@@ -1,6 +1,6 @@
 """Resident operands of the XLA call path: which leaves of a top-level call JAX is handed.
 
-api.py `_call_xla` holds the previous call's `Record`: its leaves and flat results (held,
+xla_path.py `_call_xla` holds the previous call's `Record`: its leaves and flat results (held,
 so their ids stay theirs), the leaves' signatures and where each operand came from.
 A new call's leaf is
 - HELD: the very jax.Array of the previous call (a parameter in a serving loop), of
@@ -15,7 +15,7 @@ so the same object means the same data, and its id cannot be reused. numpy array
 (mutable) are always passed, and so is a deleted array (JAX then says so). A leaf that
 is not held must keep its signature, else the plan changes (the decision is None).
 Always passed: the plan's pass-through inputs and donated leaves (see `_make_resident`
-in api.py for why).
+in xla_path.py for why).
 
 The per-call check comes twice, deciding alike (tests/runtime/test_residency.py):
 residency.c, a CPython extension built on first use with the system C compiler and

@@ -1,4 +1,4 @@
-"""The XLA call path's resident operands (api.py `_call_xla`): a leaf that is the very
+"""The XLA call path's resident operands (xla_path.py `_call_xla`): a leaf that is the very
 jax.Array of the previous call is not passed again, its data stays in the runner's
 arena. The interpret backend keeps its operands as the GPU arena does, so a wrong
 residency decision is a wrong answer here too. Every test runs on both residency checks:
