@@ -73,8 +73,9 @@ GELU, applied in cuBLASLt's order: activation last).
 - Shared tiles are stored as the operand is in memory, rows padded (`smem_stride`) so
   that a warp's fragment reads hit 32 banks; all in 48 KB of static shared memory.
 
-The PTX sits in `__device__` helpers under `#ifndef NIMBLE_TC_PTX` (a module may hold
-several such kernels; the CPU emulator defines NIMBLE_TC_PTX and supplies its own).
+The PTX sits in `__device__` helpers under `#ifndef NIMBLE_TC_PTX` (gemm_tc_ptx.py; a
+module may hold several such kernels; the CPU emulator defines NIMBLE_TC_PTX and supplies
+its own).
 With a post group (gemm_post.py) the epilogue also computes the GEMM's elementwise reader.
 """
 from __future__ import annotations
@@ -86,6 +87,7 @@ from typing import Optional
 from nimblejax.compiler.epilogue import GELU_CUBIC, SQRT_2_OVER_PI
 from nimblejax.compiler.lowering.gemm_post import PostCode
 from nimblejax.compiler.lowering.codegen import PRELUDE
+from nimblejax.compiler.lowering.gemm_tc_ptx import PTX_HELPERS
 from nimblejax.compiler.lowering.task import GemmCall, Kernel
 
 SMEM_BYTES = 48 * 1024  # static shared memory a block may declare
@@ -234,41 +236,6 @@ def smem_floats(call: GemmCall, tile: Tile) -> int:
 
 
 # ---- the kernel ------------------------------------------------------------------------------
-PTX_HELPERS = r"""#ifndef NIMBLE_TC_PTX
-#define NIMBLE_TC_PTX
-// TF32 tensor-core helpers (compiler/lowering/gemm_tc.py); the CPU emulator's shim
-// defines NIMBLE_TC_PTX and its own versions.
-__device__ __forceinline__ unsigned nimble_tf32(float x) {  // round to nearest, ties away
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-// d (16x8, f32) += a (16x8 rows, tf32) * b (8x8 columns, tf32): one warp, PTX's layouts.
-__device__ __forceinline__ void nimble_mma_tf32(float* d, const unsigned* a, const unsigned* b) {
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// 16 (4) bytes from global to shared memory, asynchronously; zeros where !valid.
-__device__ __forceinline__ void nimble_cp_async16(float* dst, const float* src, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-               :: "r"(s), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void nimble_cp_async4(float* dst, const float* src, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-               :: "r"(s), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void nimble_cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void nimble_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N));
-}
-#endif  // NIMBLE_TC_PTX
-"""
-
-
 def tc_matmul(call: GemmCall, tile: Optional[Tile] = None, post: Optional[PostCode] = None) -> Kernel:
     """The kernel computing `call` (its operands given), with `tile` or choose_tile's;
     with `post` (gemm_post.py), its elementwise reader's output instead of C."""
