@@ -75,16 +75,20 @@ GELU, applied in cuBLASLt's order: activation last).
 
 The PTX sits in `__device__` helpers under `#ifndef NIMBLE_TC_PTX` (gemm_tc_ptx.py; a
 module may hold several such kernels; the CPU emulator defines NIMBLE_TC_PTX and supplies
-its own).
-With a post group (gemm_post.py) the epilogue also computes the GEMM's elementwise reader.
+its own). With a post group (gemm_post.py) the epilogue also computes the GEMM's
+elementwise reader; with a gate-sliced one (gemm_gates.py: an LSTM cell) a block's
+columns are the same units of every gate, and the group is computed from the tile staged
+in shared memory.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
 from nimblejax.compiler.epilogue import GELU_CUBIC, SQRT_2_OVER_PI
+from nimblejax.compiler.lowering.gemm_gates import GatePost, gate_epilogue
 from nimblejax.compiler.lowering.gemm_post import PostCode
 from nimblejax.compiler.lowering.codegen import PRELUDE
 from nimblejax.compiler.lowering.gemm_tc_ptx import PTX_HELPERS
@@ -228,25 +232,30 @@ def _operand(call: GemmCall, which: str, tile: Tile) -> _Operand:
                     smem_stride(mn, k_major, tile.bk), tile.bk)
 
 
-def smem_floats(call: GemmCall, tile: Tile) -> int:
-    """The block's shared floats: the stage ring, or the split-K sums where larger."""
+def smem_floats(call: GemmCall, tile: Tile, staged: int = 0) -> int:
+    """The block's shared floats: the stage ring, or the split-K sums or the `staged`
+    tile (gemm_gates.py) where larger."""
     a, b = _operand(call, "a", tile), _operand(call, "b", tile)
     ring = tile.stages * (a.tile_floats + b.tile_floats)
-    return max(ring, (tile.split_k - 1) * tile.bm * tile.bn)
+    return max(ring, (tile.split_k - 1) * tile.bm * tile.bn, staged)
 
 
 # ---- the kernel ------------------------------------------------------------------------------
-def tc_matmul(call: GemmCall, tile: Optional[Tile] = None, post: Optional[PostCode] = None) -> Kernel:
+def tc_matmul(call: GemmCall, tile: Optional[Tile] = None, post: PostCode | GatePost | None = None) -> Kernel:
     """The kernel computing `call` (its operands given), with `tile` or choose_tile's;
-    with `post` (gemm_post.py), its elementwise reader's output instead of C."""
+    with `post` (gemm_post.py, gemm_gates.py), its elementwise reader's outputs instead of C."""
     assert qualifies(call), call
     tile = tile or choose_tile(call)
-    assert smem_floats(call, tile) * 4 <= SMEM_BYTES, (call, tile)
+    gates = post if isinstance(post, GatePost) else None
+    assert not gates or (call.batch == 1 and gates.units(tile)), (call, tile, gates)
+    assert smem_floats(call, tile, _staged(tile, gates)) * 4 <= SMEM_BYTES, (call, tile)
     body = _source(call, tile, post)
     digest = hashlib.sha1(body.encode()).hexdigest()[:4]
-    name = f"nimble_gemm_tc_{_shape_label(call)}{'_then_' + '_'.join(post.ops[-2:]) if post else ''}_{digest}"
+    then = (f"_gates{gates.gates}" if gates else "") + ("_then_" + "_".join(post.ops[-2:]) if post else "")
+    name = f"nimble_gemm_tc_{_shape_label(call)}{then}_{digest}"
     grid = (-(-call.n // tile.bn), -(-call.m // tile.bm), call.batch)
-    params = (post.output if post else call.c, call.a, call.b) + ((call.bias,) if call.epilogue.bias else ()) \
+    outputs = gates.outputs if gates else (post.output if post else call.c,)
+    params = outputs + (call.a, call.b) + ((call.bias,) if call.epilogue.bias else ()) \
         + ((call.residual,) if call.epilogue.residual else ()) + (post.inputs if post else ())
     return Kernel(name, PRELUDE + PTX_HELPERS + body.replace("NAME", name, 1), grid,
                   (tile.threads, 1, 1), params)
@@ -259,13 +268,24 @@ def _shape_label(call: GemmCall) -> str:
     return "_".join(filter(None, (shape, ops, call.epilogue.label(call.alpha).replace("+", "_"))))
 
 
-def _source(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> str:
+def _staged(tile: Tile, gates: Optional[GatePost]) -> int:
+    """The floats of a gate post's staged tile (gemm_gates.py), or 0."""
+    return tile.bm * gates.stage_stride(tile) if gates else 0
+
+
+def _source(call: GemmCall, tile: Tile, post: PostCode | GatePost | None = None) -> str:
+    gates = post if isinstance(post, GatePost) else None
     a, b = _operand(call, "a", tile), _operand(call, "b", tile)
+    if gates and not b.k_major and not gates.aligned(tile):  # a copy must stay in one gate
+        b = dataclasses.replace(b, vec=1)
     ldc, stride_c = call.layout("c")
     ep = call.epilogue
-    args = ["float* __restrict__ C", "const float* __restrict__ A", "const float* __restrict__ B"]
+    outs = [f"float* __restrict__ out{k}" for k in range(len(gates.outputs))] if gates else ["float* __restrict__ C"]
+    args = outs + ["const float* __restrict__ A", "const float* __restrict__ B"]
     args += ["const float* __restrict__ bias"] * ep.bias + ["const float* __restrict__ R"] * ep.residual
     args += post.params if post else []
+    first = (f"u0 = blockIdx.x * {gates.units(tile)};  // units u0.. of each gate" if gates
+             else f"n0 = blockIdx.x * {tile.bn};")
     k_steps = -(-call.k // tile.bk)
     lines = [
         f"// C ({call.m} x {call.n}) = {_formula(call)}; A stored "
@@ -274,14 +294,14 @@ def _source(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> str:
         f"// TF32 tensor cores, float32 sums. Tile {tile.label}: block (x, y, z) = "
         "(column tile, row tile, batch entry).",
         f'extern "C" __global__ void __launch_bounds__({tile.threads}, 1) NAME({", ".join(args)}) {{',
-        f"  __shared__ __align__(16) float smem[{smem_floats(call, tile)}];",
+        f"  __shared__ __align__(16) float smem[{smem_floats(call, tile, _staged(tile, gates))}];",
         f"  float* const As = smem;  // {tile.stages} stages of {a.tile_floats} floats",
         f"  float* const Bs = smem + {tile.stages * a.tile_floats};",
         "  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;",
         "  const int group = lane / 4, thread = lane % 4;  // PTX's groupID, threadID_in_group",
         f"  const int wm = warp % {tile.warps_m}, wn = (warp / {tile.warps_m}) % {tile.warps_n}, "
         f"wk = warp / {tile.warps_m * tile.warps_n};",
-        f"  const int m0 = blockIdx.y * {tile.bm}, n0 = blockIdx.x * {tile.bn};",
+        f"  const int m0 = blockIdx.y * {tile.bm}, {first}",
     ]
     if call.batch > 1:
         lines += ["  const long long batch = blockIdx.z;",
@@ -298,7 +318,7 @@ def _source(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> str:
         "  // Copies of K step k0 / BK into stage s (zeros past M, N and K).",
         "  auto load_stage = [&](int s, int k0) {",
         *_copy_lines(a, tile, call.k),
-        *_copy_lines(b, tile, call.k),
+        *_copy_lines(b, tile, call.k, gates.column(tile) if gates else None),
         "  };",
         "  // This warp's share of the products of stage s: its K group's 8-deep slices.",
         "  auto multiply_stage = [&](int s) {",
@@ -342,8 +362,8 @@ def _source(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> str:
         "    nimble_cp_async_commit();",
         f"    multiply_stage(step % {tile.stages});",
         "  }",
-        *_split_k_sum(tile),
-        *_epilogue(call, tile, post),
+        *(gate_epilogue(call.m, tile, gates, _steps(call), _split_k_sum(tile, keep=True)) if gates
+          else _split_k_sum(tile) + _epilogue(call, tile, post)),
         "}",
     ]
     return "\n".join(lines) + "\n"
@@ -356,16 +376,17 @@ def _formula(call: GemmCall) -> str:
     return f"{ep.activation}({expr})" if ep.activation != "none" else expr
 
 
-def _copy_lines(op: _Operand, tile: Tile, k: int) -> list[str]:
+def _copy_lines(op: _Operand, tile: Tile, k: int, column: Optional[str] = None) -> list[str]:
     """One operand's tile of a K step: chunks of `vec` floats, consecutive threads on
-    consecutive chunks of a stored row (coalesced)."""
+    consecutive chunks of a stored row (coalesced). `column`: B's column of the tile's
+    column `mn` (gemm_gates.py), if not n0 + mn."""
     rows, cols = (op.mn, tile.bk) if op.k_major else (tile.bk, op.mn)
     per_row = cols // op.vec
     chunks = rows * per_row
     iters = -(-chunks // tile.threads)
     smem = "As" if op.name == "A" else "Bs"
     r_name, c_name = ("mn", "kk") if op.k_major else ("kk", "mn")
-    g_mn, g_k = (f"{'m0' if op.name == 'A' else 'n0'} + mn", "k0 + kk")
+    g_mn, g_k = (column or f"{'m0' if op.name == 'A' else 'n0'} + mn", "k0 + kk")
     # The chunk's first element in memory; K-major: row mn, column k.
     offset = f"({g_mn}) * {op.ld} + {g_k}" if op.k_major else f"({g_k}) * {op.ld} + {g_mn}"
     lines = ["    #pragma unroll",
@@ -381,8 +402,9 @@ def _copy_lines(op: _Operand, tile: Tile, k: int) -> list[str]:
     return lines
 
 
-def _split_k_sum(tile: Tile) -> list[str]:
-    """K groups 1.. hand their sums to group 0 through shared memory, added in order."""
+def _split_k_sum(tile: Tile, keep: bool = False) -> list[str]:
+    """K groups 1.. hand their sums to group 0 through shared memory, added in order;
+    then they return, or with `keep` stay (barriers follow: gemm_gates.py)."""
     if tile.split_k == 1:
         return []
     per = tile.fm * tile.fn * 4
@@ -405,7 +427,7 @@ def _split_k_sum(tile: Tile) -> list[str]:
         f"          {at} = acc[i][j][e];",
         "  }",
         "  __syncthreads();",
-        "  if (wk > 0) return;  // (no barrier follows)",
+        "  if (wk == 0)  // (every thread stays)" if keep else "  if (wk > 0) return;  // (no barrier follows)",
         f"  for (int g = 1; g < {tile.split_k}; ++g) {{",
         *loops,
         f"          acc[i][j][e] += {at};",
@@ -416,16 +438,8 @@ def _split_k_sum(tile: Tile) -> list[str]:
 def _epilogue(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> list[str]:
     """alpha, residual, bias, activation, the post group, then C: each lane's two
     neighbouring columns of rows `group` and `group + 8` of each product (PTX's layout)."""
-    ep, n, ldc = call.epilogue, call.n, call.layout("c")[0]
-    steps = []
-    if call.alpha != 1.0:
-        steps.append(f"v *= {_float(call.alpha)};")
-    steps += [f"v += R[row * {n} + col];"] * ep.residual + ["v += bias[col];"] * ep.bias
-    if ep.activation == "relu":
-        steps.append("v = fmaxf(v, 0.0f);")
-    elif ep.activation == "gelu_tanh":
-        steps.append(f"v = 0.5f * v * (1.0f + tanhf({_float(SQRT_2_OVER_PI)} * "
-                     f"(v + {_float(GELU_CUBIC)} * v * v * v)));")
+    n, ldc = call.n, call.layout("c")[0]
+    steps = _steps(call)
     lines = ["  #pragma unroll",
              f"  for (int i = 0; i < {tile.fm}; ++i)",
              "    #pragma unroll",
@@ -457,6 +471,20 @@ def _epilogue(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> li
                   f"          C[row * {ldc} + col] = v;",
                   "        }"]
     return lines + ["      }"]
+
+
+def _steps(call: GemmCall) -> list[str]:
+    """The GEMM's epilogue on `v`, C's value at (row, col), in cuBLASLt's order."""
+    ep, steps = call.epilogue, []
+    if call.alpha != 1.0:
+        steps.append(f"v *= {_float(call.alpha)};")
+    steps += [f"v += R[row * {call.n} + col];"] * ep.residual + ["v += bias[col];"] * ep.bias
+    if ep.activation == "relu":
+        steps.append("v = fmaxf(v, 0.0f);")
+    elif ep.activation == "gelu_tanh":
+        steps.append(f"v = 0.5f * v * (1.0f + tanhf({_float(SQRT_2_OVER_PI)} * "
+                     f"(v + {_float(GELU_CUBIC)} * v * v * v)));")
+    return steps
 
 
 def _float(x: float) -> str:
