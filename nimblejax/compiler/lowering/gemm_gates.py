@@ -13,13 +13,19 @@ units [u0, u0 + U) of every gate (U divides H: no block runs past a gate).
 - After the split-K sum (every thread stays: barriers follow), K group 0 writes its
   accumulators, after the GEMM's own epilogue, to shared memory as [row][gate·U + unit]
   (rows padded so that the reads below hit distinct banks).
-- Then each thread takes (row, unit) elements of the block's BM x U, reads the gates it
-  needs from there (`gate0` .. `gate{G-1}`), computes the post group with the fused
-  kernels' KernelBuilder (its other operands read as the fused kernel would read them)
-  and writes each of the group's outputs at row·H + unit.
+- Then each thread takes (row, unit) elements of the block's BM x U (`slots` of them: a
+  thread's slot s is element tid + s * threads), reads the gates it needs from there
+  (`gate{k}_{s}`), computes the post group with the fused kernels' KernelBuilder (its
+  other operands read as the fused kernel would read them) and writes each of the
+  group's outputs at row·H + unit.
+- What does not depend on z (xproj_t's and the bias's loads, c_{t-1}'s, their index
+  math: SSA declarations outside any block) is computed at the kernel's start, so that
+  those loads are in flight while the GEMM runs rather than after it; rows past M read
+  row M - 1 there (in bounds; nothing is written for them).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -30,38 +36,32 @@ from nimblejax.compiler.lowering.codegen import KernelBuilder
 
 @dataclass(frozen=True)
 class GatePost:
-    gates: int                # G
-    width: int                # H: z's columns per gate, the outputs' columns
-    lines: tuple[str, ...]    # statements computing the outputs at (row, unit)
-    results: tuple[str, ...]  # the C name of each output's value there
-    outputs: tuple[Var, ...]  # what the kernel writes (instead of the GEMM's result)
-    read: tuple[int, ...]     # the gates the lines read (as `gate{k}`)
-    inputs: tuple[Var, ...]   # the other buffers read, the kernel's last params
-    params: tuple[str, ...]   # their declarations (KernelBuilder.input_params)
+    gates: int                       # G
+    width: int                       # H: z's columns per gate, the outputs' columns
+    units: int                       # U: the units of each gate a block holds
+    stride: int                      # floats per row of the staged tile
+    prologue: tuple[str, ...]        # the kernel's first statements: slots, loads
+    lines: tuple[tuple[str, ...], ...]    # per slot: statements after the tile is staged
+    results: tuple[tuple[str, ...], ...]  # per slot: each output's C name
+    outputs: tuple[Var, ...]         # what the kernel writes (instead of the GEMM's result)
+    inputs: tuple[Var, ...]          # the other buffers read, the kernel's last params
+    params: tuple[str, ...]          # their declarations (KernelBuilder.input_params)
     ops: tuple[str, ...]
 
-    def units(self, tile) -> Optional[int]:
-        """U, the units of each gate a block of `tile` holds, or None where the tile does
-        not split into whole runs (BN not a multiple of G, or U not dividing H)."""
-        return units(tile, self.gates, self.width)
-
-    def aligned(self, tile) -> bool:
+    @property
+    def aligned(self) -> bool:
         """Whether B's copies along N may be 16 bytes (4 floats in one gate, aligned)."""
-        return self.units(tile) % 4 == 0 and self.width % 4 == 0
+        return self.units % 4 == 0 and self.width % 4 == 0
 
-    def column(self, tile) -> str:
+    @property
+    def column(self) -> str:
         """The GEMM column of the tile's column `mn` (a C expression)."""
-        u = self.units(tile)
-        return f"(mn / {u}) * {self.width} + u0 + mn % {u}"
-
-    def stage_stride(self, tile) -> int:
-        """Floats per row of the staged tile: BN padded to U mod 32, so that a warp's
-        reads of one gate (rows apart by the stride, U units each) hit distinct banks."""
-        return tile.bn + (self.units(tile) - tile.bn) % 32
+        return f"(mn / {self.units}) * {self.width} + u0 + mn % {self.units}"
 
 
 def units(tile, gates: int, width: int) -> Optional[int]:
-    """gate_post.units, before the code exists (fusion_gemm_gates.py asks it)."""
+    """U = BN / G, the units of each gate a block of `tile` holds, or None where the tile
+    does not split so (BN not a multiple of G, or U not dividing H)."""
     if gates < 2 or tile.bn % gates:
         return None
     u = tile.bn // gates
@@ -69,49 +69,77 @@ def units(tile, gates: int, width: int) -> Optional[int]:
 
 
 class _Builder(KernelBuilder):
-    """A KernelBuilder that reads the GEMM's result at (row, k·H + unit) as `gate{k}`."""
+    """A KernelBuilder that reads the GEMM's result at (row_s, k·H + unit_s) as
+    `gate{k}_{s}`, s the slot being built."""
 
     def __init__(self, inlined, gemm_out: Var, gates: int, width: int) -> None:
         super().__init__(inlined)
-        self.gemm_out = gemm_out
-        # The column indices a gate slice makes (rules_elementwise.slice_ of "unit").
-        self.columns = {"unit": 0} | {f"({k * width} + unit)": k for k in range(1, gates)}
-        self.read: set[int] = set()
+        self.gemm_out, self.gates, self.width = gemm_out, gates, width
+        self.slot = 0
 
     def load(self, var: Var, idx) -> str:
         if var is not self.gemm_out:
             return super().load(var, idx)
-        assert len(idx) == 2 and idx[0] == "row" and idx[1] in self.columns, \
+        s = self.slot
+        # The column indices a gate slice makes (rules_elementwise.slice_ of unit_s).
+        columns = {f"unit{s}": 0} | {f"({k * self.width} + unit{s})": k for k in range(1, self.gates)}
+        assert len(idx) == 2 and idx[0] == f"row{s}" and idx[1] in columns, \
             f"the GEMM's result read at {idx}, not through a gate slice"
-        k = self.columns[idx[1]]
-        self.read.add(k)
-        return f"gate{k}"
+        return f"gate{columns[idx[1]]}_{s}"
 
 
-def gate_code(post, gemm_out: Var, gates: int) -> GatePost:
+def gate_code(post, gemm_out: Var, gates: int, tile, m: int) -> GatePost:
     """`post` (a FUSED fusion.Group whose outputs are (M, H), reading `gemm_out` (M, G·H)
-    through `gates` slices: fusion_gemm_gates.py)."""
+    through `gates` slices: fusion_gemm_gates.py) in the kernel of `tile`, M = m."""
     width = gemm_out.shape[-1] // gates
-    inlined = {n.outputs[0]: n for n in post.nodes}
-    b = _Builder(inlined, gemm_out, gates, width)
-    results = tuple(b.tmp("float", dtypes.round_to(v.dtype, b.value(v, ("row", "unit"))))
-                    for v in post.outputs)
-    lines = tuple(line.strip() for line in b.lines)
-    return GatePost(gates, width, lines, results, tuple(post.outputs), tuple(sorted(b.read)),
-                    tuple(b.inputs), tuple(b.input_params()), tuple(b.ops))
+    u = units(tile, gates, width)
+    slots = -(-tile.bm * u // tile.threads)
+    b = _Builder({n.outputs[0]: n for n in post.nodes}, gemm_out, gates, width)
+    prologue, lines, results = [], [], []
+    for s in range(slots):
+        b.forget()  # a slot's values are declared in its own block
+        b.slot, start = s, len(b.lines)
+        names = tuple(b.tmp("float", dtypes.round_to(v.dtype, b.value(v, (f"row{s}", f"unit{s}"))))
+                      for v in post.outputs)
+        early, late = _split(b.lines[start:], {f"gate{k}_{s}" for k in range(gates)})
+        prologue += [f"const int q{s} = min(tid + {s * tile.threads}, {tile.bm * u - 1}), "
+                     f"lr{s} = q{s} / {u}, lu{s} = q{s} % {u};  // slot {s}: the tile's row, unit",
+                     f"const int row{s} = min(m0 + lr{s}, {m - 1}), unit{s} = u0 + lu{s};", *early]
+        lines.append(late)
+        results.append(names)
+    return GatePost(gates, width, u, tile.bn + (u - tile.bn) % 32, tuple(prologue), tuple(lines),
+                    tuple(results), tuple(post.outputs), tuple(b.inputs), tuple(b.input_params()),
+                    tuple(b.ops))
+
+
+_DECLARATION = re.compile(r"(?:const )?[A-Za-z_][\w ]*? (v\d+) = [^;{}]*;")
+_NAME = re.compile(r"\b(?:v\d+|gate\d+_\d+)\b")
+
+
+def _split(lines: list[str], gates: set[str]) -> tuple[list[str], list[str]]:
+    """`lines` (the builder's, in order) as those that may run at the kernel's start
+    (declarations outside any block that read no gate, directly or not) and the rest."""
+    early, late, waits, depth = [], [], set(gates), 0
+    for line in (line.strip() for line in lines):
+        found = _DECLARATION.fullmatch(line)
+        if depth == 0 and found and not set(_NAME.findall(line)) & waits:
+            early.append(line)
+        else:
+            late.append(line)
+            waits |= set(_NAME.findall(line))  # (what it declares, and may assign)
+        depth += line.count("{") - line.count("}")
+    return early, late
 
 
 def gate_epilogue(m: int, tile, gp: GatePost, steps: list[str], split_sum: list[str]) -> list[str]:
     """The kernel's end: `split_sum` (the K groups' sums, every thread staying), the tile
     staged after the GEMM's epilogue `steps` (on `v` at (row, col)), then the post group
-    at (row, unit) for the block's BM x U elements."""
-    u, stride = gp.units(tile), gp.stage_stride(tile)
+    at each of the thread's slots."""
+    u, stride = gp.units, gp.stride
     place = [f"const int col = (c / {u}) * {gp.width} + u0 + c % {u};", "const int row = m0 + r;"] \
         if steps else []
     value = ["float v = acc[i][j][2 * h + e];", *steps, f"Z[r * {stride} + c] = v;"]
-    gates = [f"const float gate{k} = Z[r * {stride} + {k * u} + u];" for k in gp.read]
-    stores = [f"out{k}[row * {gp.width} + unit] = {result};" for k, result in enumerate(gp.results)]
-    return [
+    lines = [
         *(split_sum or ["  nimble_cp_async_wait<0>();", "  __syncthreads();  // the ring is free"]),
         "  __syncthreads();  // the K groups' sums are read: the stage may overwrite them",
         f"  // The tile's C to shared memory as [row][gate * {u} + unit], then the post group.",
@@ -131,9 +159,14 @@ def gate_epilogue(m: int, tile, gp: GatePost, steps: list[str], split_sum: list[
         "          }",
         "  }",
         "  __syncthreads();",
-        f"  for (int q = tid; q < {tile.bm * u}; q += {tile.threads}) {{",
-        f"    const int r = q / {u}, u = q % {u}, row = m0 + r, unit = u0 + u;",
-        f"    if (row >= {m}) break;  // (q only grows)",
-        *(f"    {s}" for s in gates + list(gp.lines) + stores),
-        "  }",
     ]
+    for s, (body, results) in enumerate(zip(gp.lines, gp.results)):
+        read = set(_NAME.findall(" ".join(body)))
+        gates = [f"const float gate{k}_{s} = Z[lr{s} * {stride} + {k * u} + lu{s}];" for k in range(gp.gates)
+                 if f"gate{k}_{s}" in read]
+        stores = [f"out{k}[row{s} * {gp.width} + unit{s}] = {name};" for k, name in enumerate(results)]
+        lines += [f"  {{  // slot {s}: element tid + {s * tile.threads} of the block's {tile.bm} x {u}",
+                  *(f"    {x}" for x in gates + list(body)),
+                  f"    if (tid + {s * tile.threads} < {tile.bm * u} && m0 + lr{s} < {m}) {{",
+                  *(f"      {x}" for x in stores), "    }", "  }"]
+    return lines

@@ -88,7 +88,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from nimblejax.compiler.epilogue import GELU_CUBIC, SQRT_2_OVER_PI
-from nimblejax.compiler.lowering.gemm_gates import GatePost, gate_epilogue
+from nimblejax.compiler.lowering.gemm_gates import GatePost, gate_epilogue, units
 from nimblejax.compiler.lowering.gemm_post import PostCode
 from nimblejax.compiler.lowering.codegen import PRELUDE
 from nimblejax.compiler.lowering.gemm_tc_ptx import PTX_HELPERS
@@ -247,7 +247,7 @@ def tc_matmul(call: GemmCall, tile: Optional[Tile] = None, post: PostCode | Gate
     assert qualifies(call), call
     tile = tile or choose_tile(call)
     gates = post if isinstance(post, GatePost) else None
-    assert not gates or (call.batch == 1 and gates.units(tile)), (call, tile, gates)
+    assert not gates or (call.batch == 1 and units(tile, gates.gates, gates.width) == gates.units), (call, tile)
     assert smem_floats(call, tile, _staged(tile, gates)) * 4 <= SMEM_BYTES, (call, tile)
     body = _source(call, tile, post)
     digest = hashlib.sha1(body.encode()).hexdigest()[:4]
@@ -270,13 +270,13 @@ def _shape_label(call: GemmCall) -> str:
 
 def _staged(tile: Tile, gates: Optional[GatePost]) -> int:
     """The floats of a gate post's staged tile (gemm_gates.py), or 0."""
-    return tile.bm * gates.stage_stride(tile) if gates else 0
+    return tile.bm * gates.stride if gates else 0
 
 
 def _source(call: GemmCall, tile: Tile, post: PostCode | GatePost | None = None) -> str:
     gates = post if isinstance(post, GatePost) else None
     a, b = _operand(call, "a", tile), _operand(call, "b", tile)
-    if gates and not b.k_major and not gates.aligned(tile):  # a copy must stay in one gate
+    if gates and not b.k_major and not gates.aligned:  # a copy must stay in one gate
         b = dataclasses.replace(b, vec=1)
     ldc, stride_c = call.layout("c")
     ep = call.epilogue
@@ -284,7 +284,7 @@ def _source(call: GemmCall, tile: Tile, post: PostCode | GatePost | None = None)
     args = outs + ["const float* __restrict__ A", "const float* __restrict__ B"]
     args += ["const float* __restrict__ bias"] * ep.bias + ["const float* __restrict__ R"] * ep.residual
     args += post.params if post else []
-    first = (f"u0 = blockIdx.x * {gates.units(tile)};  // units u0.. of each gate" if gates
+    first = (f"u0 = blockIdx.x * {gates.units};  // units u0.. of each gate" if gates
              else f"n0 = blockIdx.x * {tile.bn};")
     k_steps = -(-call.k // tile.bk)
     lines = [
@@ -302,6 +302,7 @@ def _source(call: GemmCall, tile: Tile, post: PostCode | GatePost | None = None)
         f"  const int wm = warp % {tile.warps_m}, wn = (warp / {tile.warps_m}) % {tile.warps_n}, "
         f"wk = warp / {tile.warps_m * tile.warps_n};",
         f"  const int m0 = blockIdx.y * {tile.bm}, {first}",
+        *(f"  {line}" for line in (gates.prologue if gates else ())),
     ]
     if call.batch > 1:
         lines += ["  const long long batch = blockIdx.z;",
@@ -318,7 +319,7 @@ def _source(call: GemmCall, tile: Tile, post: PostCode | GatePost | None = None)
         "  // Copies of K step k0 / BK into stage s (zeros past M, N and K).",
         "  auto load_stage = [&](int s, int k0) {",
         *_copy_lines(a, tile, call.k),
-        *_copy_lines(b, tile, call.k, gates.column(tile) if gates else None),
+        *_copy_lines(b, tile, call.k, gates.column if gates else None),
         "  };",
         "  // This warp's share of the products of stage s: its K group's 8-deep slices.",
         "  auto multiply_stage = [&](int s) {",

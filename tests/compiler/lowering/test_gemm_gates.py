@@ -69,6 +69,18 @@ def test_every_step_of_the_bench_lstm_is_one_task():
         assert set(before.outputs) <= set(after.inputs)
 
 
+def test_the_cells_loads_are_issued_before_the_product():
+    """xproj_t's, the bias's and c's loads do not wait for the GEMM (lowering/gemm_gates.py):
+    they come before its loop; the gates' values come from the staged tile."""
+    # The second step's: h and w for the product; xproj, the bias and c for the cell.
+    task = gate_tasks(plan_of(lstm_steps, *lstm_args(32, 128)))[1]
+    assert len(task.kernel.params) == 2 + 2 + 3
+    source = task.kernel.source
+    loop, staged = source.index("float acc["), source.index("float* const Z = smem;")
+    assert all(source.rindex(f"{name}[") < loop for name in ("in0", "in1", "in2"))
+    assert "gate0_0" in source[staged:] and "gate0_0" not in source[:staged]
+
+
 def test_what_does_not_merge():
     h, c, w = rand(r, 32, 64), rand(r, 32, 64), rand(r, 64, 256, scale=0.1)
     kept = {
