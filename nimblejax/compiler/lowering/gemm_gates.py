@@ -19,9 +19,12 @@ units [u0, u0 + U) of every gate (U divides H: no block runs past a gate).
   other operands read as the fused kernel would read them) and writes each of the
   group's outputs at row·H + unit.
 - What does not depend on z (xproj_t's and the bias's loads, c_{t-1}'s, their index
-  math: SSA declarations outside any block) is computed at the kernel's start, so that
-  those loads are in flight while the GEMM runs rather than after it; rows past M read
-  row M - 1 there (in bounds; nothing is written for them).
+  math: SSA declarations outside any block that read no gate) is computed at the
+  kernel's start, so that those loads are in flight while the GEMM runs rather than
+  after it (measured: fusion_gemm_gates.py). They are pure (loads of buffers this kernel
+  does not write, arithmetic): only when they run changes. A row past M reads row M - 1
+  there, a slot past the block's BM x U its last element (in bounds, in the same block;
+  nothing is written for them).
 """
 from __future__ import annotations
 
