@@ -67,6 +67,9 @@ class Group:
     # accumulators (fusion_gemm_post.py): its nodes follow the GEMM's, and the group
     # writes its output instead of the GEMM's result.
     post: "Group | None" = None
+    # The gates a GEMM group's post group reads its result through (column slices of equal
+    # width, fusion_gemm_gates.py: an LSTM cell); 0: it reads it at its own element.
+    gates: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", GroupKind(self.kind))  # a string is checked

@@ -58,7 +58,7 @@ def _post_of(g: Group, readers, groups, results, small_gemm: bool) -> Optional[i
     if g.kind is not GroupKind.GEMM:
         return None
     out = g.output
-    if out in results or len(readers.get(out, ())) != 1 or not _takes_tc(g, small_gemm):
+    if out in results or len(readers.get(out, ())) != 1 or not tc_group(g, small_gemm):
         return None
     j = readers[out][0]
     e = groups[j]
@@ -78,7 +78,7 @@ def _reads_at_its_element(node, value: Var) -> bool:
     return node.outputs[0].shape == value.shape
 
 
-def _takes_tc(g: Group, small_gemm: bool) -> bool:
+def tc_group(g: Group, small_gemm: bool) -> bool:
     """Whether lowering makes this GEMM group the tensor-core kernel (lower_group's test,
     on the call it builds), writing its (M, N) result contiguously."""
     made = gemm_of(g, small_gemm)

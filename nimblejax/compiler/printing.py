@@ -83,6 +83,7 @@ def groups_text(groups: Sequence[Group]) -> str:
         place = "  in place" if g.in_place else ""  # the root updates its operand's buffer
         epilogue = f"  epilogue {g.epilogue.label}" if g.epilogue is not None else ""
         epilogue += f"  then {' '.join(n.name for n in g.post.nodes)}" if g.post is not None else ""
+        epilogue += f" (through {g.gates} gates)" if g.gates else ""
         lines.append(f"  g{i} {g.kind:<9} {outs} <- {ins}  [{ops}]{place}{epilogue}")
     return f"{len(groups)} groups\n" + "\n".join(lines)
 

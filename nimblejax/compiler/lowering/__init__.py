@@ -8,8 +8,9 @@ from nimblejax.compiler.lowering import (conv, gemm, rules_elementwise, rules_in
                                          rules_special, rules_window)  # (registration)
 from nimblejax.compiler.lowering.codegen import elementwise_kernel, reduction_kernel
 from nimblejax.compiler.kinds import CONTROL_PRIMITIVES, GroupKind, TaskKind
+from nimblejax.compiler.lowering.gemm_gates import gate_code
 from nimblejax.compiler.lowering.gemm_post import post_code
-from nimblejax.compiler.lowering.gemm_tc import takes_tc, tc_matmul
+from nimblejax.compiler.lowering.gemm_tc import choose_tile, takes_tc, tc_matmul
 from nimblejax.compiler.lowering.registry import RULES, rule_for
 from nimblejax.compiler.lowering.horizontal import horizontal_kernel
 from nimblejax.compiler.lowering.rows import row_kernel
@@ -57,10 +58,10 @@ def lower_group(group: Group, small_gemm: bool = True, tc_gemm: bool = True) -> 
         made = gemm_of(group, small_gemm)
         if isinstance(made, GemmCall):
             # The call's problem, epilogue and all, as a kernel; with its post group
-            # (fusion_gemm_post.py, which found takes_tc true) computed there too.
+            # (fusion_gemm_post.py, fusion_gemm_gates.py, which found takes_tc true)
+            # computed there too.
             if group.post is not None or (tc_gemm and takes_tc(made)):
-                post = post_code(group.post, made.c) if group.post is not None else None
-                kernel = tc_matmul(made, post=post)
+                kernel = tc_matmul(made, post=_post_code(group, made))
                 return Task(kernel.name, TaskKind.KERNEL, group.inputs, group.outputs, group.nodes,
                             kernel=kernel, gemm=made)
             name = f"gemm_{made.dtype}_{made.batch}x{made.m}x{made.n}x{made.k}"
@@ -80,6 +81,15 @@ def lower_group(group: Group, small_gemm: bool = True, tc_gemm: bool = True) -> 
                         kernel=kernel, aliases=((group.output, operand),))
     return Task(kernel.name, TaskKind.KERNEL, tuple(v for v in kernel.params if v not in group.outputs),
                 group.outputs, group.nodes, kernel=kernel)
+
+
+def _post_code(group: Group, call: GemmCall):
+    """The code of a GEMM group's post group, if it has one, in tc_matmul's kernel."""
+    if group.post is None:
+        return None
+    if group.gates:
+        return gate_code(group.post, call.c, group.gates, choose_tile(call), call.m)
+    return post_code(group.post, call.c)
 
 
 def gemm_of(group: Group, small_gemm: bool = True) -> GemmCall | Kernel:

@@ -73,19 +73,25 @@ GELU, applied in cuBLASLt's order: activation last).
 - Shared tiles are stored as the operand is in memory, rows padded (`smem_stride`) so
   that a warp's fragment reads hit 32 banks; all in 48 KB of static shared memory.
 
-The PTX sits in `__device__` helpers under `#ifndef NIMBLE_TC_PTX` (a module may hold
-several such kernels; the CPU emulator defines NIMBLE_TC_PTX and supplies its own).
-With a post group (gemm_post.py) the epilogue also computes the GEMM's elementwise reader.
+The PTX sits in `__device__` helpers under `#ifndef NIMBLE_TC_PTX` (gemm_tc_ptx.py; a
+module may hold several such kernels; the CPU emulator defines NIMBLE_TC_PTX and supplies
+its own). With a post group (gemm_post.py) the epilogue also computes the GEMM's
+elementwise reader; with a gate-sliced one (gemm_gates.py: an LSTM cell) a block's
+columns are the same units of every gate, and the group is computed from the tile staged
+in shared memory.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
 from nimblejax.compiler.epilogue import GELU_CUBIC, SQRT_2_OVER_PI
+from nimblejax.compiler.lowering.gemm_gates import GatePost, gate_epilogue, units
 from nimblejax.compiler.lowering.gemm_post import PostCode
 from nimblejax.compiler.lowering.codegen import PRELUDE
+from nimblejax.compiler.lowering.gemm_tc_ptx import PTX_HELPERS
 from nimblejax.compiler.lowering.task import GemmCall, Kernel
 
 SMEM_BYTES = 48 * 1024  # static shared memory a block may declare
@@ -226,60 +232,30 @@ def _operand(call: GemmCall, which: str, tile: Tile) -> _Operand:
                     smem_stride(mn, k_major, tile.bk), tile.bk)
 
 
-def smem_floats(call: GemmCall, tile: Tile) -> int:
-    """The block's shared floats: the stage ring, or the split-K sums where larger."""
+def smem_floats(call: GemmCall, tile: Tile, staged: int = 0) -> int:
+    """The block's shared floats: the stage ring, or the split-K sums or the `staged`
+    tile (gemm_gates.py) where larger."""
     a, b = _operand(call, "a", tile), _operand(call, "b", tile)
     ring = tile.stages * (a.tile_floats + b.tile_floats)
-    return max(ring, (tile.split_k - 1) * tile.bm * tile.bn)
+    return max(ring, (tile.split_k - 1) * tile.bm * tile.bn, staged)
 
 
 # ---- the kernel ------------------------------------------------------------------------------
-PTX_HELPERS = r"""#ifndef NIMBLE_TC_PTX
-#define NIMBLE_TC_PTX
-// TF32 tensor-core helpers (compiler/lowering/gemm_tc.py); the CPU emulator's shim
-// defines NIMBLE_TC_PTX and its own versions.
-__device__ __forceinline__ unsigned nimble_tf32(float x) {  // round to nearest, ties away
-  unsigned r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
-// d (16x8, f32) += a (16x8 rows, tf32) * b (8x8 columns, tf32): one warp, PTX's layouts.
-__device__ __forceinline__ void nimble_mma_tf32(float* d, const unsigned* a, const unsigned* b) {
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-}
-// 16 (4) bytes from global to shared memory, asynchronously; zeros where !valid.
-__device__ __forceinline__ void nimble_cp_async16(float* dst, const float* src, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;"
-               :: "r"(s), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void nimble_cp_async4(float* dst, const float* src, bool valid) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;"
-               :: "r"(s), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void nimble_cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void nimble_cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" :: "n"(N));
-}
-#endif  // NIMBLE_TC_PTX
-"""
-
-
-def tc_matmul(call: GemmCall, tile: Optional[Tile] = None, post: Optional[PostCode] = None) -> Kernel:
+def tc_matmul(call: GemmCall, tile: Optional[Tile] = None, post: PostCode | GatePost | None = None) -> Kernel:
     """The kernel computing `call` (its operands given), with `tile` or choose_tile's;
-    with `post` (gemm_post.py), its elementwise reader's output instead of C."""
+    with `post` (gemm_post.py, gemm_gates.py), its elementwise reader's outputs instead of C."""
     assert qualifies(call), call
     tile = tile or choose_tile(call)
-    assert smem_floats(call, tile) * 4 <= SMEM_BYTES, (call, tile)
+    gates = post if isinstance(post, GatePost) else None
+    assert not gates or (call.batch == 1 and units(tile, gates.gates, gates.width) == gates.units), (call, tile)
+    assert smem_floats(call, tile, _staged(tile, gates)) * 4 <= SMEM_BYTES, (call, tile)
     body = _source(call, tile, post)
     digest = hashlib.sha1(body.encode()).hexdigest()[:4]
-    name = f"nimble_gemm_tc_{_shape_label(call)}{'_then_' + '_'.join(post.ops[-2:]) if post else ''}_{digest}"
+    then = (f"_gates{gates.gates}" if gates else "") + ("_then_" + "_".join(post.ops[-2:]) if post else "")
+    name = f"nimble_gemm_tc_{_shape_label(call)}{then}_{digest}"
     grid = (-(-call.n // tile.bn), -(-call.m // tile.bm), call.batch)
-    params = (post.output if post else call.c, call.a, call.b) + ((call.bias,) if call.epilogue.bias else ()) \
+    outputs = gates.outputs if gates else (post.output if post else call.c,)
+    params = outputs + (call.a, call.b) + ((call.bias,) if call.epilogue.bias else ()) \
         + ((call.residual,) if call.epilogue.residual else ()) + (post.inputs if post else ())
     return Kernel(name, PRELUDE + PTX_HELPERS + body.replace("NAME", name, 1), grid,
                   (tile.threads, 1, 1), params)
@@ -292,13 +268,24 @@ def _shape_label(call: GemmCall) -> str:
     return "_".join(filter(None, (shape, ops, call.epilogue.label(call.alpha).replace("+", "_"))))
 
 
-def _source(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> str:
+def _staged(tile: Tile, gates: Optional[GatePost]) -> int:
+    """The floats of a gate post's staged tile (gemm_gates.py), or 0."""
+    return tile.bm * gates.stride if gates else 0
+
+
+def _source(call: GemmCall, tile: Tile, post: PostCode | GatePost | None = None) -> str:
+    gates = post if isinstance(post, GatePost) else None
     a, b = _operand(call, "a", tile), _operand(call, "b", tile)
+    if gates and not b.k_major and not gates.aligned:  # a copy must stay in one gate
+        b = dataclasses.replace(b, vec=1)
     ldc, stride_c = call.layout("c")
     ep = call.epilogue
-    args = ["float* __restrict__ C", "const float* __restrict__ A", "const float* __restrict__ B"]
+    outs = [f"float* __restrict__ out{k}" for k in range(len(gates.outputs))] if gates else ["float* __restrict__ C"]
+    args = outs + ["const float* __restrict__ A", "const float* __restrict__ B"]
     args += ["const float* __restrict__ bias"] * ep.bias + ["const float* __restrict__ R"] * ep.residual
     args += post.params if post else []
+    first = (f"u0 = blockIdx.x * {gates.units};  // units u0.. of each gate" if gates
+             else f"n0 = blockIdx.x * {tile.bn};")
     k_steps = -(-call.k // tile.bk)
     lines = [
         f"// C ({call.m} x {call.n}) = {_formula(call)}; A stored "
@@ -307,14 +294,15 @@ def _source(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> str:
         f"// TF32 tensor cores, float32 sums. Tile {tile.label}: block (x, y, z) = "
         "(column tile, row tile, batch entry).",
         f'extern "C" __global__ void __launch_bounds__({tile.threads}, 1) NAME({", ".join(args)}) {{',
-        f"  __shared__ __align__(16) float smem[{smem_floats(call, tile)}];",
+        f"  __shared__ __align__(16) float smem[{smem_floats(call, tile, _staged(tile, gates))}];",
         f"  float* const As = smem;  // {tile.stages} stages of {a.tile_floats} floats",
         f"  float* const Bs = smem + {tile.stages * a.tile_floats};",
         "  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;",
         "  const int group = lane / 4, thread = lane % 4;  // PTX's groupID, threadID_in_group",
         f"  const int wm = warp % {tile.warps_m}, wn = (warp / {tile.warps_m}) % {tile.warps_n}, "
         f"wk = warp / {tile.warps_m * tile.warps_n};",
-        f"  const int m0 = blockIdx.y * {tile.bm}, n0 = blockIdx.x * {tile.bn};",
+        f"  const int m0 = blockIdx.y * {tile.bm}, {first}",
+        *(f"  {line}" for line in (gates.prologue if gates else ())),
     ]
     if call.batch > 1:
         lines += ["  const long long batch = blockIdx.z;",
@@ -331,7 +319,7 @@ def _source(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> str:
         "  // Copies of K step k0 / BK into stage s (zeros past M, N and K).",
         "  auto load_stage = [&](int s, int k0) {",
         *_copy_lines(a, tile, call.k),
-        *_copy_lines(b, tile, call.k),
+        *_copy_lines(b, tile, call.k, gates.column if gates else None),
         "  };",
         "  // This warp's share of the products of stage s: its K group's 8-deep slices.",
         "  auto multiply_stage = [&](int s) {",
@@ -375,8 +363,8 @@ def _source(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> str:
         "    nimble_cp_async_commit();",
         f"    multiply_stage(step % {tile.stages});",
         "  }",
-        *_split_k_sum(tile),
-        *_epilogue(call, tile, post),
+        *(gate_epilogue(call.m, tile, gates, _steps(call), _split_k_sum(tile, keep=True)) if gates
+          else _split_k_sum(tile) + _epilogue(call, tile, post)),
         "}",
     ]
     return "\n".join(lines) + "\n"
@@ -389,16 +377,17 @@ def _formula(call: GemmCall) -> str:
     return f"{ep.activation}({expr})" if ep.activation != "none" else expr
 
 
-def _copy_lines(op: _Operand, tile: Tile, k: int) -> list[str]:
+def _copy_lines(op: _Operand, tile: Tile, k: int, column: Optional[str] = None) -> list[str]:
     """One operand's tile of a K step: chunks of `vec` floats, consecutive threads on
-    consecutive chunks of a stored row (coalesced)."""
+    consecutive chunks of a stored row (coalesced). `column`: B's column of the tile's
+    column `mn` (gemm_gates.py), if not n0 + mn."""
     rows, cols = (op.mn, tile.bk) if op.k_major else (tile.bk, op.mn)
     per_row = cols // op.vec
     chunks = rows * per_row
     iters = -(-chunks // tile.threads)
     smem = "As" if op.name == "A" else "Bs"
     r_name, c_name = ("mn", "kk") if op.k_major else ("kk", "mn")
-    g_mn, g_k = (f"{'m0' if op.name == 'A' else 'n0'} + mn", "k0 + kk")
+    g_mn, g_k = (column or f"{'m0' if op.name == 'A' else 'n0'} + mn", "k0 + kk")
     # The chunk's first element in memory; K-major: row mn, column k.
     offset = f"({g_mn}) * {op.ld} + {g_k}" if op.k_major else f"({g_k}) * {op.ld} + {g_mn}"
     lines = ["    #pragma unroll",
@@ -414,8 +403,9 @@ def _copy_lines(op: _Operand, tile: Tile, k: int) -> list[str]:
     return lines
 
 
-def _split_k_sum(tile: Tile) -> list[str]:
-    """K groups 1.. hand their sums to group 0 through shared memory, added in order."""
+def _split_k_sum(tile: Tile, keep: bool = False) -> list[str]:
+    """K groups 1.. hand their sums to group 0 through shared memory, added in order;
+    then they return, or with `keep` stay (barriers follow: gemm_gates.py)."""
     if tile.split_k == 1:
         return []
     per = tile.fm * tile.fn * 4
@@ -438,7 +428,7 @@ def _split_k_sum(tile: Tile) -> list[str]:
         f"          {at} = acc[i][j][e];",
         "  }",
         "  __syncthreads();",
-        "  if (wk > 0) return;  // (no barrier follows)",
+        "  if (wk == 0)  // (every thread stays)" if keep else "  if (wk > 0) return;  // (no barrier follows)",
         f"  for (int g = 1; g < {tile.split_k}; ++g) {{",
         *loops,
         f"          acc[i][j][e] += {at};",
@@ -449,16 +439,8 @@ def _split_k_sum(tile: Tile) -> list[str]:
 def _epilogue(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> list[str]:
     """alpha, residual, bias, activation, the post group, then C: each lane's two
     neighbouring columns of rows `group` and `group + 8` of each product (PTX's layout)."""
-    ep, n, ldc = call.epilogue, call.n, call.layout("c")[0]
-    steps = []
-    if call.alpha != 1.0:
-        steps.append(f"v *= {_float(call.alpha)};")
-    steps += [f"v += R[row * {n} + col];"] * ep.residual + ["v += bias[col];"] * ep.bias
-    if ep.activation == "relu":
-        steps.append("v = fmaxf(v, 0.0f);")
-    elif ep.activation == "gelu_tanh":
-        steps.append(f"v = 0.5f * v * (1.0f + tanhf({_float(SQRT_2_OVER_PI)} * "
-                     f"(v + {_float(GELU_CUBIC)} * v * v * v)));")
+    n, ldc = call.n, call.layout("c")[0]
+    steps = _steps(call)
     lines = ["  #pragma unroll",
              f"  for (int i = 0; i < {tile.fm}; ++i)",
              "    #pragma unroll",
@@ -490,6 +472,20 @@ def _epilogue(call: GemmCall, tile: Tile, post: Optional[PostCode] = None) -> li
                   f"          C[row * {ldc} + col] = v;",
                   "        }"]
     return lines + ["      }"]
+
+
+def _steps(call: GemmCall) -> list[str]:
+    """The GEMM's epilogue on `v`, C's value at (row, col), in cuBLASLt's order."""
+    ep, steps = call.epilogue, []
+    if call.alpha != 1.0:
+        steps.append(f"v *= {_float(call.alpha)};")
+    steps += [f"v += R[row * {call.n} + col];"] * ep.residual + ["v += bias[col];"] * ep.bias
+    if ep.activation == "relu":
+        steps.append("v = fmaxf(v, 0.0f);")
+    elif ep.activation == "gelu_tanh":
+        steps.append(f"v = 0.5f * v * (1.0f + tanhf({_float(SQRT_2_OVER_PI)} * "
+                     f"(v + {_float(GELU_CUBIC)} * v * v * v)));")
+    return steps
 
 
 def _float(x: float) -> str:
