@@ -77,6 +77,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                          "unless jax_compilation_cache_dir is set already), so that later runs "
                          "load them instead of compiling again; this turns that off (--full "
                          "never uses it: it times cold compiles)")
+    ap.add_argument("--compile-ahead", type=int, default=0, metavar="N",
+                    help="compile jax.jit's programs ahead on N threads while the run works "
+                         "(bench/ahead.py; default 0: each program compiles at its model's "
+                         "first call). Measured on a fresh H100 (b53a0a8): with 4 threads the "
+                         "first two rows took 5 minutes, each waiting for autotuning compiles "
+                         "running side by side on the GPU")
     ap.add_argument("--seed", type=int, default=0, help="numpy seed of the random weights")
     # For tests of the timing path on a CPU: nimble's backend for the nimble rows.
     ap.add_argument("--nimble-backend", default="cuda", choices=("cuda", "interpret"),

@@ -75,13 +75,15 @@ def run_gpu(opts: argparse.Namespace, out=None) -> dict:
 
 def start_ahead(opts: argparse.Namespace, units: list, cache_dir: Optional[str],
                 note: Callable[[str], None]) -> Optional[AheadCompiler]:
-    """jax.jit's programs of every unit compiling ahead (bench/ahead.py), where the run
-    keeps them in JAX's persistent cache (the default run) and has several units."""
+    """jax.jit's programs of every unit compiling ahead (bench/ahead.py) on
+    `--compile-ahead` threads, where the run asks for it, keeps them in JAX's persistent
+    cache (the default run) and has several units."""
     from nimblejax.bench.models import MODELS
 
-    if not cache_dir or opts.full or "jax" not in opts.config_keys or len(units) < 2:
+    threads = getattr(opts, "compile_ahead", 0)
+    if not threads or not cache_dir or opts.full or "jax" not in opts.config_keys or len(units) < 2:
         return None
-    n = workers()
+    n = min(threads, workers())
     note(f"jax.jit's programs compile ahead, {n} at a time, into that cache; none while a row "
          "is timed")
     return AheadCompiler(units, lambda u: compile_jax(MODELS[u[0]], u[1], opts.dtype, opts.tiny), n)

@@ -89,7 +89,7 @@ _RUN = textwrap.dedent("""\
     log.setLevel(logging.DEBUG)
     log.addHandler(Hits())
     cli.main(["--tiny", "--models", "mlp,lstm", "--batch", "1,2", "--budget", "0.02",
-              "--nimble-backend", "interpret", "--json", out])
+              "--nimble-backend", "interpret", "--compile-ahead", "2", "--json", out])
     print("HITS", json.dumps(hits))
     """)
 
@@ -110,3 +110,16 @@ def test_the_first_call_loads_the_program_compiled_ahead(tmp_path):
     # ahead writes it before that call (later lookups find it in memory).
     hits = json.loads(r.stdout.split("HITS ")[1].splitlines()[0])
     assert sorted(hits) == ["jit_lstm_forward"] * 2 + ["jit_mlp_forward"] * 2, hits
+
+
+def test_the_default_run_compiles_nothing_ahead():
+    """Off unless asked for (`--compile-ahead N`): measured slower on a fresh H100."""
+    from nimblejax.bench import cli, measure
+
+    units = [("mlp", 1), ("mlp", 32)]
+    default = cli.parse_args(["--models", "mlp"])
+    assert default.compile_ahead == 0
+    assert measure.start_ahead(default, units, "/unused", lambda s: None) is None
+    asked = cli.parse_args(["--models", "mlp", "--compile-ahead", "1", "--tiny"])
+    ahead = measure.start_ahead(asked, [], "/unused", lambda s: None)  # one unit or none: no pool
+    assert ahead is None and asked.compile_ahead == 1
