@@ -11,6 +11,7 @@ import jax
 
 from nimblejax.arguments import warn_at_user_line as _warn_at_user_line
 from nimblejax.compiler.errors import UnsupportedPrimitiveError
+from nimblejax.compiler.kinds import OutputKind
 from nimblejax.runtime import residency
 from nimblejax.runtime import runner as runner_mod
 from nimblejax.runtime.runner import RESIDENT
@@ -99,8 +100,8 @@ class XlaPath:
         # leaf (XLA writes a result into it; fed back, every result was a fresh XLA
         # allocation: H100, 96 state leaves, 1062 µs against 516 µs passed).
         slots = plan.output_slots
-        always_passed = frozenset(s.index for s in slots if s.kind == "input") | donated
-        feedable = frozenset(j for j, s in enumerate(slots) if s.kind == "buffer")
+        always_passed = frozenset(s.index for s in slots if s.kind is OutputKind.INPUT) | donated
+        feedable = frozenset(j for j, s in enumerate(slots) if s.kind is OutputKind.BUFFER)
         layout = xla_op.Residency(sources, avals)
         positions = [i for i, src in enumerate(sources) if src == runner_mod.PASSED]
         donate = tuple(k for k, i in enumerate(positions) if i in donated)

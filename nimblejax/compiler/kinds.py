@@ -40,6 +40,17 @@ class TaskKind(StrEnum):
     SWITCH = "switch"  # a cond/switch: one plan per branch (compiler/loops.py)
 
 
+class OutputKind(StrEnum):
+    """Where one flat output of a plan comes from (Plan.output_kind); an OutputSlot's
+    kind is BUFFER, INPUT or VALUE (a literal or a constant, handed back as its value)."""
+
+    BUFFER = "buffer"    # computed by the tasks: one of Plan.output_buffers
+    INPUT = "input"      # a plan input passed through
+    LITERAL = "literal"
+    CONST = "const"
+    VALUE = "value"      # a LITERAL or CONST output's slot
+
+
 # The primitives of a loop or branch kept as one task (compiler/loops.py makes them,
 # lowering/__init__.py turns their group into a WHILE or SWITCH task).
 CONTROL_PRIMITIVES = {"nimble_while": TaskKind.WHILE, "nimble_switch": TaskKind.SWITCH}

@@ -13,6 +13,7 @@ import networkx as nx
 import numpy as np
 
 from nimblejax.compiler.ir import Graph, Literal, Var
+from nimblejax.compiler.kinds import OutputKind
 from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.memory import MemoryPlan
 from nimblejax.compiler.streams import Schedule, critical_path
@@ -23,11 +24,11 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class OutputSlot:
-    """Where one flat output of a plan comes from: `kind` "buffer" (`index`: its position
-    in `Plan.output_buffers`), "input" (`index`: the plan input passed through), or
-    "value" (a literal or a constant: `value`, a NumPy array of the output's dtype)."""
+    """Where one flat output of a plan comes from: `kind` BUFFER (`index`: its position
+    in `Plan.output_buffers`), INPUT (`index`: the plan input passed through), or VALUE
+    (a literal or a constant: `value`, a NumPy array of the output's dtype)."""
 
-    kind: str
+    kind: OutputKind
     index: int = -1
     value: Any = None
 
@@ -62,7 +63,7 @@ class Plan:
     def output_buffers(self) -> tuple[Var, ...]:
         """The outputs the tasks compute, each distinct value once, in output order: what
         a runner hands back as the call's results."""
-        return tuple(dict.fromkeys(a for a in self.graph.outputs if self.output_kind(a) == "buffer"))
+        return tuple(dict.fromkeys(a for a in self.graph.outputs if self.output_kind(a) is OutputKind.BUFFER))
 
     @cached_property
     def output_slots(self) -> tuple[OutputSlot, ...]:
@@ -71,21 +72,21 @@ class Plan:
         slots = []
         for a in self.graph.outputs:
             kind = self.output_kind(a)
-            if kind == "buffer":
-                slots.append(OutputSlot("buffer", index[a]))
-            elif kind == "input":
-                slots.append(OutputSlot("input", self.graph.inputs.index(a)))
+            if kind is OutputKind.BUFFER:
+                slots.append(OutputSlot(OutputKind.BUFFER, index[a]))
+            elif kind is OutputKind.INPUT:
+                slots.append(OutputSlot(OutputKind.INPUT, self.graph.inputs.index(a)))
             else:
-                raw = a.value if kind == "literal" else self.graph.consts[a]
-                slots.append(OutputSlot("value", value=np.asarray(raw, dtype=a.dtype)))
+                raw = a.value if kind is OutputKind.LITERAL else self.graph.consts[a]
+                slots.append(OutputSlot(OutputKind.VALUE, value=np.asarray(raw, dtype=a.dtype)))
         return tuple(slots)
 
-    def output_kind(self, atom) -> str:
-        """'literal', 'input' (passed through), 'const', or 'buffer'."""
+    def output_kind(self, atom) -> OutputKind:
+        """LITERAL, INPUT (passed through), CONST or BUFFER."""
         if isinstance(atom, Literal):
-            return "literal"
+            return OutputKind.LITERAL
         if atom in self.graph.consts:
-            return "const"
+            return OutputKind.CONST
         if atom in self.graph.inputs:
-            return "input"
-        return "buffer"
+            return OutputKind.INPUT
+        return OutputKind.BUFFER

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
+from nimblejax.compiler.kinds import OutputKind
 from nimblejax.compiler.plan import Plan
 from nimblejax.runtime.runner import assemble
 
@@ -117,7 +118,7 @@ class XlaUnpacker:
     def witness(self, outs: list):
         """One output of the XLA call: its completion means the whole copy is done."""
         for slot, o in zip(self.plan.output_slots, outs):
-            if slot.kind == "buffer":
+            if slot.kind is OutputKind.BUFFER:
                 return o
         return None
 

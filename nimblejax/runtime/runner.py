@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 from jax.interpreters import mlir
 
+from nimblejax.compiler.kinds import OutputKind
 from nimblejax.compiler.plan import Plan
 
 PASSED, HELD = -1, -2  # a resident call's operand sources; j >= 0: the previous call's output j
@@ -81,8 +82,8 @@ def assemble(plan: Plan, made: Sequence, input_at: Callable[[int], Any], value: 
     """A call's flat outputs, as `plan.output_slots` says: `made[i]` for output buffer i,
     `input_at(k)` for plan input k passed through, `value(v)` for a literal or constant.
     Every runner hands back its results through this."""
-    return [made[s.index] if s.kind == "buffer" else input_at(s.index) if s.kind == "input" else value(s.value)
-            for s in plan.output_slots]
+    return [made[s.index] if s.kind is OutputKind.BUFFER else input_at(s.index) if s.kind is OutputKind.INPUT
+            else value(s.value) for s in plan.output_slots]
 
 
 def graphs_of(entries) -> list:
