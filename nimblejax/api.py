@@ -24,9 +24,8 @@ from nimblejax.compiler.pipeline import Stages, compile_function, trace_stages
 from nimblejax.compiler.plan import Plan
 from nimblejax.options import Options
 from nimblejax.runtime import choose, residency
-from nimblejax.runtime import runner as runner_mod
 from nimblejax.runtime.runner import DIRECT, Compiled
-from nimblejax.xla_path import DIRECT_MAX_LEAVES, XlaPath  # noqa: F401 (DIRECT_MAX_LEAVES: api's name)
+from nimblejax.xla_path import XlaPath
 
 BACKENDS = ("cuda", "interpret", "jax")
 OUTPUTS = ("jax", "cupy", "numpy")
@@ -165,9 +164,9 @@ class NimbleFunction(XlaPath):
         hit = self._hit
         # Same key object as last call (every leaf identical): skip hashing the key.
         compiled = hit[1] if hit is not None and hit[0] is key else self._specs.get(key)
-        if compiled is None or compiled.call is None:
+        if compiled is None:
             with self._lock:
-                compiled = self._direct(key, leaves, in_tree, statics, backend)
+                compiled = self._specs.get(key) or self._direct(key, leaves, in_tree, statics, backend)
         self._hit = (key, compiled)
         outs = compiled.call(leaves)
         return jax.tree_util.tree_unflatten(compiled.out_tree, outs)
@@ -204,7 +203,7 @@ class NimbleFunction(XlaPath):
         """The plans built on a GPU so far: runtime/graph.py's DeviceGraph objects (one
         per runner and device), each with a `stats` dict of calls, graph launches and
         task launches (calls and input copies on the Python path)."""
-        return runner_mod.graphs_of(list(self._specs.values()))
+        return [g for r in self.runners() for g in r.graphs()]
 
     def _choose_entry(self) -> Callable:
         with self._lock:
@@ -270,12 +269,12 @@ class NimbleFunction(XlaPath):
         if statics:
             _check_hashable(statics, self.fun)
         leaves, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-        last, precision = self._last, _PRECISION.value
+        last, head = self._last, (DIRECT, in_tree, statics, _PRECISION.value)
         # A leaf that is the same immutable jax.Array as last call keeps its signature
         # without a look (a numpy array may have been reshaped in place since).
         if last is not None and last[0] == in_tree and len(last[1]) == len(leaves):
             same = [a is b and isinstance(a, jax.Array) for a, b in zip(leaves, last[1])]
-            if last[4] == statics and last[3][0][3] == precision and all(same):
+            if last[3][0] == head and all(same):
                 return leaves, last[3], in_tree, statics
             sigs = [sig if s else None for s, sig in zip(same, last[2])]
         else:
@@ -286,8 +285,8 @@ class NimbleFunction(XlaPath):
                         (abstract_ok and isinstance(leaves[i], jax.ShapeDtypeStruct))):
                     self._raise_bad_leaf(args, kwargs, abstract_ok)
                 sigs[i] = _signature(leaves[i])
-        key = ((DIRECT, in_tree, statics, precision), tuple(sigs))  # the call spec
-        self._last = (in_tree, leaves, sigs, key, statics)
+        key = (head, tuple(sigs))  # the call spec
+        self._last = (in_tree, leaves, sigs, key)
         return leaves, key, in_tree, statics
 
     def _raise_bad_leaf(self, args, kwargs, abstract_ok: bool = False) -> None:
@@ -330,13 +329,11 @@ class NimbleFunction(XlaPath):
         return plan, out_tree_box[-1], out_shapes
 
     def _direct(self, key, leaves, in_tree, statics, backend) -> Compiled:
-        """The direct path's entry for call spec `key`: its plan and runner, made once
-        (`call`: the runner, with typed PRNG keys crossing as their key data)."""
+        """The direct path's entry for call spec `key` (its own: the key starts with
+        DIRECT): its plan and runner (`call`: the runner, with typed PRNG keys crossing
+        as their key data)."""
         from nimblejax.runtime import xla_op
 
-        compiled = self._specs.get(key)
-        if compiled is not None and compiled.call is not None:
-            return compiled
         plan, out_tree, out_shapes = self._trace(leaves, in_tree, statics)
         run = choose.make_runner(plan, backend=backend, direct=True, options=self.options, output=self.output,
                               donated=self._donated_leaves(in_tree))

@@ -6,7 +6,7 @@ the residency check placed the leaves (held in the arena, fed back from the prev
 call's results, or passed to JAX; runtime/residency.py) and whether the call reused the
 last record (steady) or made a new one. At this level every call takes the residency
 check, so that there is something to log: the direct hand-off of small functions to
-JAX's dispatch (api.DIRECT_MAX_LEAVES) is off.
+JAX's dispatch (xla_path.DIRECT_MAX_LEAVES) is off.
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def steady_call(kind: str, n: int, residency: str | None):
     extra = {"residency": residency} if residency else {}
     f = nimble.jit(double, backend="interpret", **extra)
     # Time the check itself: keep it even where nimble would hand the call straight to
-    # JAX's dispatch (few leaves, or nothing resident: api.DIRECT_MAX_LEAVES).
+    # JAX's dispatch (few leaves, or nothing resident: xla_path.DIRECT_MAX_LEAVES).
     f._direct_ok = False
     pools = [arrays(n, s) for s in range(4)]
     state = pools[0]

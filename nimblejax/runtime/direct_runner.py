@@ -47,9 +47,6 @@ class DirectRunner(Runner):
     def graphs(self) -> list:
         return [self.graph]
 
-    def close(self) -> None:
-        self.graph.close()
-
     def __call__(self, leaves: list) -> list:
         with self.lock:
             return self._call(leaves)

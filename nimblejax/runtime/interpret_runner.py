@@ -13,6 +13,7 @@ import numpy as np
 from jax.interpreters import mlir
 
 from nimblejax.compiler.plan import Plan
+from nimblejax.runtime import interpret
 from nimblejax.runtime.runner import PASSED, Runner
 
 
@@ -40,19 +41,13 @@ class InterpretRunner(Runner):
             np.asarray(value)
 
     def __call__(self, leaves: list) -> list:
-        from nimblejax.runtime import interpret
-
-        outs = interpret.run(self.plan, [np.asarray(x) for x in leaves], seed=next(self.calls))
-        return [self.wrap(o) for o in outs]
+        return [self.wrap(o) for o in self._run(*leaves)]
 
     def _run(self, *xs):
-        from nimblejax.runtime import interpret
-
         outs = interpret.run(self.plan, [np.asarray(x) for x in xs], seed=next(self.calls))
         return tuple(np.asarray(o, dtype=s.dtype).reshape(s.shape) for o, s in zip(outs, self.out_shapes))
 
     def lower(self, ctx, *args, sources: "tuple | None" = None):
-        from nimblejax.runtime import interpret
         from nimblejax.runtime.xla_op import lowering_devices
 
         direct = _host_callback()

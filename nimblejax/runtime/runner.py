@@ -63,9 +63,6 @@ class Runner:
         """The DeviceGraphs this runner launches (one per GPU it was placed on)."""
         return []
 
-    def close(self) -> None:
-        """Give back what the runner holds outside Python's memory."""
-
 
 @dataclass
 class Compiled:
@@ -85,7 +82,3 @@ def assemble(plan: Plan, made: Sequence, input_at: Callable[[int], Any], value: 
     return [made[s.index] if s.kind is OutputKind.BUFFER else input_at(s.index) if s.kind is OutputKind.INPUT
             else value(s.value) for s in plan.output_slots]
 
-
-def graphs_of(entries) -> list:
-    """Every DeviceGraph of these Compiled entries' runners."""
-    return [g for c in entries for r in c.runners.values() for g in r.graphs()]

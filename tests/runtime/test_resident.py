@@ -242,15 +242,15 @@ def test_held_and_fed_back_on_the_gpu(check):
 
 
 def test_few_leaves_take_jaxs_dispatch_directly():
-    """A function of at most api.DIRECT_MAX_LEAVES leaves is its jitted operation: no
+    """A function of at most xla_path.DIRECT_MAX_LEAVES leaves is its jitted operation: no
     residency check runs per call."""
-    from nimblejax import api
+    from nimblejax import xla_path
 
     f, r = nimble.jit(lambda x: jnp.tanh(x) * 2.0, backend="interpret"), np.random.default_rng(3)
     for _ in range(3):
         x = fresh_x(r)
         close(f(x), jnp.tanh(x) * 2.0)
-    assert api.DIRECT_MAX_LEAVES >= 1 and f._entry is f._op_jit_fn and f._resident is None
+    assert xla_path.DIRECT_MAX_LEAVES >= 1 and f._entry is f._op_jit_fn and f._resident is None
 
 
 def test_calls_with_nothing_resident_switch_to_jaxs_dispatch():
