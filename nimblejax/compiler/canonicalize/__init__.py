@@ -13,6 +13,9 @@ forms lowering expects, each rewrite registered for its primitives beside it
 - independent dots sharing an operand → one dot and free slices of its result
   (merge_dots.py: a pass over the whole graph, not a rewrite of one node), once the
   rewrites above have made their dots and slices;
+- a per-channel scale after a cuBLASLt GEMM (a batch norm after a convolution) →
+  the GEMM's weights scaled, so that its epilogue takes the rest (channel_scales.py),
+  last, once every dot has its final layout;
 - dot_general → operands transposed into a GEMM-ready layout or read in place with
   strides (dot.py), in a second sweep after merge_dots, so that merged dots get their
   layout too and merge_dots sees the dots as the user wrote them; before it, explicit
@@ -32,6 +35,7 @@ from __future__ import annotations
 # Each rewrite module registers its rewrites on import.
 from nimblejax.compiler.canonicalize import (conv_path, dot, reductions, scatter_sub, slices,  # noqa: F401
                                              stacking, transposes)
+from nimblejax.compiler.canonicalize.channel_scales import fold_channel_scales
 from nimblejax.compiler.canonicalize.merge_dots import merge_dots
 from nimblejax.compiler.canonicalize.registry import REWRITES, sweep
 from nimblejax.compiler.canonicalize.small_dots import strength_reduce_small_dots
@@ -50,4 +54,5 @@ def canonicalize(graph: Graph, options: Options) -> Graph:
     last = sweep(merged.nodes, options, after_merge=True)
     from nimblejax.compiler.trace import drop_dead_code
 
-    return drop_dead_code(Graph(graph.inputs, graph.outputs, tuple(last), merged.consts))
+    last = Graph(graph.inputs, graph.outputs, tuple(last), merged.consts)
+    return drop_dead_code(fold_channel_scales(drop_dead_code(last), options))

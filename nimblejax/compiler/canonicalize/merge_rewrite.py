@@ -81,7 +81,7 @@ def apply_merge(graph: Graph, merge: Merge, concats: dict) -> Graph:
             nodes += made
         elif n not in dropped:
             nodes.append(n)
-    return Graph(graph.inputs, graph.outputs, _topological(nodes), consts, graph.control)
+    return Graph(graph.inputs, graph.outputs, topological(nodes), consts, graph.control)
 
 
 def _concatenated(merge: Merge, concats: dict, consts: dict, made: list) -> tuple[Var, list]:
@@ -186,7 +186,7 @@ def _jaxpr(op: str, params: tuple, specs: tuple):
     return jax.make_jaxpr(fn)(*(jax.ShapeDtypeStruct(s, d, weak_type=w) for s, d, w in specs))
 
 
-def _topological(nodes: list[Node]) -> tuple[Node, ...]:
+def topological(nodes: list[Node]) -> tuple[Node, ...]:
     """The nodes in an order where each follows its producers, staying close to the
     given order (a merged dot sits where its first member was; its later members'
     operands are pulled up before it)."""

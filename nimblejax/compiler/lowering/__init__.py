@@ -51,8 +51,11 @@ def lower_group(group: Group, small_gemm: bool = True, tc_gemm: bool = True) -> 
         kernel = row_kernel(root, group.nodes, group.extra_outputs)
     elif group.kind is GroupKind.CUDNN:
         call = rule_for(root).fn(root)
+        if group.epilogue is not None:  # bias, residual and relu: compiler/epilogue.py
+            call = group.epilogue.apply_conv(call)
         kind = {"filter_grad": "conv_wgrad", "data_grad": "conv_dgrad"}.get(call.mode, "conv")
         name = f"cudnn_{kind}_{call.x.shape[1]}x{call.x.shape[2]}x{call.x.shape[3]}_k{call.w.shape[1]}"
+        name += f"[{call.label}]" if call.label else ""
         return Task(name, TaskKind.CUDNN, group.inputs, group.outputs, group.nodes, conv=call)
     elif group.kind is GroupKind.GEMM:
         made = gemm_of(group, small_gemm)

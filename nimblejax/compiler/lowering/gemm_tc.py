@@ -87,7 +87,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Optional
 
-from nimblejax.compiler.epilogue import GELU_CUBIC, SQRT_2_OVER_PI
+from nimblejax.compiler.epilogue_gelu import GELU_CUBIC, SQRT_2_OVER_PI
 from nimblejax.compiler.lowering.gemm_gates import GatePost, gate_epilogue, units
 from nimblejax.compiler.lowering.gemm_post import PostCode
 from nimblejax.compiler.lowering.codegen import PRELUDE

@@ -225,13 +225,24 @@ class ConvCall:
     out_dtype: str
     math: str
     mode: str = "forward"
+    # A forward convolution's epilogue (compiler/epilogue.py): y = relu(conv + residual +
+    # bias), bias a vector of K values, as cudnnConvolutionBiasActivationForward computes
+    # it (bias and relu always together: cuDNN's identity activation binds the algorithm).
+    epilogue: Epilogue = Epilogue()
     x: Optional[Var] = field(default=None, compare=False, repr=False)
     w: Optional[Var] = field(default=None, compare=False, repr=False)
     y: Optional[Var] = field(default=None, compare=False, repr=False)
+    bias: Optional[Var] = field(default=None, compare=False, repr=False)
+    residual: Optional[Var] = field(default=None, compare=False, repr=False)
 
     @property
-    def operands(self) -> tuple[Var, Var, Var]:
-        return self.x, self.w, self.y
+    def operands(self) -> tuple[Optional[Var], ...]:
+        """x, w, y, bias, residual (None where the epilogue has none)."""
+        return self.x, self.w, self.y, self.bias, self.residual
+
+    @property
+    def label(self) -> str:
+        return self.epilogue.label()
 
 
 @dataclass(frozen=True, eq=False)

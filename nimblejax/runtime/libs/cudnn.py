@@ -1,5 +1,7 @@
-"""A thin ctypes layer over cuDNN's convolution API (cudnnConvolutionForward, and
-cudnnConvolutionBackwardFilter / BackwardData for the gradients `jax.grad` emits).
+"""A thin ctypes layer over cuDNN's convolution API (cudnnConvolutionForward, or
+cudnnConvolutionBiasActivationForward for a convolution with a bias, residual and relu
+epilogue, and cudnnConvolutionBackwardFilter / BackwardData for the gradients `jax.grad`
+emits).
 
 Why ctypes: CuPy 14 has no cuDNN, the cuDNN frontend would have to travel as a wheel,
 and the dozen calls needed are a stable C API. cuDNN itself is already on any machine
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from . import loader
 
@@ -28,6 +30,7 @@ FORMAT_NHWC = 1
 CROSS_CORRELATION = 1
 DEFAULT_MATH, TENSOR_OP_MATH, FMA_MATH = 0, 1, 3
 WORKSPACE_LIMIT = 64 << 20
+ACTIVATION_RELU, PROPAGATE_NAN = 1, 1  # cudnnActivationMode_t, cudnnNanPropagation_t
 # The algorithms without FFT or Winograd transforms, which lose too much precision on
 # half types: cudnnConvolutionFwdAlgo_t IMPLICIT_GEMM, IMPLICIT_PRECOMP_GEMM, GEMM;
 # cudnnConvolutionBwdFilterAlgo_t ALGO_0, ALGO_1, ALGO_3; cudnnConvolutionBwdDataAlgo_t
@@ -110,6 +113,15 @@ class Conv:
         _check("group count", L.cudnnSetConvolutionGroupCount(self.conv, call.groups))
         math = {"tf32": DEFAULT_MATH, "f32": FMA_MATH, "half": TENSOR_OP_MATH}[call.math]
         _check("math type", L.cudnnSetConvolutionMathType(self.conv, math))
+        self.bias = self.activation = None
+        if call.epilogue:  # relu(conv + residual + bias): cudnnConvolutionBiasActivationForward
+            self.bias, self.activation = _new("Tensor"), ctypes.c_void_p()
+            _check("bias descriptor", L.cudnnSetTensor4dDescriptor(
+                self.bias, FORMAT_NHWC, DATA_TYPE[call.out_dtype], 1, k, 1, 1))
+            _check("cudnnCreateActivationDescriptor", L.cudnnCreateActivationDescriptor(
+                ctypes.byref(self.activation)))
+            _check("activation descriptor", L.cudnnSetActivationDescriptor(
+                self.activation, ACTIVATION_RELU, PROPAGATE_NAN, ctypes.c_double(0.0)))
         self.algo, self.workspace, found_math = self._choose(handle)
         # cuDNN may measure an algorithm under another math type than the descriptor's
         # (tensor ops allowed to convert, say); forward with it then needs that math type
@@ -144,10 +156,19 @@ class Conv:
                 return _algo_cache[key]
         raise CudnnError(f"no cuDNN algorithm runs {self.call}")
 
-    def run(self, handle: Handle, x: int, w: int, y: int, workspace: int, workspace_bytes: int) -> None:
-        """Forward: y from x and w; filter gradient: w from x and y (the output gradient);
-        data gradient: x from w and y."""
+    def run(self, handle: Handle, x: int, w: int, y: int, bias: Optional[int], residual: Optional[int],
+            workspace: int, workspace_bytes: int) -> None:
+        """Forward: y from x and w (and its epilogue's bias and residual); filter
+        gradient: w from x and y (the output gradient); data gradient: x from w and y."""
         one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        if self.activation is not None:  # y = relu(conv(x, w) + residual + bias)
+            z, alpha2 = (residual, one) if residual is not None else (y, zero)
+            _check("cudnnConvolutionBiasActivationForward", _library().cudnnConvolutionBiasActivationForward(
+                handle.raw, ctypes.byref(one), self.x, ctypes.c_void_p(x), self.w, ctypes.c_void_p(w),
+                self.conv, self.algo, ctypes.c_void_p(workspace), ctypes.c_size_t(workspace_bytes),
+                ctypes.byref(alpha2), self.y, ctypes.c_void_p(z), self.bias, ctypes.c_void_p(bias),
+                self.activation, self.y, ctypes.c_void_p(y)))
+            return
         if self.call.mode == "filter_grad":
             _check("cudnnConvolutionBackwardFilter", _library().cudnnConvolutionBackwardFilter(
                 handle.raw, ctypes.byref(one), self.x, ctypes.c_void_p(x), self.y, ctypes.c_void_p(y),
