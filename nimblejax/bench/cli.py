@@ -34,9 +34,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         description="Benchmark nimble.jit against jax.jit on published models. By default: "
                     "jax.jit against nimble's multi-stream graph, looped and GPU time, "
                     f"about {DEFAULT_BUDGET_S:g} s of timed calls per row. Every model at batch 1 "
-                    "and 32 took 312 s on a fresh H100 (measured at commit ca3739d), about "
-                    "3 min of it XLA compiling jax.jit's programs, which later runs load from "
-                    "JAX's persistent compilation cache. "
+                    "and 32 took 4m23s on a fresh H100 (measured at commit 77abdba), 199 s of "
+                    "it XLA compiling jax.jit's programs, which later runs load from JAX's "
+                    "persistent compilation cache (the second run: 2m01s). "
                     "Rows are printed as they are measured; progress and an ETA go to stderr. "
                     "--full is the long run. Without a GPU: nimble's plan of each model, what its "
                     "columns mean and what to try next; nothing is timed.")
