@@ -70,13 +70,16 @@ def fold_channel_scales(graph: Graph, options: Options) -> Graph:
     folds = [f for n in graph.nodes
              if n.name in ("dot_general", "nimble_cudnn_conv")
              and (f := _candidate(n, graph, consumers, producer, options))]
-    if not folds:
-        return graph
-    trial, dots = _apply(graph, folds)
-    kept = [f for f in folds if _pays(dots[f], trial, options)]
-    if len(kept) == len(folds):
-        return trial
-    return _apply(graph, kept)[0] if kept else graph
+    # Whether a fold pays depends on the others (a residual add another GEMM's epilogue
+    # takes): drop those that do not until every fold left pays.
+    while folds:
+        trial, dots = _apply(graph, folds)
+        consumers, found = _epilogues(trial, options)
+        kept = [f for f in folds if _pays(dots[f], consumers, found)]
+        if len(kept) == len(folds):
+            return trial
+        folds = kept
+    return graph
 
 
 def _candidate(node: Node, graph: Graph, consumers, producer, options: Options) -> Optional[Fold]:
@@ -151,13 +154,13 @@ def _per_column(e, cur: Var, n: int, producer) -> Optional[Var]:
     return src if all(d == cur.ndim - 1 for d, size in zip(dims, src.shape) if size != 1) else None
 
 
-def _pays(dot: Node, graph: Graph, options: Options) -> bool:
+def _pays(dot: Node, consumers, found) -> bool:
     """After the fold, the dot's epilogue takes a bias, and every elementwise reader of
-    what it writes (through views) is taken by another GEMM's epilogue."""
+    what it writes (through views) is taken by another GEMM's epilogue (`found`: every
+    epilogue of the folded graph)."""
     from nimblejax.compiler.kinds import RuleKind
     from nimblejax.compiler.lowering.registry import rule_for
 
-    consumers, found = _epilogues(graph, options)
     match = found.get(dot)
     if match is None or match.bias is None:
         return False
@@ -172,9 +175,8 @@ def _pays(dot: Node, graph: Graph, options: Options) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=2)
 def _epilogues(graph: Graph, options: Options) -> tuple[dict, dict]:
-    """(consumers, every dot's epilogue) of a graph (once per trial graph)."""
+    """(consumers, every GEMM's and convolution's epilogue) of a graph."""
     from nimblejax.compiler.epilogue import find_epilogues
 
     consumers = graph.consumers()
