@@ -42,6 +42,12 @@ VIEW_PRIMS = frozenset({"reshape", "squeeze"})
 # written): code generation recurses once per inlined node, and an unrolled loop of
 # elementwise steps would otherwise become one kernel of thousands of nested values.
 MAX_INLINE_DEPTH = 96
+# What a `cheap_fuses` kernel rule (a convolution, reading each input element once per
+# window position) may recompute on every read: a few arithmetic instructions, nothing
+# transcendental (a batch norm and relu6, not swish's sigmoid).
+CHEAP_PRODUCERS = frozenset({"add", "sub", "mul", "neg", "max", "min", "clamp", "abs", "select_n",
+                             "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
+                             "expand_dims", "copy"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -112,6 +118,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
         depth[node] = 0
 
     ep = _Epilogues(find_epilogues(graph, consumers, outputs, small_gemm) if gemm_epilogues else {})
+    from_memory = ep.opaque | _costly_to_fuse(graph)  # users that read operands from memory
     for dot, match in ep.matches.items():  # decided first: the walk below skips them
         new_group(dot)
         for n in match.chain:
@@ -125,7 +132,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
         if node in ep.copies and not users and not read and node.outputs[0] not in outputs:
             continue  # only GEMM epilogues' equations compute it
         if rule_for(node).kind is RuleKind.ELEMENTWISE and node not in exits:
-            groups = None if read else _inline_target(node, users, outputs, owner, ep.opaque)
+            groups = None if read else _inline_target(node, users, outputs, owner, from_memory)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
             if groups is not None and _compounds(users, groups, owner):
@@ -203,6 +210,29 @@ class _Epilogues:
         out = node.outputs[0]
         return [u for u in consumers.get(out, [])
                 if not ((out, u) in self.copy_edges and (u in self.opaque or u not in owner))]
+
+
+def _costly_to_fuse(graph: Graph) -> set[Node]:
+    """The `cheap_fuses` kernel nodes (registry.py) whose fused operands have a producer
+    that is not cheap among the elementwise nodes before them: they fuse none."""
+    producer = {v: n for n in graph.nodes for v in n.outputs}
+    costly = set()
+    for node in graph.nodes:
+        rule = rule_for(node)
+        if not rule.cheap_fuses:
+            continue
+        stack = [node.inputs[k] for k in rule.fuses]
+        seen: set[Node] = set()
+        while stack and len(seen) <= MAX_INLINE_DEPTH:
+            p = producer.get(stack.pop())
+            if p is None or p in seen or rule_for(p).kind is not RuleKind.ELEMENTWISE:
+                continue
+            if p.name not in CHEAP_PRODUCERS:
+                costly.add(node)
+                break
+            seen.add(p)
+            stack.extend(a for a in p.inputs if isinstance(a, Var))
+    return costly
 
 
 def _in_place(groups: list[Group], consumers, outputs) -> list[Group]:

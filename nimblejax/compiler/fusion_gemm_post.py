@@ -24,7 +24,7 @@ stood, after everything it reads.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.fusion import Group
@@ -39,6 +39,14 @@ from nimblejax.compiler.lowering.task import GemmCall
 
 def fuse_gemm_posts(groups: list[Group], graph: Graph, small_gemm: bool = True) -> list[Group]:
     """`groups` with each qualifying (GEMM group, elementwise reader) pair as one group."""
+    return merge_posts(groups, graph, lambda g: g.kind is GroupKind.GEMM and tc_group(g, small_gemm))
+
+
+def merge_posts(groups: list[Group], graph: Graph, takes_post: Callable[[Group], bool],
+                reshaped: bool = False) -> list[Group]:
+    """`groups` with each group that `takes_post` merged with its elementwise reader, where
+    that reader qualifies (module docstring); also fusion_conv_post.py's, whose reader
+    may end in a reshape of the result's shape (`reshaped`)."""
     readers: dict[Var, list[int]] = {}
     for i, g in enumerate(groups):
         for v in set(g.inputs):
@@ -47,23 +55,24 @@ def fuse_gemm_posts(groups: list[Group], graph: Graph, small_gemm: bool = True) 
     merged: dict[int, Group] = {}  # index of the post group → the merged group
     dropped: set[int] = set()
     for i, g in enumerate(groups):
-        j = _post_of(g, readers, groups, results, small_gemm)
+        j = _post_of(g, readers, groups, results, reshaped) if takes_post(g) else None
         if j is not None and j not in merged:  # a group reading two GEMMs takes the first
             merged[j] = _merge(g, groups[j])
             dropped.add(i)
     return [merged.get(i, g) for i, g in enumerate(groups) if i not in dropped]
 
 
-def _post_of(g: Group, readers, groups, results, small_gemm: bool) -> Optional[int]:
-    if g.kind is not GroupKind.GEMM:
-        return None
+def _post_of(g: Group, readers, groups, results, reshaped: bool = False) -> Optional[int]:
     out = g.output
-    if out in results or len(readers.get(out, ())) != 1 or not tc_group(g, small_gemm):
+    if out in results or len(readers.get(out, ())) != 1:
         return None
     j = readers[out][0]
     e = groups[j]
+    shape = e.output.shape
+    if reshaped and e.root.name == "reshape" and e.root.params.get("dimensions") is None:
+        shape = e.root.inputs[0].shape
     if (e.kind is not GroupKind.FUSED or e.extra_outputs or len(e.outputs) != 1
-            or e.output.shape != out.shape or dtypes.name(e.output.dtype) != "float32"):
+            or shape != out.shape or dtypes.name(e.output.dtype) != "float32"):
         return None
     if not all(_reads_at_its_element(n, out) for n in e.nodes if out in n.inputs):
         return None

@@ -28,6 +28,7 @@ from nimblejax.compiler import loops, printing
 from nimblejax.compiler.buffers import Buffers, analyze_buffers
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize
 from nimblejax.compiler.fusion import Group, fuse
+from nimblejax.compiler.fusion_conv_post import fuse_conv_posts
 from nimblejax.compiler.fusion_gemm_gates import fuse_gemm_gates
 from nimblejax.compiler.fusion_gemm_post import fuse_gemm_posts
 from nimblejax.compiler.fusion_horizontal import pack_horizontal
@@ -87,6 +88,7 @@ def _fuse(p: Program, options: Options) -> Program:
     if options.tc_gemm and options.gemm != "cublas":
         groups = fuse_gemm_posts(groups, p.graph, small_gemm=options.small_gemm)
         groups = fuse_gemm_gates(groups, p.graph, small_gemm=options.small_gemm)
+    groups = fuse_conv_posts(groups, p.graph)
     if options.horizontal:
         groups = pack_horizontal(groups)
     return dataclasses.replace(p, groups=tuple(groups))

@@ -74,8 +74,11 @@ def lower_group(group: Group, small_gemm: bool = True, tc_gemm: bool = True) -> 
         kernel = made
     else:
         rule = rule_for(root)
-        # A kernel rule that fuses some operands' producers computes them itself.
+        # A kernel rule that fuses some operands' producers computes them itself; a
+        # direct convolution also its elementwise reader (fusion_conv_post.py).
         extra = {"in_place": True} if group.in_place else {}
+        if group.post is not None:
+            extra["post"] = group.post
         kernel = rule.fn(root, inlined, **extra) if rule.fuses else rule.fn(root, **extra)
         if group.in_place:  # the operand is read where the output is written
             operand = root.inputs[rule.in_place]

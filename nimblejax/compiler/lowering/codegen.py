@@ -7,7 +7,8 @@ arguments are buffer pointers, which makes it trivial to freeze into a CUDA grap
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Mapping, Sequence
+import math
+from typing import Callable, Mapping, Optional, Sequence
 
 from nimblejax.compiler.ir import Atom, Literal, Node, Var, short_dtype
 from nimblejax.compiler import dtypes
@@ -212,20 +213,25 @@ def blocks_for(n: int, block: int = BLOCK) -> int:
 
 # ---- templates ----------------------------------------------------------------------
 def loop_kernel(kind: str, out: Var, ops: Sequence[str], body: Callable[[KernelBuilder, Index], str],
-                inlined: Mapping[Var, Node] = {}, unroll: int = 1) -> Kernel:
+                inlined: Mapping[Var, Node] = {}, unroll: int = 1,
+                index_shape: Optional[Sequence[int]] = None) -> Kernel:
     """One thread per output element (a grid-stride loop); `body` returns its value.
     With `unroll` > 1 a thread computes that many elements a block apart before it
     stores any, so their loads are in flight together (one load per thread at a time
-    leaves an H200 at half its memory bandwidth); a plain loop finishes the tail."""
+    leaves an H200 at half its memory bandwidth); a plain loop finishes the tail.
+    `index_shape`: the shape body's index is over, where `out` is a reshape of it (the
+    same elements in the same order); out's own by default."""
     b = KernelBuilder(inlined)
     b.ops = list(ops)
-    return b.finish(kind, out, loop_body(b, out, body, unroll), BLOCK)
+    return b.finish(kind, out, loop_body(b, out, body, unroll, index_shape), BLOCK)
 
 
 def loop_body(b: KernelBuilder, out: Var, body: Callable[[KernelBuilder, Index], str],
-              unroll: int = 1) -> int:
+              unroll: int = 1, index_shape: Optional[Sequence[int]] = None) -> int:
     """loop_kernel's loop, emitted into `b`; returns its grid size."""
     n = out.size
+    shape = tuple(index_shape) if index_shape is not None else out.shape
+    assert math.prod(shape) == n, (shape, out.shape)
     itype = "long long" if n >= 2 ** 30 else "int"  # i + a grid's stride stays in range
     if unroll > 1:
         step = unroll * BLOCK
@@ -235,7 +241,7 @@ def loop_body(b: KernelBuilder, out: Var, body: Callable[[KernelBuilder, Index],
         values = []
         for k in range(unroll):
             name = b.tmp(f"const {itype}", f"i0 + {k * BLOCK}" if k else "i0")
-            values.append((name, body(b, b.index_vars(name, out.shape))))
+            values.append((name, body(b, b.index_vars(name, shape))))
         for name, value in values:
             b.store(out, name, value)
         b.close()
@@ -245,7 +251,7 @@ def loop_body(b: KernelBuilder, out: Var, body: Callable[[KernelBuilder, Index],
     else:
         b.open(f"for ({itype} i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < {n}; "
                f"i += (long long)gridDim.x * blockDim.x)")
-    idx = b.index_vars("i", out.shape)
+    idx = b.index_vars("i", shape)
     b.store(out, "i", body(b, idx))
     while b.depth > 1:
         b.close()

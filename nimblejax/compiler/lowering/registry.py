@@ -11,7 +11,9 @@ Rule kinds, and the signature of their `fn`:
   with `fuses=(positions...)` also takes elementwise producers of those operands:
   fusion.py inlines them into its group and the rule is called as `fn(node, inlined)`
   (value → the inlined node that computes it), computing them where it reads them (a
-  scatter's operand, indices and updates). One registered with `in_place=k` may compute
+  scatter's operand, indices and updates); with `cheap_fuses` only where every
+  elementwise producer it would take is cheap (fusion.py: a convolution reads each input
+  element once per window position). One registered with `in_place=k` may compute
   its output in the bytes of operand k when it is that value's only reader and the value
   is a buffer of the plan's own (fusion.py decides, `Group.in_place`): it is then called
   with `in_place=True` and must not read operand k's old bytes except where it writes.
@@ -40,6 +42,9 @@ class Rule:
     fn: Callable
     fuses: tuple[int, ...] = ()  # kernel rules: operands whose producers may be inlined
     in_place: Optional[int] = None  # kernel rules: the operand the output may update
+    # kernel rules that read each element of a fused operand many times (a convolution's
+    # window): producers are fused only where all of them are cheap (fusion.py)
+    cheap_fuses: bool = False
     # Why the rule does not take a node of its primitive (a shape or dtype it has no
     # kernel for), or None when it does; not taken, the node is unsupported (XLA's).
     accepts: Optional[Callable[[Node], Optional[str]]] = None
@@ -50,14 +55,15 @@ RULES: dict[str, Rule] = {}
 
 def register(*names: str, kind: RuleKind | str, fuses: tuple[int, ...] = (),
              in_place: Optional[int] = None,
-             accepts: Optional[Callable[[Node], Optional[str]]] = None) -> Callable:
+             accepts: Optional[Callable[[Node], Optional[str]]] = None,
+             cheap_fuses: bool = False) -> Callable:
     kind = RuleKind(kind)  # a misspelt kind fails here, at import
     if (fuses or in_place is not None) and kind is not RuleKind.KERNEL:
         raise ValueError(f"fuses/in_place are for kernel rules, not {kind} ({names})")
 
     def deco(fn: Callable) -> Callable:
         for n in names:
-            RULES[n] = Rule(kind, fn, tuple(fuses), in_place, accepts)
+            RULES[n] = Rule(kind, fn, tuple(fuses), in_place, cheap_fuses=cheap_fuses, accepts=accepts)
         return fn
 
     return deco

@@ -1,0 +1,136 @@
+"""The direct (depthwise) convolution kernel with its input's elementwise producers
+(lowering/conv.py: the rule's `fuses`) and its elementwise reader (fusion_conv_post.py)
+computed inside it: MobileNetV2's and EfficientNet's blocks. Asserted on the plan; the
+numbers against jax.jit under the CPU interpreter and with the generated kernels run by
+the kernel emulator; the kernels compiled by NVRTC; marked `gpu`, on the GPU."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import nimblejax as nimble
+from tests.helpers import kernel_emulator as emu
+from tests.helpers.libraries import assert_kernels_compile
+from tests.helpers.models import assert_tree_close, rand
+
+r = np.random.default_rng(11)
+DIMS = ("NHWC", "HWIO", "NHWC")
+N, HW, C, E, OUT = 2, 9, 8, 24, 16  # batch, size, channels, expanded channels, projected
+
+
+def depthwise(x, w, stride):
+    return lax.conv_general_dilated(x, w, (stride, stride), "SAME", dimension_numbers=DIMS,
+                                    feature_group_count=x.shape[-1])
+
+
+def mobilenet_block(x, w_exp, s1, b1, w_dw, s2, b2, w_proj, stride=1):
+    h = jnp.clip((x @ w_exp) * s1 + b1, 0.0, 6.0)  # expansion, batch norm, relu6
+    h = jnp.clip(depthwise(h, w_dw, stride) * s2 + b2, 0.0, 6.0)
+    return h.reshape(-1, h.shape[-1]) @ w_proj  # the projection reads the 2-D layout
+
+
+def efficientnet_block(x, w_exp, s1, b1, w_dw, s2, b2, w_proj, stride=1):
+    h = (x @ w_exp) * s1 + b1
+    h = depthwise(h * jax.nn.sigmoid(h), w_dw, stride) * s2 + b2  # swish, then the depthwise conv
+    h = h * jax.nn.sigmoid(h)
+    return h.reshape(-1, h.shape[-1]) @ w_proj
+
+
+def block_args():
+    return (rand(r, N, HW, HW, C), rand(r, C, E, scale=0.4), rand(r, E) + 1.0, rand(r, E, scale=0.3),
+            rand(r, 3, 3, 1, E, scale=0.4), rand(r, E) + 1.0, rand(r, E, scale=0.3), rand(r, E, OUT, scale=0.3))
+
+
+def plan_of(fn, *args, **kw):
+    return nimble.jit(fn, backend="interpret", **kw).plan(*args)
+
+
+def conv_tasks(plan):
+    return [t for t in plan.tasks if t.kind == "kernel" and "conv" in t.kernel.name]
+
+
+CASES = {"mobilenet": mobilenet_block, "efficientnet": efficientnet_block}
+
+
+def block_plan(fn, stride):
+    """(the block at `stride`, its arguments, its plan, the convolution task, the
+    expansion and projection GEMM tasks)."""
+    a = block_args()
+    g = lambda *a: fn(*a, stride=stride)  # noqa: E731
+    plan = plan_of(g, *a)
+    (conv,) = conv_tasks(plan)
+    expansion, projection = [t for t in plan.tasks if t.gemm is not None]
+    return g, a, plan, conv, expansion, projection
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_the_depthwise_kernel_reads_the_gemm_product_and_writes_what_the_next_gemm_reads(stride):
+    g, a, plan, conv, expansion, projection = block_plan(mobilenet_block, stride)
+    assert expansion.outputs[0] in conv.inputs  # the batch norm and relu6 computed on every read
+    assert reads(projection, conv.outputs[0], plan)  # the second batch norm and relu6 too
+    # no kernel besides the convolution reads or writes an expanded activation
+    assert [t for t in plan.tasks if t.kind == "kernel" and t.gemm is None] == [conv]
+    assert_tree_close(nimble.jit(g, backend="interpret")(*a), jax.jit(g)(*a))
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_swish_is_not_recomputed_in_every_window_but_computed_after_the_convolution(stride):
+    g, a, plan, conv, expansion, projection = block_plan(efficientnet_block, stride)
+    (swish,) = [t for t in plan.tasks if t.kind == "kernel" and t.gemm is None and t is not conv]
+    assert expansion.outputs[0] in swish.inputs and swish.outputs[0] in conv.inputs
+    assert "logistic" in conv.kernel.name and reads(projection, conv.outputs[0], plan)
+    assert_tree_close(nimble.jit(g, backend="interpret")(*a), jax.jit(g)(*a))
+
+
+def reads(task, value, plan) -> bool:
+    """task reads value's bytes (itself, or a view of it)."""
+    same = plan.storage.get(value, value)
+    return any(plan.storage.get(v, v) is same for v in task.inputs)
+
+
+@pytest.mark.skipif(emu.compiler() is None, reason="no C++ compiler for the kernel emulator")
+@pytest.mark.parametrize("stride", [1, 2])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_emulated_conv_kernels_match_jax(name, stride):
+    fn = CASES[name]
+    a = block_args()
+    g = lambda *a: fn(*a, stride=stride)  # noqa: E731
+    plan = plan_of(g, *a)
+    outs, emulated = emu.run(plan, [np.asarray(v) for v in a])
+    assert emulated >= 1
+    assert_tree_close(outs[0], jax.jit(g)(*a))
+
+
+def test_a_convolution_read_twice_writes_its_result():
+    x, w = rand(r, N, HW, HW, E), rand(r, 3, 3, 1, E)
+
+    def two_readers(x, w):
+        y = depthwise(x, w, 1)
+        return jax.nn.relu(y), jnp.sum(y, axis=(1, 2))
+
+    plan = plan_of(two_readers, x, w)
+    (conv,) = conv_tasks(plan)
+    assert conv.kernel.name.startswith("nimble_conv_conv_f32")  # nothing fused after it
+    assert_tree_close(nimble.jit(two_readers, backend="interpret")(x, w), jax.jit(two_readers)(x, w))
+
+
+def test_conv_kernels_with_fused_producers_and_readers_compile():
+    a = block_args()
+    kernels = {t.kernel.name: t.kernel.source for fn in CASES.values() for s in (1, 2)
+               for t in conv_tasks(plan_of(lambda *a: fn(*a, stride=s), *a))}
+    assert len(kernels) == 4
+    assert_kernels_compile(kernels, "nimble_conv_fusion")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_fused_depthwise_blocks_on_the_gpu_match_jax(name):
+    fn = CASES[name]
+    a = (rand(r, 8, 28, 28, 32), rand(r, 32, 96, scale=0.2), rand(r, 96) + 1.0, rand(r, 96, scale=0.3),
+         rand(r, 3, 3, 1, 96, scale=0.4), rand(r, 96) + 1.0, rand(r, 96, scale=0.3), rand(r, 96, 32, scale=0.2))
+    for stride in (1, 2):
+        g = lambda *a: fn(*a, stride=stride)  # noqa: E731
+        assert_tree_close(nimble.jit(g)(*a), jax.jit(g)(*a))
