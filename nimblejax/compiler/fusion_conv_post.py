@@ -1,15 +1,17 @@
-"""A direct convolution and the elementwise kernel after it as one kernel: the generated
-convolution kernel (lowering/conv.py, depthwise convolutions) computes the elementwise
-group that alone reads its result, at the same element, from its accumulator, as the
-tensor-core GEMM does (fusion_gemm_post.py: the same rules for the reader, the same
+"""A direct convolution or a pooling and the elementwise kernel after it as one kernel:
+the generated convolution kernel (lowering/conv.py, depthwise convolutions) and pooling
+kernel (lowering/rules_window.py: an average pool's division by the window's count,
+Inception-v3's ten at batch 32 were 342 µs of kernels of their own) compute the
+elementwise group that alone reads their result, at the same element, from their
+accumulator, as the tensor-core GEMM does (fusion_gemm_post.py: the same rules for the reader, the same
 merge). Together with the convolution's fused input producers (its rule's `fuses`), a
 MobileNetV2 block's expansion batch norm and relu6, depthwise convolution and second
 batch norm and relu6 are one kernel reading the expansion GEMM's product and writing
 what the projection GEMM reads: two kernels that each read and wrote an expanded
 activation are gone (at batch 32, 17 of each).
 
-A direct-convolution group (the `conv_general_dilated` kernel rule's, not updating an
-operand in place, writing nothing else) takes its reader when fusion_gemm_post's rules
+A direct-convolution or pooling group (TAKE_POSTS' kernel rules, not updating an operand
+in place, writing nothing else) takes its reader when fusion_gemm_post's rules
 for the reader hold: the only reader of the convolution's result, which is no graph
 output; elementwise, one output of the result's shape (or a reshape of such a value, the
 2-D layout the next GEMM reads), float32, reading the result only at the element it
@@ -24,10 +26,17 @@ from nimblejax.compiler.kinds import GroupKind
 
 
 def fuse_conv_posts(groups: list[Group], graph: Graph) -> list[Group]:
-    """`groups` with each (direct convolution group, elementwise reader) pair as one group."""
+    """`groups` with each (direct convolution or pooling group, elementwise reader) pair as
+    one group."""
     return merge_posts(groups, graph, takes_post, reshaped=True)
 
 
+# Kernel rules whose loop computes one output element per step and can hand it to a
+# post group (lowering/conv.py, lowering/rules_window.py).
+TAKE_POSTS = frozenset({"conv_general_dilated", "reduce_window_sum", "reduce_window_max",
+                        "reduce_window_min"})
+
+
 def takes_post(g: Group) -> bool:
-    return (g.kind is GroupKind.KERNEL and g.root.name == "conv_general_dilated" and not g.in_place
+    return (g.kind is GroupKind.KERNEL and g.root.name in TAKE_POSTS and not g.in_place
             and not g.extra_outputs and g.post is None)

@@ -258,6 +258,25 @@ def loop_body(b: KernelBuilder, out: Var, body: Callable[[KernelBuilder, Index],
     return blocks_for(-(-n // unroll))
 
 
+# ---- a loop kernel's post group (fusion_conv_post.py) --------------------------------------
+def post_value(b: KernelBuilder, post, out: Var, idx: Index, value: str) -> str:
+    """The C value, at `idx` of `out`'s shape, of the elementwise group `post` that reads
+    `out` at its own element, with `value` (out's value there, in its compute type) in
+    place of a read of `out`: rounded as it would have been stored. Before a reshape that
+    ends the group (the 2-D layout a GEMM reads next), the kernel writing the reshaped
+    output at the same offset (loop_kernel's index_shape)."""
+    b.memo[(out.id, operand_index(out, idx))] = b.tmp(dtypes.compute_type(out.dtype),
+                                                      dtypes.round_to(out.dtype, value))
+    root = post.root
+    before = root.inputs[0] if root.name == "reshape" and root.params.get("dimensions") is None else post.output
+    return b.value(before, idx)
+
+
+def post_inlined(inlined: Mapping[Var, Node], post) -> dict[Var, Node]:
+    """`inlined` and the post group's nodes, by the value each computes."""
+    return {**inlined, **{n.outputs[0]: n for n in post.nodes}}
+
+
 # Fused kernels of at least this many elements compute UNROLL of them per thread.
 UNROLL, UNROLL_MIN = 4, 1 << 16
 

@@ -12,7 +12,7 @@ from nimblejax.compiler.ir import Node, Var
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import (Index, KernelBuilder, dilated_source, loop_kernel,
-                                                 operand_index)
+                                                 post_inlined, post_value)
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import ConvCall, Kernel
 
@@ -135,20 +135,9 @@ def direct_conv(node: Node, inlined: Mapping[Var, Node] = {}, post=None) -> Kern
         for _ in loops:
             b.close()
         b.forget()  # the input's fused producers were computed inside the window loops
-        if post is None:
-            return "acc"
-        # the post group reads the convolution's value, rounded as it would be stored
-        b.memo[(out.id, operand_index(out, idx))] = b.tmp("float", dtypes.round_to(out.dtype, "acc"))
-        return b.value(post_value, idx)
+        return "acc" if post is None else post_value(b, post, out, idx, "acc")
 
     if post is None:
         return loop_kernel("conv", out, ["conv"], body, inlined)
-    # The post group's value at the convolution's element: before a reshape that ends it
-    # (the layout a GEMM reads next), the kernel then writing the reshaped output.
-    post_value = post.root.inputs[0] if _is_reshape(post.root) else post.output
-    inlined = {**inlined, **{n.outputs[0]: n for n in post.nodes}}
-    return loop_kernel("conv", post.output, ["conv"], body, inlined, index_shape=out.shape)
-
-
-def _is_reshape(node: Node) -> bool:
-    return node.name == "reshape" and node.params.get("dimensions") is None
+    return loop_kernel("conv", post.output, ["conv"], body, post_inlined(inlined, post),
+                       index_shape=out.shape)

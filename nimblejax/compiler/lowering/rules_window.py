@@ -6,7 +6,8 @@ import itertools
 from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
-from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, dilated_source, loop_kernel
+from nimblejax.compiler.lowering.codegen import (Index, KernelBuilder, dilated_source, loop_kernel,
+                                                 post_inlined, post_value)
 from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import Kernel
@@ -37,9 +38,11 @@ def _window_positions(b: KernelBuilder, idx: Index, x_shape, p, offsets) -> tupl
 
 
 @register(*WINDOW_REDUCERS, kind=RuleKind.KERNEL)
-def reduce_window(node: Node) -> Kernel:
+def reduce_window(node: Node, post=None) -> Kernel:
     """One thread per output; the window is unrolled (pooling windows are small).
-    Padding contributes the identity, as in XLA."""
+    Padding contributes the identity, as in XLA. With `post` (the elementwise group that
+    alone reads the result at its own element: fusion_conv_post.py, an average pool's
+    division by the window's count) the kernel writes that group's output instead."""
     x, out = node.inputs[0], node.outputs[0]
     p = node.params
     combine, init = WINDOW_REDUCERS[node.name]
@@ -53,9 +56,12 @@ def reduce_window(node: Node) -> Kernel:
             src, conds = _window_positions(b, idx, x.shape, p, offsets)
             step = f"acc = {dtypes.round_to(out.dtype, combine.format(a='acc', b=b.load(x, tuple(src))))};"
             b.emit(f"if ({' && '.join(conds)}) {{ {step} }}" if conds else step)
-        return "acc"
+        return "acc" if post is None else post_value(b, post, out, idx, "acc")
 
-    return loop_kernel("pool", out, [node.name], body)
+    if post is None:
+        return loop_kernel("pool", out, [node.name], body)
+    return loop_kernel("pool", post.output, [node.name], body, post_inlined({}, post),
+                       index_shape=out.shape)
 
 
 @register("select_and_scatter_add", kind=RuleKind.KERNEL)

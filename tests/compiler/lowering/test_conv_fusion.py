@@ -1,6 +1,7 @@
 """The direct (depthwise) convolution kernel with its input's elementwise producers
 (lowering/conv.py: the rule's `fuses`) and its elementwise reader (fusion_conv_post.py)
-computed inside it: MobileNetV2's and EfficientNet's blocks. Asserted on the plan; the
+computed inside it: MobileNetV2's and EfficientNet's blocks; the pooling kernel with its
+elementwise reader (an average pool's division). Asserted on the plan; the
 numbers against jax.jit under the CPU interpreter and with the generated kernels run by
 the kernel emulator; the kernels compiled by NVRTC; marked `gpu`, on the GPU."""
 from __future__ import annotations
@@ -123,6 +124,52 @@ def test_conv_kernels_with_fused_producers_and_readers_compile():
                for t in conv_tasks(plan_of(lambda *a: fn(*a, stride=s), *a))}
     assert len(kernels) == 4
     assert_kernels_compile(kernels, "nimble_conv_fusion")
+
+
+def avg_pool_branch(x, w):
+    """Inception-v3's pooling branch: an average pool (its count a literal) and a 1x1
+    convolution reading the 2-D layout."""
+    p = lax.reduce_window(x, 0.0, lax.add, (1, 3, 3, 1), (1, 1, 1, 1), "SAME") / 9.0
+    return p.reshape(-1, p.shape[-1]) @ w
+
+
+def counted_avg_pool(x):
+    """jax's way with SAME padding: the sum over the count of real elements."""
+    dims, strides = (1, 3, 3, 1), (1, 2, 2, 1)
+    total = lax.reduce_window(x, 0.0, lax.add, dims, strides, "SAME")
+    count = lax.reduce_window(jnp.ones_like(x), 0.0, lax.add, dims, strides, "SAME")
+    return jax.nn.relu(total / count - 0.1)
+
+
+POOLS = {"avg_pool_branch": (avg_pool_branch, lambda: (rand(r, N, HW, HW, E), rand(r, E, OUT, scale=0.3))),
+         "counted_avg_pool": (counted_avg_pool, lambda: (rand(r, N, HW, HW, E),))}
+
+
+@pytest.mark.parametrize("name", sorted(POOLS))
+def test_a_pooling_kernel_computes_its_elementwise_reader(name):
+    fn, make = POOLS[name]
+    a = make()
+    plan = plan_of(fn, *a)
+    kernels = [t for t in plan.tasks if t.kind == "kernel" and t.gemm is None]
+    pools = [t for t in kernels if "pool" in t.kernel.name]
+    # the division (and relu) inside the pooling kernel: no other kernel reads a pool's sum
+    pooled = {v for t in pools for v in t.outputs}
+    assert not any(pooled & set(t.inputs) for t in kernels if t not in pools)
+    assert any("div" in t.kernel.name for t in pools)
+    assert_tree_close(nimble.jit(fn, backend="interpret")(*a), jax.jit(fn)(*a))
+    if emu.compiler() is not None:
+        outs, emulated = emu.run(plan, [np.asarray(v) for v in a])
+        assert emulated >= 1
+        assert_tree_close(outs[0], jax.jit(fn)(*a))
+    assert_kernels_compile({t.kernel.name: t.kernel.source for t in pools}, f"nimble_{name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(POOLS))
+def test_pooling_with_its_reader_on_the_gpu_matches_jax(name):
+    fn, make = POOLS[name]
+    a = make()
+    assert_tree_close(nimble.jit(fn)(*a), jax.jit(fn)(*a))
 
 
 @pytest.mark.gpu
