@@ -76,7 +76,7 @@ def check_program(p: Program, backend: str, compile_kernels: bool = False,
         if compile_kernels:
             kernels = {t.kernel.name: t.kernel.source for t in plan.tasks if t.kernel}
             if kernels:
-                compile_to_ptx("\n".join(kernels.values()), "fuzz.cu", arch="sm_90")
+                compile_to_ptx("\n".join(kernels.values()), "fuzz.cu", arch="sm_90", fast=True)
         if emulate:  # the kernels themselves, run on the CPU (tests/helpers/kernel_emulator.py)
             outs, _ = kernel_emulator.run(plan, args)
             want_leaves = jax.tree_util.tree_leaves(want)

@@ -45,12 +45,15 @@ SHIM = r"""
 #include <cmath>
 #include <cstring>
 #include <cstdint>
-#include <atomic>
-#include <barrier>
-#include <mutex>
-#include <thread>
-#include <vector>
+#include <cstdlib>
 using std::isfinite;
+// Threads, barriers and the atomics' lock: RUNTIME's, built once per process (its
+// std::thread and std::barrier code compiled once, not in every kernel library).
+extern "C" {
+void* nimble_barrier_new(int n); void nimble_barrier_wait(void* b);
+void nimble_barrier_drop(void* b); void nimble_barrier_free(void* b);
+void nimble_lock(); void nimble_unlock();
+void nimble_run_threads(unsigned int n, void (*body)(unsigned int)); }
 struct Dim3 { unsigned int x, y, z; };
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
 struct alignas(8) uint2 { unsigned int x, y; };
@@ -60,29 +63,29 @@ static Dim3 blockDim, gridDim;
 // array is the block's shared memory. Warp shuffles and __syncthreads are barriers;
 // a thread that returns drops out of them (as an exited thread does on the GPU).
 #define __shared__ static
-struct Warp { std::barrier<> bar{32}; unsigned long long slot[32];
+struct Warp { void* bar; unsigned long long slot[32];  // bar: a barrier of 32 threads
               unsigned mma_a[32][4], mma_b[32][2]; };  // nimble_mma_tf32's fragments
 static Warp* warps;
-static std::barrier<>* block_bar;
+static void* block_bar;
 static inline int flat_tid() { return threadIdx.x + threadIdx.y * blockDim.x; }
-static inline void __syncthreads() { block_bar->arrive_and_wait(); }
-static inline void __syncwarp(unsigned int = 0xffffffffu) { warps[flat_tid() / 32].bar.arrive_and_wait(); }
-static std::atomic<int> votes;
+static inline void __syncthreads() { nimble_barrier_wait(block_bar); }
+static inline void __syncwarp(unsigned int = 0xffffffffu) { nimble_barrier_wait(warps[flat_tid() / 32].bar); }
+static int votes;
 static inline int __syncthreads_or(int p) {
-  block_bar->arrive_and_wait(); if (p) votes.fetch_add(1);
-  block_bar->arrive_and_wait(); int r = votes.load() != 0;
-  block_bar->arrive_and_wait(); if (flat_tid() == 0) votes.store(0);
+  __syncthreads(); if (p) __atomic_fetch_add(&votes, 1, __ATOMIC_SEQ_CST);
+  __syncthreads(); int r = __atomic_load_n(&votes, __ATOMIC_SEQ_CST) != 0;
+  __syncthreads(); if (flat_tid() == 0) __atomic_store_n(&votes, 0, __ATOMIC_SEQ_CST);
   return r; }
 template <class T> static inline T __shfl_down_sync(unsigned int, T v, int off) {
   int t = flat_tid(), lane = t % 32; Warp& w = warps[t / 32];
-  memcpy(&w.slot[lane], &v, sizeof(T)); w.bar.arrive_and_wait();
+  memcpy(&w.slot[lane], &v, sizeof(T)); nimble_barrier_wait(w.bar);
   T r = v; if (lane + off < 32) memcpy(&r, &w.slot[lane + off], sizeof(T));
-  w.bar.arrive_and_wait(); return r; }
+  nimble_barrier_wait(w.bar); return r; }
 template <class T> static inline T __shfl_xor_sync(unsigned int, T v, int mask) {
   int t = flat_tid(), lane = t % 32; Warp& w = warps[t / 32];
-  memcpy(&w.slot[lane], &v, sizeof(T)); w.bar.arrive_and_wait();
+  memcpy(&w.slot[lane], &v, sizeof(T)); nimble_barrier_wait(w.bar);
   T r; memcpy(&r, &w.slot[lane ^ mask], sizeof(T));
-  w.bar.arrive_and_wait(); return r; }
+  nimble_barrier_wait(w.bar); return r; }
 #define __global__
 #define __launch_bounds__(...)
 #define __device__
@@ -126,9 +129,8 @@ static inline float erfinvf(float y) {
   double x = copysign(sqrt(sqrt(t * t - w / a) - t), (double)y);
   for (int i = 0; i < 4 && y != 0.f; ++i) x -= (erf(x) - y) / (M_2_SQRTPI * exp(-x * x));
   return (float)x; }
-static std::mutex atomic_lock;
 template <class T, class F> static inline T atomic_update(T* p, F f) {
-  std::lock_guard<std::mutex> g(atomic_lock); T old = *p; *p = f(old); return old; }
+  nimble_lock(); T old = *p; *p = f(old); nimble_unlock(); return old; }
 template <class T> static inline T atomicAdd(T* p, T v) {
   return atomic_update(p, [&](T o) { return o + v; }); }
 static inline __half atomicAdd(__half* p, __half v) { return atomic_update(p, [&](__half o) {
@@ -180,7 +182,7 @@ static inline unsigned nimble_tf32(float x) {
 static inline void nimble_mma_tf32(float* d, const unsigned* a, const unsigned* b) {
   int tid = flat_tid(), lane = tid % 32; Warp& w = warps[tid / 32];
   memcpy(w.mma_a[lane], a, 16); memcpy(w.mma_b[lane], b, 8);
-  w.bar.arrive_and_wait();
+  nimble_barrier_wait(w.bar);
   for (int r = 0; r < 4; ++r) {
     const int row = lane / 4 + 8 * (r / 2), col = 2 * (lane % 4) + r % 2;
     float sum = d[r];
@@ -188,7 +190,7 @@ static inline void nimble_mma_tf32(float* d, const unsigned* a, const unsigned* 
       sum = fmaf(__uint_as_float(w.mma_a[(row % 8) * 4 + k % 4][row / 8 + 2 * (k / 4)]),
                  __uint_as_float(w.mma_b[col * 4 + k % 4][k / 4]), sum);
     d[r] = sum; }
-  w.bar.arrive_and_wait(); }
+  nimble_barrier_wait(w.bar); }
 // cp.async as a plain copy (done at once: wait_group has nothing to wait for).
 static inline void nimble_cp_async16(float* dst, const float* src, bool valid) {
   if (valid) memcpy(dst, src, 16); else memset(dst, 0, 16); }
@@ -196,6 +198,37 @@ static inline void nimble_cp_async4(float* dst, const float* src, bool valid) {
   *dst = valid ? *src : 0.0f; }
 static inline void nimble_cp_async_commit() {}
 template <int N> static inline void nimble_cp_async_wait() {}
+// One block of a cooperative launch: `body(t)` on an OS thread for each of its n threads.
+static Dim3 launch_block;
+static void** launch_args;
+static void nimble_block(unsigned int b, unsigned int y, unsigned int z, unsigned int n,
+                         void (*body)(unsigned int)) {
+  const unsigned int nw = (n + 31) / 32;
+  Warp* ws = (Warp*)calloc(nw, sizeof(Warp));
+  for (unsigned int i = 0; i < nw; ++i) ws[i].bar = nimble_barrier_new(32);
+  warps = ws; block_bar = nimble_barrier_new((int)n); launch_block = {b, y, z};
+  nimble_run_threads(n, body);
+  for (unsigned int i = 0; i < nw; ++i) nimble_barrier_free(ws[i].bar);
+  nimble_barrier_free(block_bar); free(ws); }
+"""
+RUNTIME = r"""
+#include <barrier>
+#include <mutex>
+#include <thread>
+#include <vector>
+static std::mutex atomic_lock;  // one lock: atomics are atomic across OS threads too
+extern "C" {
+void* nimble_barrier_new(int n) { return new std::barrier<>(n); }
+void nimble_barrier_wait(void* b) { static_cast<std::barrier<>*>(b)->arrive_and_wait(); }
+void nimble_barrier_drop(void* b) { static_cast<std::barrier<>*>(b)->arrive_and_drop(); }
+void nimble_barrier_free(void* b) { delete static_cast<std::barrier<>*>(b); }
+void nimble_lock() { atomic_lock.lock(); }
+void nimble_unlock() { atomic_lock.unlock(); }
+void nimble_run_threads(unsigned int n, void (*body)(unsigned int)) {
+  std::vector<std::thread> threads;
+  for (unsigned int t = 0; t < n; ++t) threads.emplace_back(body, t);
+  for (auto& th : threads) th.join(); }
+}
 """
 # Kernels that use any of these run one OS thread per CUDA thread (cooperative).
 COOPERATIVE = ("__shfl", "__syncthreads", "__syncwarp", "__shared__")
@@ -246,14 +279,12 @@ def _launcher(kernel) -> str:
         return (head + f"    for (unsigned int t = 0; t < {n}u; ++t) {{\n"
                 f"      blockIdx = {{b, y, z}}; threadIdx = {{t % {bx}u, t / {bx}u, 0u}}; {call}\n"
                 "    }\n  }\n}\n")
-    return (head +
-            f"    std::vector<Warp> ws({-(-n // 32)}); warps = ws.data();\n"
-            f"    std::barrier<> bar({n}); block_bar = &bar;\n"
-            f"    std::vector<std::thread> threads;\n"
-            f"    for (unsigned int t = 0; t < {n}u; ++t) threads.emplace_back([=, &bar] {{\n"
-            f"      blockIdx = {{b, y, z}}; threadIdx = {{t % {bx}u, t / {bx}u, 0u}}; {call}\n"
-            f"      warps[t / 32].bar.arrive_and_drop(); bar.arrive_and_drop(); }});\n"
-            f"    for (auto& th : threads) th.join();\n  }}\n}}\n")
+    thread = (f"static void thread_{kernel.name}(unsigned int t) {{\n"
+              f"  void** a = launch_args; blockIdx = launch_block;"
+              f" threadIdx = {{t % {bx}u, t / {bx}u, 0u}}; {call}\n"
+              f"  nimble_barrier_drop(warps[t / 32].bar); nimble_barrier_drop(block_bar);\n}}\n")
+    return (thread + head.replace("{\n", "{\n  launch_args = a;\n", 1) +
+            f"    nimble_block(b, y, z, {n}u, thread_{kernel.name});\n  }}\n}}\n")
 
 
 def _strip(source: str) -> str:
@@ -266,9 +297,10 @@ _COMMON = ("-std=c++20", "-pthread", "-fPIC", "-fwrapv", "-w")
 
 
 def compile_library(text: str, flags: tuple[str, ...] = FLAGS,
-                    include: str | None = None) -> ctypes.CDLL:
+                    include: str | None = None, shared_symbols: bool = False) -> ctypes.CDLL:
     """C++ `text` built by the host compiler as a shared library (cached by text), after
-    the header `include` where given (as if it were the text's first line)."""
+    the header `include` where given (as if it were the text's first line).
+    `shared_symbols`: its symbols serve the libraries loaded after it (RUNTIME's)."""
     key = hashlib.sha1(" ".join((text, *flags, include or "")).encode()).hexdigest()
     if key not in _LIBS:
         # The folder goes once the library is loaded: a loaded library stays mapped
@@ -282,14 +314,17 @@ def compile_library(text: str, flags: tuple[str, ...] = FLAGS,
                                   capture_output=True, text=True)
             if proc.returncode:
                 raise RuntimeError(f"emulated kernels do not compile:\n{proc.stderr[-4000:]}")
-            _LIBS[key] = ctypes.CDLL(lib)
+            _LIBS[key] = ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL if shared_symbols
+                                     else ctypes.DEFAULT_MODE)
     return _LIBS[key]
 
 
 # SHIM as a header precompiled once per process (its folder is removed when the process
 # exits): the standard headers it includes are most of a build's compile time, and the
 # fuzzer builds one library per program (measured: 0.36 s of g++ per build, 0.10 s with
-# the header precompiled). None where precompiling fails: builds then compile SHIM inline.
+# the header precompiled). SHIM leaves threads and barriers to RUNTIME, so that neither
+# their headers nor their code are in every build: test_row_prologue.py's 24 emulated
+# programs took 21.2 s of g++ CPU with them in SHIM, 6.7 s without (RUNTIME included). None where precompiling fails: builds then compile SHIM inline.
 _SHIM_HEADER: dict[str, tempfile.TemporaryDirectory | None] = {}
 
 
@@ -323,6 +358,7 @@ def build(kernels, arch: int | None = None) -> ctypes.CDLL:
         assert unique.setdefault(k.name, k).source == k.source, f"two kernels named {k.name}"
     head = f"#define __CUDA_ARCH__ {arch}\n" if arch is not None else ""  # SHIM does not read it
     body = head + "\n".join(_strip(k.source) + "\n" + _launcher(k) for k in unique.values())
+    compile_library(RUNTIME, shared_symbols=True)  # once per process (cached)
     header = shim_header()
     return compile_library(body, include=header) if header else compile_library(SHIM + body)
 

@@ -146,7 +146,7 @@ def test_gate_kernels_compile_for_sm90():
         tasks = gate_tasks(plan_of(fn, *args))
         assert tasks
         for t in tasks:
-            compile_to_ptx(t.kernel.source, t.kernel.name)
+            compile_to_ptx(t.kernel.source, t.kernel.name, fast=True)
 
 
 @pytest.mark.gpu
