@@ -221,13 +221,12 @@ class _Chain:
         reshapes between the last step and cur."""
         if self.out_layout is not None and not self._written_contiguous():
             return None
-        if self.conv:
-            return self._conv_step(cur, users)
-        transpose = self._transpose_step(cur, views) if self.out_layout is None else None
+        gemm = not self.conv  # a convolution's chain: no transpose, GELU, scale or subtraction
+        transpose = self._transpose_step(cur, views) if gemm and self.out_layout is None else None
         if transpose is not None:
             return transpose
         if len(users) > 1:  # only an activation reads its input several times
-            gelu = gelu_tanh(cur, self.ctx) if self.activation == "none" else None
+            gelu = gelu_tanh(cur, self.ctx) if gemm and self.activation == "none" else None
             if gelu is not None:
                 self.activation = "gelu_tanh"
             return gelu
@@ -237,7 +236,7 @@ class _Chain:
         if self.activation != "none":  # only the transpose follows the activation
             return None
         other = _other_operand(user, cur)
-        scale = _scale(user, cur) if self.bias is None and self.residual is None else None
+        scale = _scale(user, cur) if gemm and self.bias is None and self.residual is None else None
         if scale is not None:
             self.alpha *= scale
         elif user.name == "add" and self.bias is None and self.out_layout is None \
@@ -246,28 +245,11 @@ class _Chain:
             self.bias_add = user
         elif user.name == "add" and self.residual is None and _residual(other, cur, self.dot, ctx):
             self.residual = other
-        elif _subtracted_from(user, cur) and self.bias is None and self.residual is None \
+        elif gemm and _subtracted_from(user, cur) and self.bias is None and self.residual is None \
                 and _residual(other, cur, self.dot, ctx):
             # r - alpha·A@B: an SGD update `p - lr * grad` of a weight whose gradient is
             # the product. Negating alpha negates only the product (no bias before it).
             self.residual, self.alpha = other, -self.alpha
-        elif _is_relu(user, cur):
-            self.activation = "relu"
-        else:
-            return None
-        return (user,)
-
-    def _conv_step(self, cur: Var, users: list[Node]) -> Optional[tuple[Node, ...]]:
-        """A convolution's next step: a bias, a residual or relu (cuDNN's fused call)."""
-        user, ctx = users[0], self.ctx
-        if len(users) > 1 or self.activation != "none" or not (ctx.free(user) and ctx.only_use(cur, user)):
-            return None
-        other = _other_operand(user, cur)
-        if user.name == "add" and self.bias is None and (found := _bias(other, cur, self.n, ctx)):
-            self.bias, self.bias_path = found
-            self.bias_add = user
-        elif user.name == "add" and self.residual is None and _residual(other, cur, self.dot, ctx):
-            self.residual = other
         elif _is_relu(user, cur):
             self.activation = "relu"
         else:
@@ -374,6 +356,13 @@ def _bias(e: Optional[Atom], cur: Var, n: int, ctx: _Context) -> Optional[tuple[
             return src, tuple(path)
         path.append(p)
         src = p.inputs[0]
+
+
+def row_vector(e: Optional[Atom], cur: Var, n: int, producer: Mapping[Var, Node]) -> Optional[Var]:
+    """The n values `e` combines with every row of cur (element t with vector[t % n]),
+    by the bias add's rule (_bias), or None: canonicalize/channel_scales.py's scale."""
+    found = _bias(e, cur, n, _Context({}, producer, frozenset(), {}, set()))
+    return found[0] if found else None
 
 
 def _splits(shape: tuple[int, ...], n: int) -> list[int]:

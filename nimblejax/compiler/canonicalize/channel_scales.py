@@ -42,12 +42,11 @@ import jax
 import numpy as np
 from jax import lax
 
-from nimblejax.compiler.canonicalize.dot import dot_sizes, is_float_gemm
+from nimblejax.compiler.canonicalize.dot import dot_sizes
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.jaxprs import open_jaxpr
 from nimblejax.options import Options
 
-VIEWS = frozenset({"reshape", "squeeze"})
 MAX_WEIGHT_RATIO = 1.0  # fold when w has at most this many elements per product element
 
 
@@ -67,9 +66,7 @@ def fold_channel_scales(graph: Graph, options: Options) -> Graph:
         return graph
     consumers = graph.consumers()
     producer = {v: n for n in graph.nodes for v in n.outputs}
-    folds = [f for n in graph.nodes
-             if n.name in ("dot_general", "nimble_cudnn_conv")
-             and (f := _candidate(n, graph, consumers, producer, options))]
+    folds = [f for n in graph.nodes if (f := _candidate(n, graph, consumers, producer, options))]
     # Whether a fold pays depends on the others (a residual add another GEMM's epilogue
     # takes): drop those that do not until every fold left pays.
     while folds:
@@ -83,6 +80,8 @@ def fold_channel_scales(graph: Graph, options: Options) -> Graph:
 
 
 def _candidate(node: Node, graph: Graph, consumers, producer, options: Options) -> Optional[Fold]:
+    from nimblejax.compiler.epilogue import VIEWS, row_vector
+
     if node.name == "dot_general" and _library_gemm(node, options):
         n, axis = dot_sizes(node)[2], _column_axis(node)
     elif _cudnn_conv(node):  # y (N, P, Q, K) from w (K, R, S, C)
@@ -104,7 +103,7 @@ def _candidate(node: Node, graph: Graph, consumers, producer, options: Options) 
         if user.name != "mul" or len(user.inputs) != 2 or out.shape != cur.shape or out.dtype != cur.dtype:
             return None
         other = user.inputs[1] if user.inputs[0] is cur else user.inputs[0]
-        vector = _per_column(other, cur, n, producer)
+        vector = row_vector(other, cur, n, producer) if other.dtype == cur.dtype else None
         return Fold(node, user, cur, vector, axis) if vector is not None else None
 
 
@@ -120,7 +119,7 @@ def _library_gemm(node: Node, options: Options) -> bool:
     from nimblejax.compiler.lowering.gemm import is_library_gemm, library_gemm
     from nimblejax.compiler.lowering.gemm_tc import takes_tc
 
-    if not (is_float_gemm(node) and is_library_gemm(node, options.small_gemm)):
+    if not is_library_gemm(node, options.small_gemm):
         return False
     if any(np.dtype(a.dtype) != np.float32 for a in (*node.inputs, *node.outputs)):
         return False
@@ -137,27 +136,11 @@ def _column_axis(dot: Node) -> Optional[int]:
     return free[0] if len(free) == 1 else None
 
 
-def _per_column(e, cur: Var, n: int, producer) -> Optional[Var]:
-    """The n values `e` multiplies every row of `cur` by (row-major: element t by
-    vector[t % n]), along cur's last axis only; None otherwise."""
-    if not isinstance(e, Var) or e.dtype != cur.dtype:
-        return None
-    if e.ndim == cur.ndim and e.shape[-1] == n and all(d == 1 for d in e.shape[:-1]):
-        return e
-    p = producer.get(e)
-    if p is None or p.name != "broadcast_in_dim" or e.shape != cur.shape:
-        return None
-    src, dims = p.inputs[0], tuple(p.params["broadcast_dimensions"])
-    if not isinstance(src, Var) or src.size != n:
-        return None
-    # every axis of src not of size 1 lands on cur's last axis
-    return src if all(d == cur.ndim - 1 for d, size in zip(dims, src.shape) if size != 1) else None
-
-
 def _pays(dot: Node, consumers, found) -> bool:
     """After the fold, the dot's epilogue takes a bias, and every elementwise reader of
     what it writes (through views) is taken by another GEMM's epilogue (`found`: every
     epilogue of the folded graph)."""
+    from nimblejax.compiler.epilogue import VIEWS
     from nimblejax.compiler.kinds import RuleKind
     from nimblejax.compiler.lowering.registry import rule_for
 

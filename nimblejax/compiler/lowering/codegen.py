@@ -272,9 +272,14 @@ def post_value(b: KernelBuilder, post, out: Var, idx: Index, value: str) -> str:
     return b.value(before, idx)
 
 
-def post_inlined(inlined: Mapping[Var, Node], post) -> dict[Var, Node]:
-    """`inlined` and the post group's nodes, by the value each computes."""
-    return {**inlined, **{n.outputs[0]: n for n in post.nodes}}
+def loop_kernel_with_post(kind: str, out: Var, ops: Sequence[str], body: Callable[[KernelBuilder, Index], str],
+                          inlined: Mapping[Var, Node] = {}, post=None) -> Kernel:
+    """loop_kernel over `out`'s elements, writing `out`, or with a post group (whose value
+    `body` returns through post_value) the post group's output."""
+    if post is None:
+        return loop_kernel(kind, out, ops, body, inlined)
+    inlined = {**inlined, **{n.outputs[0]: n for n in post.nodes}}
+    return loop_kernel(kind, post.output, ops, body, inlined, index_shape=out.shape)
 
 
 # Fused kernels of at least this many elements compute UNROLL of them per thread.

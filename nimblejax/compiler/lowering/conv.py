@@ -12,7 +12,7 @@ from nimblejax.compiler.ir import Node, Var
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import (Index, KernelBuilder, dilated_source, loop_kernel,
-                                                 post_inlined, post_value)
+                                                 loop_kernel_with_post, post_value)
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import ConvCall, Kernel
 
@@ -89,8 +89,8 @@ def direct_conv(node: Node, inlined: Mapping[Var, Node] = {}, post=None) -> Kern
     expansion GEMM's product, and no kernel writes the activated value first. Each input
     element is read once per window position (9 or 25 times), so only cheap producers are
     taken (`cheap_fuses`: fusion.py): EfficientNet's swish, a sigmoid recomputed 25 times,
-    made its batch-32 step 0.81x → 0.66x jax.jit on an H100. The zero padding stays zero: a position outside the input is
-    skipped before anything is read there. With `post` (a fusion.Group reading the
+    made its batch-32 step 0.81x → 0.66x jax.jit on an H100. The zero padding stays zero:
+    a position outside the input is skipped before anything is read there. With `post` (a fusion.Group reading the
     result at its own element: fusion_conv_post.py) the kernel writes that group's
     output, computed from the convolution's value at the element, and not the result."""
     x, w = node.inputs
@@ -137,7 +137,4 @@ def direct_conv(node: Node, inlined: Mapping[Var, Node] = {}, post=None) -> Kern
         b.forget()  # the input's fused producers were computed inside the window loops
         return "acc" if post is None else post_value(b, post, out, idx, "acc")
 
-    if post is None:
-        return loop_kernel("conv", out, ["conv"], body, inlined)
-    return loop_kernel("conv", post.output, ["conv"], body, post_inlined(inlined, post),
-                       index_shape=out.shape)
+    return loop_kernel_with_post("conv", out, ["conv"], body, inlined, post)

@@ -7,7 +7,7 @@ from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import (Index, KernelBuilder, dilated_source, loop_kernel,
-                                                 post_inlined, post_value)
+                                                 loop_kernel_with_post, post_value)
 from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import Kernel
@@ -58,10 +58,7 @@ def reduce_window(node: Node, post=None) -> Kernel:
             b.emit(f"if ({' && '.join(conds)}) {{ {step} }}" if conds else step)
         return "acc" if post is None else post_value(b, post, out, idx, "acc")
 
-    if post is None:
-        return loop_kernel("pool", out, [node.name], body)
-    return loop_kernel("pool", post.output, [node.name], body, post_inlined({}, post),
-                       index_shape=out.shape)
+    return loop_kernel_with_post("pool", out, [node.name], body, post=post)
 
 
 @register("select_and_scatter_add", kind=RuleKind.KERNEL)

@@ -132,7 +132,7 @@ class Conv:
         """The fastest algorithm that fits the workspace limit, measured once per shape."""
         # Without operands: equal anyway (they are not compared), and the cache keeps no
         # plan's Vars alive.
-        key = dataclasses.replace(self.call, x=None, w=None, y=None)
+        key = dataclasses.replace(self.call, x=None, w=None, y=None, bias=None, residual=None)
         if key in _algo_cache:
             return _algo_cache[key]
         perf = (_Perf * 8)()
