@@ -28,7 +28,7 @@ from nimblejax.compiler.fusion_rows import (MAX_REACH, SAME_INDEX, comes_back, i
                                             row_output_target, row_target)
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind
-from nimblejax.compiler.lowering.registry import rule_for
+from nimblejax.compiler.lowering.registry import only_cheap_fuses, rule_for
 
 # A node feeding more than this many kernels is materialized rather than recomputed.
 MAX_DUPLICATION = 4
@@ -219,7 +219,7 @@ def _costly_to_fuse(graph: Graph) -> set[Node]:
     costly = set()
     for node in graph.nodes:
         rule = rule_for(node)
-        if not rule.cheap_fuses:
+        if not only_cheap_fuses(rule, node):
             continue
         stack = [node.inputs[k] for k in rule.fuses]
         seen: set[Node] = set()

@@ -13,6 +13,7 @@ from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import (Index, KernelBuilder, dilated_source, loop_kernel,
                                                  loop_kernel_with_post, post_value)
+from nimblejax.compiler.lowering.conv_tiled import tiled_depthwise, tiles
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import ConvCall, Kernel
 
@@ -81,18 +82,25 @@ def cudnn_conv_data_grad(node: Node):
 
 
 # ---- the direct kernel (depthwise) -----------------------------------------------------
-@register("conv_general_dilated", kind=RuleKind.KERNEL, fuses=(0,), cheap_fuses=True)
+@register("conv_general_dilated", kind=RuleKind.KERNEL, fuses=(0,),
+          cheap_fuses=lambda node: tiles(node) is None)
 def direct_conv(node: Node, inlined: Mapping[Var, Node] = {}, post=None) -> Kernel:
-    """One thread per output element, a loop over the window and the group's channels.
-    The input's elementwise producers are computed where it is read (`inlined`): a
-    depthwise convolution after a batch norm and relu6 (MobileNetV2's block) reads the
-    expansion GEMM's product, and no kernel writes the activated value first. Each input
-    element is read once per window position (9 or 25 times), so only cheap producers are
-    taken (`cheap_fuses`: fusion.py): EfficientNet's swish, a sigmoid recomputed 25 times,
-    made its batch-32 step 0.81x → 0.66x jax.jit on an H100. The zero padding stays zero:
-    a position outside the input is skipped before anything is read there. With `post` (a fusion.Group reading the
-    result at its own element: fusion_conv_post.py) the kernel writes that group's
-    output, computed from the convolution's value at the element, and not the result."""
+    """A depthwise convolution in NHWC: tiles in shared memory (conv_tiled.py), which
+    compute the input's fused producers once per element. Any other: one thread per
+    output element, a loop over the window and the group's channels, the input's
+    elementwise producers computed where it is read (`inlined`): a depthwise convolution
+    after a batch norm and relu6 (MobileNetV2's block) reads the expansion GEMM's product,
+    and no kernel writes the activated value first. There each input element is read once
+    per window position (9 or 25 times), so only cheap producers are taken
+    (`cheap_fuses`: fusion.py): EfficientNet's swish, a sigmoid recomputed 25 times, made
+    its batch-32 step 0.81x → 0.66x jax.jit on an H100. The zero padding stays zero: a
+    position outside the input is skipped before anything is read there. With `post` (a
+    fusion.Group reading the result at its own element: fusion_conv_post.py) the kernel
+    writes that group's output, computed from the convolution's value at the element,
+    and not the result."""
+    t = tiles(node)
+    if t is not None:
+        return tiled_depthwise(node, t, inlined, post)
     x, w = node.inputs
     out = node.outputs[0]
     p = node.params

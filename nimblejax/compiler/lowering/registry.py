@@ -11,9 +11,9 @@ Rule kinds, and the signature of their `fn`:
   with `fuses=(positions...)` also takes elementwise producers of those operands:
   fusion.py inlines them into its group and the rule is called as `fn(node, inlined)`
   (value → the inlined node that computes it), computing them where it reads them (a
-  scatter's operand, indices and updates); with `cheap_fuses` only where every
-  elementwise producer it would take is cheap (fusion.py: a convolution reads each input
-  element once per window position). One registered with `in_place=k` may compute
+  scatter's operand, indices and updates); with `cheap_fuses` (True, or a predicate of
+  the node) only where every elementwise producer it would take is cheap (fusion.py: a
+  convolution kernel that reads each input element once per window position). One registered with `in_place=k` may compute
   its output in the bytes of operand k when it is that value's only reader and the value
   is a buffer of the plan's own (fusion.py decides, `Group.in_place`): it is then called
   with `in_place=True` and must not read operand k's old bytes except where it writes.
@@ -43,8 +43,9 @@ class Rule:
     fuses: tuple[int, ...] = ()  # kernel rules: operands whose producers may be inlined
     in_place: Optional[int] = None  # kernel rules: the operand the output may update
     # kernel rules that read each element of a fused operand many times (a convolution's
-    # window): producers are fused only where all of them are cheap (fusion.py)
-    cheap_fuses: bool = False
+    # window): producers are fused only where all of them are cheap (fusion.py); a
+    # predicate of the node where that depends on the kernel the node gets
+    cheap_fuses: bool | Callable[[Node], bool] = False
     # Why the rule does not take a node of its primitive (a shape or dtype it has no
     # kernel for), or None when it does; not taken, the node is unsupported (XLA's).
     accepts: Optional[Callable[[Node], Optional[str]]] = None
@@ -56,7 +57,7 @@ RULES: dict[str, Rule] = {}
 def register(*names: str, kind: RuleKind | str, fuses: tuple[int, ...] = (),
              in_place: Optional[int] = None,
              accepts: Optional[Callable[[Node], Optional[str]]] = None,
-             cheap_fuses: bool = False) -> Callable:
+             cheap_fuses: bool | Callable[[Node], bool] = False) -> Callable:
     kind = RuleKind(kind)  # a misspelt kind fails here, at import
     if (fuses or in_place is not None) and kind is not RuleKind.KERNEL:
         raise ValueError(f"fuses/in_place are for kernel rules, not {kind} ({names})")
@@ -67,6 +68,11 @@ def register(*names: str, kind: RuleKind | str, fuses: tuple[int, ...] = (),
         return fn
 
     return deco
+
+
+def only_cheap_fuses(rule: Rule, node: Node) -> bool:
+    """`rule` fuses only cheap producers into `node` (Rule.cheap_fuses)."""
+    return rule.cheap_fuses(node) if callable(rule.cheap_fuses) else rule.cheap_fuses
 
 
 def rule_for(node: Node) -> Rule:

@@ -68,21 +68,35 @@ def block_plan(fn, stride):
 
 
 @pytest.mark.parametrize("stride", [1, 2])
-def test_the_depthwise_kernel_reads_the_gemm_product_and_writes_what_the_next_gemm_reads(stride):
-    g, a, plan, conv, expansion, projection = block_plan(mobilenet_block, stride)
-    assert expansion.outputs[0] in conv.inputs  # the batch norm and relu6 computed on every read
-    assert reads(projection, conv.outputs[0], plan)  # the second batch norm and relu6 too
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_depthwise_kernel_reads_the_gemm_product_and_writes_what_the_next_gemm_reads(name, stride):
+    """The tiled kernel (conv_tiled.py) computes the batch norm and relu6, or swish, once
+    per loaded element, and the second batch norm and activation after its sum."""
+    g, a, plan, conv, expansion, projection = block_plan(CASES[name], stride)
+    assert conv.kernel.name.startswith("nimble_dwconv_")
+    assert expansion.outputs[0] in conv.inputs  # the producers computed in the tile
+    assert reads(projection, conv.outputs[0], plan)
     # no kernel besides the convolution reads or writes an expanded activation
     assert [t for t in plan.tasks if t.kind == "kernel" and t.gemm is None] == [conv]
+    if name == "efficientnet":
+        assert "logistic" in conv.kernel.name
     assert_tree_close(nimble.jit(g, backend="interpret")(*a), jax.jit(g)(*a))
 
 
 @pytest.mark.parametrize("stride", [1, 2])
-def test_swish_is_not_recomputed_in_every_window_but_computed_after_the_convolution(stride):
-    g, a, plan, conv, expansion, projection = block_plan(efficientnet_block, stride)
+def test_the_generic_kernel_does_not_recompute_swish_in_every_window(stride):
+    """Few channels (under conv_tiled.MIN_CHANNELS) take the generic direct kernel, which
+    reads each input element once per window position: swish is written first."""
+    g = lambda *a: efficientnet_block(*a, stride=stride)  # noqa: E731
+    a = (rand(r, N, HW, HW, C), rand(r, C, 8, scale=0.4), rand(r, 8) + 1.0, rand(r, 8, scale=0.3),
+         rand(r, 3, 3, 1, 8, scale=0.4), rand(r, 8) + 1.0, rand(r, 8, scale=0.3), rand(r, 8, OUT, scale=0.3))
+    plan = plan_of(g, *a)
+    (conv,) = conv_tasks(plan)
+    assert conv.kernel.name.startswith("nimble_conv_conv_")
+    expansion, _ = [t for t in plan.tasks if t.gemm is not None]
     (swish,) = [t for t in plan.tasks if t.kind == "kernel" and t.gemm is None and t is not conv]
     assert expansion.outputs[0] in swish.inputs and swish.outputs[0] in conv.inputs
-    assert "logistic" in conv.kernel.name and reads(projection, conv.outputs[0], plan)
+    assert "logistic" in conv.kernel.name  # the second swish, after the sum
     assert_tree_close(nimble.jit(g, backend="interpret")(*a), jax.jit(g)(*a))
 
 
@@ -114,7 +128,7 @@ def test_a_convolution_read_twice_writes_its_result():
 
     plan = plan_of(two_readers, x, w)
     (conv,) = conv_tasks(plan)
-    assert conv.kernel.name.startswith("nimble_conv_conv_f32")  # nothing fused after it
+    assert conv.kernel.name.startswith("nimble_dwconv_f32")  # nothing fused after it
     assert_tree_close(nimble.jit(two_readers, backend="interpret")(x, w), jax.jit(two_readers)(x, w))
 
 
