@@ -25,6 +25,7 @@ from nimblejax.compiler.lowering.codegen import KernelBuilder, linear, post_valu
 from nimblejax.compiler.lowering.task import Kernel
 
 LANES, WARPS = 32, 8          # channels of a block, warps of a block
+UNROLL = 4                    # input elements a thread loads at a time
 MAX_TILE_BYTES = 40 * 1024    # under the 48 KB of static shared memory a block may have
 MIN_CHANNELS = 16             # fewer leave most lanes of a block idle
 NHWC = (0, 3, 1, 2)           # lhs_spec / out_spec: batch, feature, then H and W
@@ -99,17 +100,26 @@ def tiled_depthwise(node: Node, t: Tiles, inlined: Mapping[Var, Node] = {}, post
     b.emit(f"const int c = chunk * {LANES} + lane;")
     b.emit(f"const int h0 = th * {t.th * sh} - {ph}, w0 = tw * {t.tw * sw} - {pw};")
 
-    # The input window under the tile, its producers computed once per element.
-    b.open(f"for (int e = warp; e < {t.ih * t.iw}; e += {WARPS})")
-    b.emit(f"const int h = h0 + e / {t.iw}, w = w0 + e % {t.iw};")
-    b.emit("float v = 0.0f;")
-    b.open(f"if (c < {c} && h >= 0 && h < {h_in} && w >= 0 && w < {w_in})")
+    # The input window under the tile, its producers computed once per element, UNROLL
+    # elements a thread at a time with no branch between them (an index outside the input
+    # is clamped to a real element and its value replaced by zero), so that their loads
+    # are in flight together.
+    n_in = t.ih * t.iw
+    b.emit(f"const int cc = min(c, {c - 1});")
     read = b.value if x in inlined else (lambda var, idx: b.tmp(dtypes.compute_type(var.dtype), b.load(var, idx)))
-    b.emit(f"v = (float){read(x, ('n', 'h', 'w', 'c'))};")
+    b.open(f"for (int e0 = warp; e0 < {n_in}; e0 += {WARPS * UNROLL})")
+    values = []
+    for k in range(UNROLL):
+        e = b.tmp("const int", f"min(e0 + {k * WARPS}, {n_in - 1})")
+        hi, wi = b.tmp("const int", f"h0 + {e} / {t.iw}"), b.tmp("const int", f"w0 + {e} % {t.iw}")
+        ok = b.tmp("const bool", f"c < {c} && {hi} >= 0 && {hi} < {h_in} && {wi} >= 0 && {wi} < {w_in}")
+        hc = b.tmp("const int", f"min(max({hi}, 0), {h_in - 1})")
+        wc = b.tmp("const int", f"min(max({wi}, 0), {w_in - 1})")
+        values.append(b.tmp("const float", f"{ok} ? (float){read(x, ('n', hc, wc, 'cc'))} : 0.0f"))
+    for k, v in enumerate(values):
+        b.emit(f"if (e0 + {k * WARPS} < {n_in}) tile[(e0 + {k * WARPS}) * {LANES} + lane] = {v};")
     b.close()
     b.forget()
-    b.emit(f"tile[e * {LANES} + lane] = v;")
-    b.close()
     b.emit("__syncthreads();")
     b.emit(f"if (c >= {c}) return;  // no barrier follows")
 
