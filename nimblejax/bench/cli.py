@@ -34,7 +34,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         description="Benchmark nimble.jit against jax.jit on published models. By default: "
                     "jax.jit against nimble's multi-stream graph, looped and GPU time, "
                     f"about {DEFAULT_BUDGET_S:g} s of timed calls per row. Every model at batch 1 "
-                    "and 32 took 4m23s on a fresh H100 (measured at commit 77abdba), 199 s of "
+                    "and 32 took 4m23s and 4m29s on fresh H100s (commits 77abdba and 0dcd55a), 199 s of "
                     "it XLA compiling jax.jit's programs, which later runs load from JAX's "
                     "persistent compilation cache (the second run: 2m01s). "
                     "Rows are printed as they are measured; progress and an ETA go to stderr. "
