@@ -138,3 +138,20 @@ def test_long_elementwise_chain_is_cut_into_kernels_of_bounded_depth():
     tasks = g.plan(x).tasks
     assert 1 < len(tasks) <= 1 + 3 * 400 // MAX_INLINE_DEPTH
     assert all(len(t.eqns) <= MAX_INLINE_DEPTH + 1 for t in tasks)
+
+
+def test_a_literal_broadcast_is_recomputed_in_every_kernel_however_many():
+    """`jax.grad` through `jnp.maximum(x, 0)` selects between full arrays of 1.0 and 0.0,
+    one per shape, shared by every layer of that shape. They read no buffer: no kernel
+    writes one, however many kernels (more than fusion.MAX_DUPLICATION) read it."""
+    def loss(ws, x):
+        for w in ws:
+            x = jnp.maximum(x @ w, 0.0) + x  # a residual keeps each mask's kernel apart
+        return jnp.sum(x * x)
+
+    x, ws = rand(r, 4096, 256), [rand(r, 256, 256, scale=0.05) for _ in range(6)]
+    grad = jax.grad(loss)
+    ks, _ = kernels(grad, ws, x)
+    assert len([k for k in ks if "select" in k.kernel.name]) > 4  # the masks: several kernels
+    assert not [k for k in ks if not k.inputs]
+    assert_tree_close(nimble.jit(grad, backend="interpret")(ws, x), jax.jit(grad)(ws, x))
