@@ -135,9 +135,10 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
             groups = None if read else _inline_target(node, users, outputs, owner, from_memory)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
-            if groups is not None and not _free(node) and _compounds(users, groups, owner):
+            worth = node in written and len(groups or ()) > 1
+            if groups is not None and not _free(node) and (worth or _compounds(users, groups, owner)):
                 gid = _fused_output_target(node, groups, consumers, owner, roots, rows, extra,
-                                           order, ep)
+                                           order, ep, worth_writing=worth)
                 if gid is not None:  # one reader writes it, the others read it back
                     d = 1 + max(depth[u] for u in users if gid in owner.get(u, ()))
                     if d <= MAX_INLINE_DEPTH:
@@ -349,7 +350,7 @@ def _compounds(users: list[Node], groups: frozenset[int], owner) -> bool:
 
 
 def _fused_output_target(node: Node, groups: frozenset[int], consumers, owner, roots, rows,
-                         written, order, ep: "_Epilogues") -> int | None:
+                         written, order, ep: "_Epilogues", worth_writing: bool = False) -> int | None:
     """One of `groups` (the fused groups that would recompute `node`) that can write its
     value as another output (XLA's multi-output loop fusion), or None. The node is
     elementwise and same-index, and every path from it to the group's root runs through
@@ -359,23 +360,37 @@ def _fused_output_target(node: Node, groups: frozenset[int], consumers, owner, r
     steps of an RNN does): reading the value back adds no wait, so independent kernels
     stay free to run side by side or share one launch (fusion_horizontal.py). The group
     rooted earliest is taken, and none whose kernel another reader of the value leads
-    back to (fusion_rows.comes_back)."""
+    back to (fusion_rows.comes_back).
+
+    `worth_writing`: a value written anyway (_worth_writing), whose kernel of its own every
+    reader waited for: the earliest elementwise reader that can write it does, and the
+    others (reductions too) read it back, waiting for that kernel instead. A train step's
+    residual sum `bn(conv) + shortcut` is written by the relu kernel, and a relu mask
+    `dy * (y > 0)` by the kernel scaling it for the next convolution's gradients, beside
+    the batch norm's gradient sums that read it."""
     out = node.outputs[0]
     if node.name not in SAME_INDEX or len(node.outputs) != 1 or out.size == 0:
         return None
-    if any(g in rows or roots[g] in ep.matches or rule_for(roots[g]).kind is not RuleKind.ELEMENTWISE
-           for g in groups):
+
+    def fused(g: int) -> bool:
+        return not (g in rows or roots[g] in ep.matches or rule_for(roots[g]).kind is not RuleKind.ELEMENTWISE)
+
+    if worth_writing:
+        candidates = sorted((g for g in groups if fused(g)), reverse=True)
+    elif all(fused(g) for g in groups):
+        candidates = [max(groups)]  # rooted earliest in the graph (numbered walking backwards)
+    else:
         return None
-    gid = max(groups)  # rooted earliest in the graph (groups are numbered walking backwards)
-    root = roots[gid]
-    if (root.name not in SAME_INDEX or tuple(root.outputs[0].shape) != tuple(out.shape)
-            or len(written.get(gid, ())) >= MAX_FUSED_OUTPUTS):
-        return None
-    if not all(_reaches(root, roots[g], consumers, order) for g in groups if g != gid):
-        return None
-    if _same_index_to_root(out, gid, consumers, owner, root) and not comes_back(
-            out, gid, consumers, owner, order, order[root]):
-        return gid
+    for gid in candidates:
+        root = roots[gid]
+        if (root.name not in SAME_INDEX or tuple(root.outputs[0].shape) != tuple(out.shape)
+                or len(written.get(gid, ())) >= MAX_FUSED_OUTPUTS):
+            continue
+        if not worth_writing and not all(_reaches(root, roots[g], consumers, order) for g in groups if g != gid):
+            continue
+        if _same_index_to_root(out, gid, consumers, owner, root) and not comes_back(
+                out, gid, consumers, owner, order, order[root]):
+            return gid
     return None
 
 

@@ -149,9 +149,44 @@ def test_a_literal_broadcast_is_recomputed_in_every_kernel_however_many():
             x = jnp.maximum(x @ w, 0.0) + x  # a residual keeps each mask's kernel apart
         return jnp.sum(x * x)
 
-    x, ws = rand(r, 4096, 256), [rand(r, 256, 256, scale=0.05) for _ in range(6)]
+    x, ws = rand(r, 4096, 256), [rand(r, 256, 256, scale=0.05) for _ in range(8)]
     grad = jax.grad(loss)
     ks, _ = kernels(grad, ws, x)
     assert len([k for k in ks if "select" in k.kernel.name]) > 4  # the masks: several kernels
     assert not [k for k in ks if not k.inputs]
     assert_tree_close(nimble.jit(grad, backend="interpret")(ws, x), jax.jit(grad)(ws, x))
+
+
+def test_a_value_worth_writing_is_written_by_its_first_reader():
+    """ResNet's residual `y = bn(conv) + shortcut` in a train step: relu reads it forward
+    and the mask reads it backward. It reads two full-size buffers, so it is written, not
+    recomputed; the relu kernel computes it and writes it beside its own result (no
+    kernel of its own that relu reads back)."""
+    def loss(a, c, w):
+        y = a * 1.5 + c
+        return jnp.sum((jnp.maximum(y, 0.0) @ w) ** 2)
+
+    a, c, w = rand(r, 1024, 1024), rand(r, 1024, 1024), rand(r, 1024, 64, scale=0.05)
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    ks, _ = kernels(grad, a, c, w)
+    (relu,) = [k for k in ks if "max" in k.kernel.name]
+    assert len(relu.outputs) == 2 and {v.shape for v in relu.outputs} == {(1024, 1024)}
+    assert not [k for k in ks if k.kernel.name.startswith("nimble_fused_mul_add_f32")]
+    assert_tree_close(nimble.jit(grad, backend="interpret")(a, c, w), jax.jit(grad)(a, c, w))
+
+
+def test_a_relu_mask_is_written_by_the_kernel_that_scales_it():
+    """A frozen batch norm's backward: the relu mask `dy * (y > 0)` is read by the scale
+    gradient's sum and, times the scale, by the GEMMs of the layer before. The scaling
+    kernel writes the mask too, which the sum reads back: no kernel of the mask's own."""
+    def loss(x, s, w1, w2):
+        r = jnp.maximum((x @ w1) * s, 0.0)
+        return jnp.sum((r @ w2) ** 2)
+
+    x, s = rand(r, 2048, 256), rand(r, 512) + 1.0
+    w1, w2 = rand(r, 256, 512, scale=0.05), rand(r, 512, 64, scale=0.05)
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    ks, _ = kernels(grad, x, s, w1, w2)
+    masks = [k for k in ks if "selectn" in k.kernel.name and "reduce" not in k.kernel.name]
+    assert len(masks) == 1 and len(masks[0].outputs) == 2  # the mask and the scaled mask
+    assert_tree_close(nimble.jit(grad, backend="interpret")(x, s, w1, w2), jax.jit(grad)(x, s, w1, w2))
