@@ -38,6 +38,12 @@ MAX_FUSED_OUTPUTS = 4
 # value in several kernels is free there, and one more kernel is not.
 RECOMPUTE_ANY_BELOW = 1 << 20
 VIEW_PRIMS = frozenset({"reshape", "squeeze"})
+# Elementwise functions costing tens of instructions an element (libdevice's exp, the
+# division of a sigmoid): a large value computing one, read by several kernels, is
+# written once (_worth_writing) rather than recomputed in each.
+TRANSCENDENTAL = frozenset({"exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh", "sin", "cos",
+                            "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh",
+                            "atanh", "erf", "erfc", "erf_inv", "pow", "lgamma", "digamma", "cbrt"})
 # An elementwise chain inlined deeper than this below its kernel's root is cut (its value
 # written): code generation recurses once per inlined node, and an unrolled loop of
 # elementwise steps would otherwise become one kernel of thousands of nested values.
@@ -132,7 +138,8 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
         if node in ep.copies and not users and not read and node.outputs[0] not in outputs:
             continue  # only GEMM epilogues' equations compute it
         if rule_for(node).kind is RuleKind.ELEMENTWISE and node not in exits:
-            groups = None if read else _inline_target(node, users, outputs, owner, from_memory)
+            broadcast = node in written and _read_broadcast(node.outputs[0], consumers)
+            groups = None if read or broadcast else _inline_target(node, users, outputs, owner, from_memory)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
             worth = node in written and len(groups or ()) > 1
@@ -261,10 +268,15 @@ def _worth_writing(graph: Graph, consumers) -> set[Node]:
     """Elementwise nodes that are cheaper to write once than to recompute in each of
     their consumers' kernels: large, used more than once, and reading more than one
     distinct full-size buffer (broadcast operands are free) with their elementwise
-    producers inlined. A residual `relu(bn(a) + b)` feeding the next block's GEMM and
-    its residual add is one. Small values are always recomputed (RECOMPUTE_ANY_BELOW)."""
+    producers inlined, or computing a transcendental function of one (TRANSCENDENTAL).
+    A residual `relu(bn(a) + b)` feeding the next block's GEMM and its residual add is
+    one; EfficientNet's swish after its depthwise convolution, read by the squeeze's sum
+    and by the excite multiply, another (XLA writes it once too). Small values are
+    recomputed (RECOMPUTE_ANY_BELOW), unless they compute a transcendental function and
+    are read through a broadcast (_read_broadcast)."""
     producer = {v: n for n in graph.nodes for v in n.outputs}
     sources: dict[Node, frozenset] = {}
+    costly: set[Node] = set()  # a transcendental function since the last value written
     chosen: set[Node] = set()
     for node in graph.nodes:
         if rule_for(node).kind is not RuleKind.ELEMENTWISE:
@@ -275,11 +287,42 @@ def _worth_writing(graph: Graph, consumers) -> set[Node]:
             if isinstance(a, Var) and a.size >= out.size:
                 p = producer.get(a)
                 found |= sources[p] if p in sources else {a}
-        if out.size >= RECOMPUTE_ANY_BELOW and len(found) > 1 and len(consumers.get(out, ())) > 1:
+        if node.name in TRANSCENDENTAL or any(producer.get(a) in costly for a in node.inputs
+                                              if isinstance(a, Var) and a.size >= out.size):
+            costly.add(node)
+        if ((out.size >= RECOMPUTE_ANY_BELOW and (len(found) > 1 or node in costly)
+                and len(consumers.get(out, ())) > 1)
+                or (node in costly and _read_broadcast(out, consumers))):
             chosen.add(node)
+            costly.discard(node)
             found = {out}  # read back by its consumers
         sources[node] = frozenset(found)
     return chosen
+
+
+# A value read through a broadcast into at least this many times as many elements.
+BROADCAST_READ = 16
+INDEX_ONLY_PRIMS = frozenset({"reshape", "squeeze", "broadcast_in_dim", "expand_dims", "convert_element_type"})
+
+
+def _read_broadcast(value: Var, consumers) -> bool:
+    """Whether an elementwise reader of `value` (through index-only steps) computes
+    BROADCAST_READ times as many elements, and a large value (RECOMPUTE_ANY_BELOW, below
+    which a kernel costs its launch more than its work): inlined, a small value would be
+    recomputed once per element of it (EfficientNet's excite gate at batch 32, a sigmoid
+    per image and channel, once per pixel)."""
+    todo, seen = [value], 0
+    while todo and seen < 8:
+        v = todo.pop()
+        for u in consumers.get(v, ()):
+            seen += 1
+            if rule_for(u).kind is not RuleKind.ELEMENTWISE or len(u.outputs) != 1:
+                continue
+            if u.outputs[0].size >= max(BROADCAST_READ * value.size, RECOMPUTE_ANY_BELOW):
+                return True
+            if u.name in INDEX_ONLY_PRIMS:
+                todo.append(u.outputs[0])
+    return False
 
 
 def _inline_target(node: Node, users: list[Node], outputs, owner,

@@ -195,3 +195,36 @@ def test_fused_depthwise_blocks_on_the_gpu_match_jax(name):
     for stride in (1, 2):
         g = lambda *a: fn(*a, stride=stride)  # noqa: E731
         assert_tree_close(nimble.jit(g)(*a), jax.jit(g)(*a))
+
+
+def se_block(x, w_dw, s, b, w1, w2):
+    """EfficientNet's depthwise convolution, batch norm and swish, then squeeze and excite:
+    the swish read by the squeeze's mean and by the excite multiply, the gate a sigmoid
+    per image and channel read once per pixel."""
+    h = depthwise(x, w_dw, 1) * s + b
+    h = h * jax.nn.sigmoid(h)
+    z = jnp.mean(h, axis=(1, 2))
+    z = jax.nn.sigmoid(jax.nn.silu(z @ w1) @ w2)
+    return h * z[:, None, None, :]
+
+
+def test_a_swish_read_twice_is_written_once_and_the_gate_once_per_channel():
+    """Large values with a transcendental function (fusion.TRANSCENDENTAL) are written
+    once: the swish by the convolution kernel (its post group), read by the squeeze and
+    by the excite multiply; the gate before its broadcast, not recomputed per pixel."""
+    a = (rand(r, 2, 48, 48, 256), rand(r, 3, 3, 1, 256, scale=0.4), rand(r, 256) + 1.0,
+         rand(r, 256, scale=0.3), rand(r, 256, 16, scale=0.2), rand(r, 16, 256, scale=0.2))
+    plan = plan_of(se_block, *a)
+    (conv,) = conv_tasks(plan)
+    assert "logistic" in conv.kernel.name  # the swish, written by the convolution
+    big = [t for t in plan.tasks if t.kind == "kernel" and t.outputs[0].size == conv.outputs[0].size]
+    excite = [t for t in big if t is not conv]
+    assert len(excite) == 1 and "logistic" not in excite[0].kernel.name
+    assert not [t for t in plan.tasks if t.kind == "kernel" and "reduce" in t.kernel.name
+                and "logistic" in t.kernel.name]  # the squeeze reads the swish
+    want = jax.jit(se_block)(*a)
+    assert_tree_close(nimble.jit(se_block, backend="interpret")(*a), want)
+    if emu.compiler() is not None:  # the excite, gate and small kernels (the others: JAX)
+        outs, emulated = emu.run(plan, [np.asarray(v) for v in a])
+        assert emulated >= 3
+        assert_tree_close(outs[0], want)
