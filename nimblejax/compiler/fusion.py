@@ -4,7 +4,7 @@ Walking the nodes backwards, an elementwise node is *inlined* (recomputed inside
 consumers' kernels) when all of its consumers are elementwise nodes, reductions or kernels
 that fuse that operand (a rule registered with `fuses`, the scatter family), its value
 is not a graph output, and recomputing it in several kernels reads no more than
-reading it would (see _worth_writing); otherwise it roots a kernel of its own and its
+reading it would (fusion_costs.py); otherwise it roots a kernel of its own and its
 value is materialized in a buffer. A reduction roots a kernel into whose loop its operand's
 producers are inlined. A scatter roots a kernel that computes its operand straight into
 its output (`zeros(...).at[ids].add(g)` writes the table once) and its indices and
@@ -28,32 +28,15 @@ from nimblejax.compiler.fusion_rows import (MAX_REACH, SAME_INDEX, comes_back, i
                                             row_output_target, row_target)
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind
-from nimblejax.compiler.lowering.registry import only_cheap_fuses, rule_for
+from nimblejax.compiler.fusion_costs import (MAX_INLINE_DEPTH, costly_to_fuse, free,
+                                             worth_writing)
+from nimblejax.compiler.lowering.registry import rule_for
 
 # A node feeding more than this many kernels is materialized rather than recomputed.
 MAX_DUPLICATION = 4
 # A fused kernel writes at most this many values besides its root's (_fused_output_target).
 MAX_FUSED_OUTPUTS = 4
-# Below this many elements a kernel costs its launch, not its bytes: recomputing a
-# value in several kernels is free there, and one more kernel is not.
-RECOMPUTE_ANY_BELOW = 1 << 20
 VIEW_PRIMS = frozenset({"reshape", "squeeze"})
-# Elementwise functions costing tens of instructions an element (libdevice's exp, the
-# division of a sigmoid): a large value computing one, read by several kernels, is
-# written once (_worth_writing) rather than recomputed in each.
-TRANSCENDENTAL = frozenset({"exp", "exp2", "expm1", "log", "log1p", "logistic", "tanh", "sin", "cos",
-                            "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh", "asinh", "acosh",
-                            "atanh", "erf", "erfc", "erf_inv", "pow", "lgamma", "digamma", "cbrt"})
-# An elementwise chain inlined deeper than this below its kernel's root is cut (its value
-# written): code generation recurses once per inlined node, and an unrolled loop of
-# elementwise steps would otherwise become one kernel of thousands of nested values.
-MAX_INLINE_DEPTH = 96
-# What a `cheap_fuses` kernel rule (a convolution, reading each input element once per
-# window position) may recompute on every read: a few arithmetic instructions, nothing
-# transcendental (a batch norm and relu6, not swish's sigmoid).
-CHEAP_PRODUCERS = frozenset({"add", "sub", "mul", "neg", "max", "min", "clamp", "abs", "select_n",
-                             "convert_element_type", "broadcast_in_dim", "reshape", "squeeze",
-                             "expand_dims", "copy"})
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,7 +93,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
     outputs = {a for a in graph.outputs if isinstance(a, Var)}
     owner: dict[Node, frozenset[int]] = {}
     roots: dict[int, Node] = {}
-    written = _worth_writing(graph, consumers)
+    written, broadcast = worth_writing(graph, consumers)
     depth: dict[Node, int] = {}  # inlined nodes between a node and its kernel's root
     rows: dict[int, int] = {}  # row groups (fusion_rows.py) → their row count
     extra: dict[int, list[Node]] = {}  # row or fused group → nodes it also writes
@@ -124,7 +107,7 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
         depth[node] = 0
 
     ep = _Epilogues(find_epilogues(graph, consumers, outputs, small_gemm) if gemm_epilogues else {})
-    from_memory = ep.opaque | _costly_to_fuse(graph)  # users that read operands from memory
+    from_memory = ep.opaque | costly_to_fuse(graph)  # users that read operands from memory
     for dot, match in ep.matches.items():  # decided first: the walk below skips them
         new_group(dot)
         for n in match.chain:
@@ -138,12 +121,12 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
         if node in ep.copies and not users and not read and node.outputs[0] not in outputs:
             continue  # only GEMM epilogues' equations compute it
         if rule_for(node).kind is RuleKind.ELEMENTWISE and node not in exits:
-            broadcast = node in written and _read_broadcast(node.outputs[0], consumers)
-            groups = None if read or broadcast else _inline_target(node, users, outputs, owner, from_memory)
+            groups = None if read or node in broadcast else _inline_target(node, users, outputs, owner,
+                                                                            from_memory)
             if groups is not None and _strided_into_kernel(node, groups, roots):
                 groups = None
             worth = node in written and len(groups or ()) > 1
-            if groups is not None and not _free(node) and (worth or _compounds(users, groups, owner)):
+            if groups is not None and not free(node) and (worth or _compounds(users, groups, owner)):
                 gid = _fused_output_target(node, groups, consumers, owner, roots, rows, extra,
                                            order, ep, worth_writing=worth)
                 if gid is not None:  # one reader writes it, the others read it back
@@ -220,29 +203,6 @@ class _Epilogues:
                 if not ((out, u) in self.copy_edges and (u in self.opaque or u not in owner))]
 
 
-def _costly_to_fuse(graph: Graph) -> set[Node]:
-    """The `cheap_fuses` kernel nodes (registry.py) whose fused operands have a producer
-    that is not cheap among the elementwise nodes before them: they fuse none."""
-    producer = {v: n for n in graph.nodes for v in n.outputs}
-    costly = set()
-    for node in graph.nodes:
-        rule = rule_for(node)
-        if not only_cheap_fuses(rule, node):
-            continue
-        stack = [node.inputs[k] for k in rule.fuses]
-        seen: set[Node] = set()
-        while stack and len(seen) <= MAX_INLINE_DEPTH:
-            p = producer.get(stack.pop())
-            if p is None or p in seen or rule_for(p).kind is not RuleKind.ELEMENTWISE:
-                continue
-            if p.name not in CHEAP_PRODUCERS:
-                costly.add(node)
-                break
-            seen.add(p)
-            stack.extend(a for a in p.inputs if isinstance(a, Var))
-    return costly
-
-
 def _in_place(groups: list[Group], consumers, outputs) -> list[Group]:
     """Mark the groups whose rule may update an operand in place (rule `in_place`: a
     scatter) where that is safe: the operand is a buffer a task of the plan writes (not
@@ -262,67 +222,6 @@ def _in_place(groups: list[Group], consumers, outputs) -> list[Group]:
                 g = dataclasses.replace(g, in_place=True)
         marked.append(g)
     return marked
-
-
-def _worth_writing(graph: Graph, consumers) -> set[Node]:
-    """Elementwise nodes that are cheaper to write once than to recompute in each of
-    their consumers' kernels: large, used more than once, and reading more than one
-    distinct full-size buffer (broadcast operands are free) with their elementwise
-    producers inlined, or computing a transcendental function of one (TRANSCENDENTAL).
-    A residual `relu(bn(a) + b)` feeding the next block's GEMM and its residual add is
-    one; EfficientNet's swish after its depthwise convolution, read by the squeeze's sum
-    and by the excite multiply, another (XLA writes it once too). Small values are
-    recomputed (RECOMPUTE_ANY_BELOW), unless they compute a transcendental function and
-    are read through a broadcast (_read_broadcast)."""
-    producer = {v: n for n in graph.nodes for v in n.outputs}
-    sources: dict[Node, frozenset] = {}
-    costly: set[Node] = set()  # a transcendental function since the last value written
-    chosen: set[Node] = set()
-    for node in graph.nodes:
-        if rule_for(node).kind is not RuleKind.ELEMENTWISE:
-            continue
-        out = node.outputs[0]
-        found: set = set()
-        for a in node.inputs:
-            if isinstance(a, Var) and a.size >= out.size:
-                p = producer.get(a)
-                found |= sources[p] if p in sources else {a}
-        if node.name in TRANSCENDENTAL or any(producer.get(a) in costly for a in node.inputs
-                                              if isinstance(a, Var) and a.size >= out.size):
-            costly.add(node)
-        if ((out.size >= RECOMPUTE_ANY_BELOW and (len(found) > 1 or node in costly)
-                and len(consumers.get(out, ())) > 1)
-                or (node in costly and _read_broadcast(out, consumers))):
-            chosen.add(node)
-            costly.discard(node)
-            found = {out}  # read back by its consumers
-        sources[node] = frozenset(found)
-    return chosen
-
-
-# A value read through a broadcast into at least this many times as many elements.
-BROADCAST_READ = 16
-INDEX_ONLY_PRIMS = frozenset({"reshape", "squeeze", "broadcast_in_dim", "expand_dims", "convert_element_type"})
-
-
-def _read_broadcast(value: Var, consumers) -> bool:
-    """Whether an elementwise reader of `value` (through index-only steps) computes
-    BROADCAST_READ times as many elements, and a large value (RECOMPUTE_ANY_BELOW, below
-    which a kernel costs its launch more than its work): inlined, a small value would be
-    recomputed once per element of it (EfficientNet's excite gate at batch 32, a sigmoid
-    per image and channel, once per pixel)."""
-    todo, seen = [value], 0
-    while todo and seen < 8:
-        v = todo.pop()
-        for u in consumers.get(v, ()):
-            seen += 1
-            if rule_for(u).kind is not RuleKind.ELEMENTWISE or len(u.outputs) != 1:
-                continue
-            if u.outputs[0].size >= max(BROADCAST_READ * value.size, RECOMPUTE_ANY_BELOW):
-                return True
-            if u.name in INDEX_ONLY_PRIMS:
-                todo.append(u.outputs[0])
-    return False
 
 
 def _inline_target(node: Node, users: list[Node], outputs, owner,
@@ -346,16 +245,7 @@ def _inline_target(node: Node, users: list[Node], outputs, owner,
             groups |= owner[user]
         else:
             return None
-    return frozenset(groups) if len(groups) <= MAX_DUPLICATION or _free(node) else None
-
-
-def _free(node: Node) -> bool:
-    """A node that reads no buffer (a literal broadcast to a shape): recomputing it costs
-    nothing, in however many kernels. `jax.grad` of a max (relu) selects between full
-    arrays of 1.0 and 0.0, one per shape, shared by every layer of that shape: written,
-    each was a kernel and a full-size read in each mask (28 kernels, 78M elements in
-    ResNet-50's train step at batch 32)."""
-    return not any(isinstance(a, Var) for a in node.inputs)
+    return frozenset(groups) if len(groups) <= MAX_DUPLICATION or free(node) else None
 
 
 def _late_row_outputs(consumers, owner, roots, rows, extra, order) -> None:
@@ -405,7 +295,7 @@ def _fused_output_target(node: Node, groups: frozenset[int], consumers, owner, r
     rooted earliest is taken, and none whose kernel another reader of the value leads
     back to (fusion_rows.comes_back).
 
-    `worth_writing`: a value written anyway (_worth_writing), whose kernel of its own every
+    `worth_writing`: a value written anyway (fusion_costs.worth_writing), whose kernel of its own every
     reader waited for: the earliest elementwise reader that can write it does, and the
     others (reductions too) read it back, waiting for that kernel instead. A train step's
     residual sum `bn(conv) + shortcut` is written by the relu kernel, and a relu mask

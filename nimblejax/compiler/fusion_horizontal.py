@@ -34,7 +34,7 @@ from nimblejax.compiler.ir import Var
 from nimblejax.compiler.kinds import GroupKind
 
 # At or above this many elements an elementwise kernel is bound by its bytes (see
-# fusion.RECOMPUTE_ANY_BELOW, the same measure): packing it saves one launch of many.
+# fusion_costs.RECOMPUTE_ANY_BELOW, the same measure): packing it saves one launch of many.
 HORIZONTAL_BELOW = 1 << 20
 MAX_MEMBERS = 64
 MAX_PARAMS = 400  # 8-byte pointers: 3.2 KB of the 4 KB kernel parameter space

@@ -92,7 +92,7 @@ def direct_conv(node: Node, inlined: Mapping[Var, Node] = {}, post=None) -> Kern
     after a batch norm and relu6 (MobileNetV2's block) reads the expansion GEMM's product,
     and no kernel writes the activated value first. There each input element is read once
     per window position (9 or 25 times), so only cheap producers are taken
-    (`cheap_fuses`: fusion.py): EfficientNet's swish, a sigmoid recomputed 25 times, made
+    (`cheap_fuses`: fusion_costs.py): EfficientNet's swish, a sigmoid recomputed 25 times, made
     its batch-32 step 0.81x → 0.66x jax.jit on an H100. The zero padding stays zero: a
     position outside the input is skipped before anything is read there. With `post` (a
     fusion.Group reading the result at its own element: fusion_conv_post.py) the kernel

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from nimblejax.compiler import dtypes
-from nimblejax.compiler.canonicalize.conv_common import conv_specs
+from nimblejax.compiler.canonicalize.conv_common import FLOATS, conv_specs
 from nimblejax.compiler.ir import Node, Var
 from nimblejax.compiler.lowering.codegen import KernelBuilder, linear, post_value
 from nimblejax.compiler.lowering.task import Kernel
@@ -29,7 +29,6 @@ UNROLL = 4                    # input elements a thread loads at a time
 MAX_TILE_BYTES = 40 * 1024    # under the 48 KB of static shared memory a block may have
 MIN_CHANNELS = 16             # fewer leave most lanes of a block idle
 NHWC = (0, 3, 1, 2)           # lhs_spec / out_spec: batch, feature, then H and W
-FLOATS = ("float32", "float16", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,6 @@ def tiled_depthwise(node: Node, t: Tiles, inlined: Mapping[Var, Node] = {}, post
     # are in flight together.
     n_in = t.ih * t.iw
     b.emit(f"const int cc = min(c, {c - 1});")
-    read = b.value if x in inlined else (lambda var, idx: b.tmp(dtypes.compute_type(var.dtype), b.load(var, idx)))
     b.open(f"for (int e0 = warp; e0 < {n_in}; e0 += {WARPS * UNROLL})")
     values = []
     for k in range(UNROLL):
@@ -115,7 +113,7 @@ def tiled_depthwise(node: Node, t: Tiles, inlined: Mapping[Var, Node] = {}, post
         ok = b.tmp("const bool", f"c < {c} && {hi} >= 0 && {hi} < {h_in} && {wi} >= 0 && {wi} < {w_in}")
         hc = b.tmp("const int", f"min(max({hi}, 0), {h_in - 1})")
         wc = b.tmp("const int", f"min(max({wi}, 0), {w_in - 1})")
-        values.append(b.tmp("const float", f"{ok} ? (float){read(x, ('n', hc, wc, 'cc'))} : 0.0f"))
+        values.append(b.tmp("const float", f"{ok} ? (float){b.value(x, ('n', hc, wc, 'cc'))} : 0.0f"))
     for k, v in enumerate(values):
         b.emit(f"if (e0 + {k * WARPS} < {n_in}) tile[(e0 + {k * WARPS}) * {LANES} + lane] = {v};")
     b.close()

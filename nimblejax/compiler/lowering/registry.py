@@ -12,7 +12,7 @@ Rule kinds, and the signature of their `fn`:
   fusion.py inlines them into its group and the rule is called as `fn(node, inlined)`
   (value → the inlined node that computes it), computing them where it reads them (a
   scatter's operand, indices and updates); with `cheap_fuses` (True, or a predicate of
-  the node) only where every elementwise producer it would take is cheap (fusion.py: a
+  the node) only where every elementwise producer it would take is cheap (fusion_costs.py: a
   convolution kernel that reads each input element once per window position). One registered with `in_place=k` may compute
   its output in the bytes of operand k when it is that value's only reader and the value
   is a buffer of the plan's own (fusion.py decides, `Group.in_place`): it is then called
@@ -43,7 +43,7 @@ class Rule:
     fuses: tuple[int, ...] = ()  # kernel rules: operands whose producers may be inlined
     in_place: Optional[int] = None  # kernel rules: the operand the output may update
     # kernel rules that read each element of a fused operand many times (a convolution's
-    # window): producers are fused only where all of them are cheap (fusion.py); a
+    # window): producers are fused only where all of them are cheap (fusion_costs.py); a
     # predicate of the node where that depends on the kernel the node gets
     cheap_fuses: bool | Callable[[Node], bool] = False
     # Why the rule does not take a node of its primitive (a shape or dtype it has no

@@ -209,7 +209,7 @@ def se_block(x, w_dw, s, b, w1, w2):
 
 
 def test_a_swish_read_twice_is_written_once_and_the_gate_once_per_channel():
-    """Large values with a transcendental function (fusion.TRANSCENDENTAL) are written
+    """Large values with a transcendental function (fusion_costs.TRANSCENDENTAL) are written
     once: the swish by the convolution kernel (its post group), read by the squeeze and
     by the excite multiply; the gate before its broadcast, not recomputed per pixel."""
     a = (rand(r, 2, 48, 48, 256), rand(r, 3, 3, 1, 256, scale=0.4), rand(r, 256) + 1.0,

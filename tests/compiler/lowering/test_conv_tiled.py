@@ -21,9 +21,9 @@ r = np.random.default_rng(5)
 DIMS = ("NHWC", "HWIO", "NHWC")
 
 
-def dw(x, w, strides=(1, 1), padding="SAME", dilation=(1, 1), multiplier=1):
+def dw(x, w, strides=(1, 1), padding="SAME", dilation=(1, 1)):
     return lax.conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation,
-                                    dimension_numbers=DIMS, feature_group_count=x.shape[-1] // 1)
+                                    dimension_numbers=DIMS, feature_group_count=x.shape[-1])
 
 
 def swish_dw_relu(x, w, s, b, strides=(1, 1), padding="SAME", dilation=(1, 1)):

@@ -94,7 +94,7 @@ def bias_residual_convert_ln(x, y, bias, g, b):  # bf16 residual stream, f32 Lay
 
 def pre_ln_block(x, w1, w2, g1, b1, g2, b2):
     """A GPT-style pre-LN block at a size where the residual stream is worth writing
-    (fusion._worth_writing): each LayerNorm writes the residual it normalizes."""
+    (fusion_costs.worth_writing): each LayerNorm writes the residual it normalizes."""
     h = x + jax.nn.gelu(layer_norm(x, g1, b1) @ w1) @ w2
     h2 = h + jnp.tanh(layer_norm(h, g2, b2) @ w1) @ w2
     return h2 + x
@@ -142,7 +142,7 @@ def test_layer_norm_of_a_sum_is_one_row_group_named_after_its_prologue():
 
 
 def test_large_sum_kept_for_later_is_a_second_output_of_the_row_group():
-    """2**20 elements: fusion._worth_writing writes the residual sum. Before, that was an
+    """2**20 elements: fusion_costs.worth_writing writes the residual sum. Before, that was an
     elementwise kernel of its own and the LayerNorm read it back."""
     args = ln_args(2048, 512)
     plan = plan_of(ln_and_residual, *args)
