@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 from nimblejax.compiler.fusion_rows import keeps_rows
 from nimblejax.compiler.ir import Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind, TaskKind
+from nimblejax.compiler.lowering import attention_tc
 from nimblejax.compiler.lowering.registry import rule_for
 from nimblejax.compiler.lowering.rows import (RowBuilder, extra_passes, name_ops, prologue_ops, reduce_row,
                                               write_row)
@@ -75,8 +76,8 @@ def fuse_attention(groups: Sequence, tasks: Sequence[Task], outputs: Sequence) -
         found = _attention_triple(t3, made, readers, results)
         if found is None:
             continue
-        t1, t2, row = found
-        kernel = attention_kernel(t1.gemm, row, t3.gemm)
+        t1, t2, row, tc = found
+        kernel = attention_kernel(t1.gemm, row, t3.gemm, tc)
         if kernel is None:
             continue
         fused = Task(kernel.name, TaskKind.KERNEL,
@@ -87,7 +88,8 @@ def fuse_attention(groups: Sequence, tasks: Sequence[Task], outputs: Sequence) -
 
 
 def _attention_triple(t3: Task, made, readers, results):
-    """(scores GEMM task, row task, its group) of the triple ending at t3, or None."""
+    """(scores GEMM task, row task, its group, the tensor-core kernel's shape or None for
+    the FMA kernel) of the triple ending at t3, or None."""
     g2 = t3.gemm
     if not _plain_f32(g2) or t3.outputs != (g2.c,):  # a GEMM (gemm_tc.py: with no post group)
         return None
@@ -105,20 +107,27 @@ def _attention_triple(t3: Task, made, readers, results):
             continue
         t1, _ = made[scores]
         g1 = t1.gemm
-        if not _plain_f32(g1) or g1.c is not scores:
+        if not _plain_f32(g1, mask_ok=True) or g1.c is not scores:
             continue
         same_problem = (_contiguous(g1, "c") and g1.batch == g2.batch and g1.n == g2.k
                         and g1.m == queries)
-        small = (g1.n <= MAX_ROW and g1.k <= MAX_HEAD and width <= MAX_WIDTH
+        if not same_problem or not _read_in_own_row(scores, row, g1.batch * g1.m):
+            continue
+        small = (_plain_f32(g1) and g1.n <= MAX_ROW and g1.k <= MAX_HEAD and width <= MAX_WIDTH
                  and g1.batch * g1.m * g1.n * (g1.k + width) <= MAX_MACS)
-        if same_problem and small and _read_in_own_row(scores, row, g1.batch * g1.m):
-            return t1, t2, row
+        tc = None if small else attention_tc.shape_for(g1, g2, width)
+        if small or tc:
+            return t1, t2, row, tc
     return None
 
 
-def _plain_f32(g: Optional[GemmCall]) -> bool:
-    return (g is not None and g.dtype == "float32" and g.out_dtype in (None, "float32")
-            and g.epilogue == Epilogue() and g.beta == 0.0)
+def _plain_f32(g: Optional[GemmCall], mask_ok: bool = False) -> bool:
+    """A float32 GEMM with no epilogue (`mask_ok`: or one adding a residual, the additive
+    mask attention_tc.py reads with its scores)."""
+    if g is None or g.dtype != "float32" or g.out_dtype not in (None, "float32"):
+        return False
+    return ((g.epilogue == Epilogue() and g.beta == 0.0)
+            or (mask_ok and g.epilogue == Epilogue(residual=True) and g.beta == 1.0))
 
 
 def _contiguous(g: GemmCall, which: str) -> bool:
@@ -162,16 +171,21 @@ class _AttentionBuilder(RowBuilder):
             super().store(var, offset, value)
 
 
-def attention_kernel(g1: GemmCall, row, g2: GemmCall) -> Optional[Kernel]:
-    """The fused kernel (module docstring); None where the row group's shape does not
-    give one row per (batch, query)."""
+def attention_kernel(g1: GemmCall, row, g2: GemmCall,
+                     tc: Optional[attention_tc.Shape] = None) -> Optional[Kernel]:
+    """The fused kernel (module docstring), on tensor cores cut as `tc` where that is
+    given (attention_tc.py); None where the row group's shape does not give one row per
+    (batch, query)."""
     root, nodes = row.root, row.nodes
     reductions = [n for n in nodes if rule_for(n).kind is RuleKind.REDUCTION]
     n_rows, length = g1.batch * g1.m, g1.n
     if (not reductions or reductions[0].outputs[0].size != n_rows or root.outputs[0].size != n_rows * length
-            or any(r.inputs[0].size != n_rows * length for r in reductions) or g1.m % ROWS_PER_BLOCK):
+            or any(r.inputs[0].size != n_rows * length for r in reductions)
+            or g1.m % (attention_tc.ROWS if tc else ROWS_PER_BLOCK)):
         return None
     b = _AttentionBuilder({n.outputs[0]: n for n in nodes if n not in reductions}, g1.c, root.outputs[0])
+    if tc:
+        return _tensor_core_kernel(b, g1, row, g2, tc, reductions)
     b.emit(f"// {n_rows} rows (batch {g1.batch} x {g1.m} queries) of {length} scores, one warp each: "
            f"scores = {g1.alpha!r} * q . k (head size {g1.k}), the row kernel's passes, then p . v")
     b.emit("const int lane = threadIdx.x % 32;")
@@ -194,6 +208,28 @@ def attention_kernel(g1: GemmCall, row, g2: GemmCall) -> Optional[Kernel]:
     _values(b, g2, root.outputs[0], length)
     b.ops = name_ops(reductions, b.ops, False, prologue_ops(root, nodes, reductions))
     return b.finish("attention", g2.c, n_rows // ROWS_PER_BLOCK, 32 * ROWS_PER_BLOCK)
+
+
+def _tensor_core_kernel(b: _AttentionBuilder, g1: GemmCall, row, g2: GemmCall,
+                        tc: attention_tc.Shape, reductions) -> Kernel:
+    """attention_tc.py's kernel: its scores, the row passes in its loop over the block's
+    rows, its values."""
+    n_rows, length = g1.batch * g1.m, g1.n
+    probs_first = row.root.outputs[0] is g2.a
+    attention_tc.declare(b, g1, tc, g2.n if probs_first else g2.m)
+    attention_tc.scores(b, g1, tc, _offset)
+    attention_tc.prefetch_values(b, g2, probs_first, tc, length, _offset)
+    attention_tc.open_rows(b, g1, tc)
+    b.declarations = len(b.lines)
+    passes = extra_passes(row.nodes, reductions, (), n_rows, length)
+    for k, reduction in enumerate(reductions):
+        b.known[reduction.outputs[0]] = reduce_row(b, reduction, k, 32, passes.get(k, ()))
+    write_row(b, row.root, length, 32)
+    b.close()
+    b.forget()
+    attention_tc.values(b, g2, probs_first, tc, length, _offset)
+    b.ops = name_ops(reductions, b.ops, False, prologue_ops(row.root, row.nodes, reductions))
+    return b.finish("attention_tc", g2.c, n_rows // attention_tc.ROWS, tc.threads, attention_tc.PRELUDE)
 
 
 def _offset(g: GemmCall, which: str, row: str, col: str) -> str:

@@ -57,6 +57,17 @@ CASES = {
     "einsum_softmax": (einsum_softmax, lambda: qkv(seq=40, heads=3)),
     "masked": (masked, lambda: qkv(batch=2) + (rand(r, 2, 1, 16, 16),)),
 }
+# Rows longer than MAX_ROW: the tensor-core kernel (attention_tc.py), with the
+# probabilities as the second GEMM's A (batch 1) or its B read transposed (batch 2, as
+# BERT at batch 32 has it), an additive mask that the scores' GEMM takes as its
+# residual, a length no multiple of the key chunk, keys in several chunks.
+TC_CASES = {
+    "tc_einsum_softmax": (einsum_softmax, lambda: qkv(seq=128, heads=2, size=16)),
+    "tc_einsum_softmax_batch2": (einsum_softmax, lambda: qkv(batch=2, seq=96, heads=2, size=16)),
+    "tc_causal": (causal, lambda: qkv(seq=96, heads=1, size=32)),
+    "tc_masked": (masked, lambda: qkv(batch=2, seq=80, heads=2, size=16) + (rand(r, 2, 1, 80, 80),)),
+    "tc_long": (causal, lambda: qkv(seq=256, heads=1, size=64)),  # keys in chunks of 64
+}
 UNFUSED = {"weights_returned": weights_returned, "scores_read_twice": scores_read_twice}
 
 
@@ -68,12 +79,14 @@ def attention_tasks(plan):
     return [t for t in plan.tasks if t.kind == "kernel" and t.name.startswith("nimble_attention")]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(CASES | TC_CASES))
 def test_attention_is_one_kernel_and_no_gemm(name):
-    fn, make = CASES[name]
+    fn, make = (CASES | TC_CASES)[name]
     plan = plan_of(fn, *make())
     assert len(attention_tasks(plan)) == 1
     assert not [t for t in plan.tasks if t.kind == "gemm"]
+    on_tensor_cores = attention_tasks(plan)[0].name.startswith("nimble_attention_tc_")
+    assert on_tensor_cores == (name in TC_CASES)
 
 
 @pytest.mark.parametrize("name", sorted(UNFUSED))
@@ -89,10 +102,19 @@ def test_interpreter_matches_jax(name):
     assert_interpreted_matches_jax(fn, make())
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(CASES | TC_CASES))
 def test_emulated_kernel_matches_jax(name):
-    fn, make = CASES[name]
+    fn, make = (CASES | TC_CASES)[name]
     assert_emulated_matches_jax(fn, make())
+
+
+def test_highest_precision_keeps_the_gemms():
+    """The tensor-core kernel computes in TF32, as JAX's default precision does; under
+    "highest" the GEMMs compute in float32 and the rows stay theirs."""
+    with jax.default_matmul_precision("highest"):
+        plan = plan_of(einsum_softmax, *TC_CASES["tc_einsum_softmax"][1]())
+    assert not attention_tasks(plan)
+    assert len([t for t in plan.tasks if t.kind == "gemm"]) == 2
 
 
 def test_the_bench_gpt_has_one_attention_kernel_a_layer():
@@ -102,22 +124,26 @@ def test_the_bench_gpt_has_one_attention_kernel_a_layer():
 
 
 def test_attention_kernels_compile():
-    assert_kernels_compile({t.kernel.name: t.kernel.source for fn, make in CASES.values()
+    assert_kernels_compile({t.kernel.name: t.kernel.source for fn, make in (CASES | TC_CASES).values()
                             for t in attention_tasks(plan_of(fn, *make()))}, "nimble_attention")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(CASES | TC_CASES))
 def test_on_gpu_matches_jax(name):
-    fn, make = CASES[name]
+    fn, make = (CASES | TC_CASES)[name]
     assert_cuda_matches_jax_twice(fn, make(), lambda plan: len(attention_tasks(plan)) == 1)
 
 
-def test_longer_rows_keep_the_gemms():
-    """GPT at batch 1 and 8: rows of 128 keys exceed MAX_ROW (the GEMMs win there)."""
-    for batch in (1, 8):
-        fn, args = MODELS["gpt"].abstract(batch)
-        assert not attention_tasks(plan_of(fn, *args))
+@pytest.mark.parametrize("model,batch,fused", [("gpt", 1, True), ("gpt", 8, False), ("bert", 1, True),
+                                               ("bert", 32, False)])
+def test_the_bench_transformers_take_the_tensor_core_kernel_at_batch_1(model, batch, fused):
+    """Rows of 128 keys exceed MAX_ROW: at batch 1 each layer's attention is one
+    tensor-core kernel; at batch 8 and 32 (past attention_tc.MAX_MACS) the GEMMs stay."""
+    fn, args = MODELS[model].abstract(batch)
+    tasks = attention_tasks(plan_of(fn, *args))
+    assert len(tasks) == (MODELS[model].config().layers if fused else 0)
+    assert all(t.name.startswith("nimble_attention_tc_") for t in tasks)
 
 
 @pytest.mark.gpu
@@ -128,7 +154,18 @@ def test_measured_win_size_on_gpu_matches_jax():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model,batch,fused", [("gpt", 1, False), ("bert", 1, False)])
+@pytest.mark.parametrize("model,batch,fused", [("gpt", 1, True), ("bert", 1, True), ("bert", 32, False)])
 def test_bench_transformers_on_gpu_match_jax(model, batch, fused):
     fn, args = MODELS[model].build(batch, rng=np.random.default_rng(0))
     assert_cuda_matches_jax_twice(fn, args, lambda plan: bool(attention_tasks(plan)) == fused)
+
+
+@pytest.mark.gpu
+def test_bench_bert_at_batch_32_on_tensor_cores_matches_jax(monkeypatch):
+    """The kernel past MAX_MACS (where it is slower, not wrong): 3072 blocks, the
+    probabilities as the values GEMM's B read transposed."""
+    from nimblejax.compiler.lowering import attention_tc
+
+    monkeypatch.setattr(attention_tc, "MAX_MACS", 1 << 40)
+    fn, args = MODELS["bert"].build(32, rng=np.random.default_rng(0))
+    assert_cuda_matches_jax_twice(fn, args, lambda plan: len(attention_tasks(plan)) == 12)

@@ -321,10 +321,12 @@ def test_bert_gemms_take_bias_scale_and_residual():
 
     from nimblejax.bench.models.bert import Config
 
-    # 80 keys: attention stays two GEMMs and a softmax (lowering/attention.py: MAX_ROW)
+    # 80 keys at "highest" precision: attention stays two GEMMs and a softmax (neither of
+    # lowering/attention.py's kernels: rows longer than MAX_ROW, products in float32)
     cfg = Config(layers=2, hidden=64, heads=4, ffn=128, seq=80)
     fn, args = MODELS["bert"].build(2, jnp.float32, np.random.default_rng(1), config=cfg)
-    labels = Counter(t.gemm.label for t in plan_of(fn, *args).tasks if t.kind == "gemm")
+    with jax.default_matmul_precision("highest"):
+        labels = Counter(t.gemm.label for t in plan_of(fn, *args).tasks if t.kind == "gemm")
     # Per layer (2): q, k, v, ffn_in with their bias; scores scaled; attn_out and ffn_out
     # add the bias and the residual stream; the probabilities times v plain.
     assert labels == {"bias": 8, "scale": 2, "": 2, "residual+bias": 4}
