@@ -250,10 +250,7 @@ def _load_tile(b: _AttentionBuilder, src: str, offset, rows: str, count: int, wi
     stride = width | 1
     b.emit("__syncthreads();  // the last chunk's readers are done")
     b.open(f"for (int i = threadIdx.x; i < {CHUNK * width}; i += {32 * ROWS_PER_BLOCK})")
-    if along_width:
-        b.emit(f"const int r = i / {width}, e = i % {width};")
-    else:
-        b.emit(f"const int r = i % {CHUNK}, e = i / {CHUNK};")
+    attention_tc.tile_coordinates(b, CHUNK, width, along_width)
     b.emit(f"tile[r * {stride} + e] = {rows} + r < {count} ? {src}[{offset(f'{rows} + r', 'e')}] : 0.0f;")
     b.close()
     b.emit("__syncthreads();")

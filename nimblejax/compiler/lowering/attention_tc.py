@@ -276,14 +276,21 @@ def _copy_tile(b, src: str, offset, first: str, count: int, width: int, stride: 
     b.emit(f"const int i = threadIdx.x + u * {threads};")
     if items % threads:
         b.emit(f"if (i >= {items}) break;")
-    if vector:
-        b.emit(f"const int r = i / {width // 4}, e = i % {width // 4} * 4;")
-    else:
-        b.emit(f"const int r = i % {keys}, e = i / {keys};")
+    tile_coordinates(b, keys, width // size, vector, size)
     b.emit(f"const bool ok = {first} + r < {count};")
     b.emit(f"nimble_cp_async{4 * size}(tile + r * {stride} + e, {src} + (ok ? {offset(f'{first} + r', 'e')} : 0), ok);")
     b.close()
     b.emit("nimble_cp_async_commit();")
+
+
+def tile_coordinates(b, rows: int, per_row: int, along_rows: bool, size: int = 1) -> None:
+    """Declare item i's row r and first element e in a tile of `rows` rows of `per_row`
+    items of `size` elements: consecutive items along a row where `along_rows`, else
+    along a column."""
+    if along_rows:
+        b.emit(f"const int r = i / {per_row}, e = i % {per_row}{f' * {size}' if size > 1 else ''};")
+    else:
+        b.emit(f"const int r = i % {rows}, e = i / {rows};")
 
 
 def _scale(alpha: float) -> str:
