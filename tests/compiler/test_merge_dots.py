@@ -291,13 +291,17 @@ def test_merged_plans_kernels_compile():
     assert all(f".entry {name}(" in ptx for name in kernels)
 
 
-def test_merged_plans_kernels_run_right_on_the_cpu():
+def test_merged_plans_kernels_run_right_on_the_cpu(monkeypatch):
     # The generated kernels themselves (the strided slices of merged results inlined into
-    # the gate and bias kernels, the concatenate) compiled as C++ and run on the CPU.
+    # the gate and bias kernels, the concatenate) compiled as C++ and run on the CPU. The
+    # attention's GEMMs stay GEMMs, as above (attention_tc.py's kernel on 512 blocks would
+    # be a minute of emulated threads; test_attention.py runs it on small shapes).
+    from nimblejax.compiler.lowering import attention_tc
     from tests.helpers import kernel_emulator
     from tests.helpers.models import assert_tree_close
     if kernel_emulator.compiler() is None:
         pytest.skip("no C++ compiler")
+    monkeypatch.setattr(attention_tc, "MAX_MACS", 0)
     rng = np.random.default_rng(17)
     fn, (p, x) = bench_lstm(steps=8, batch=4)
     args = [scan_lstm, (rand(rng, 16, 64) * 0.3, rand(rng, 16, 64) * 0.3, rand(rng, 64),
