@@ -12,7 +12,9 @@ product rather than before it: 11.0 µs alone, and 268 µs at batch 32).
 A GEMM group g takes the groups that read its result z (`post`: the first of them,
 which becomes the one reader) when
 - g is the tensor-core kernel's, writing a contiguous row-major (M, N) result z
-  (fusion_gemm_post.tc_group), not a graph output, and not merged already;
+  (fusion_gemm_post.tc_group), or the small-M kernel's in float32 (lowering/gemm_small.py:
+  an LSTM at batch 1 to 8, whose step was a 2.2 µs GEMM and a 2.8 µs cell kernel on an
+  H100), not a graph output, and not merged already;
 - every group reading z is elementwise (FUSED), and each later one either reads back
   what it shares with post or is absorbed by post (below), so that z has one reader;
 - post's outputs are float32 of shape (M, H), with N = G·H, G ≥ 2, and post reads z only
@@ -45,12 +47,14 @@ from typing import Optional
 
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.fusion import MAX_FUSED_OUTPUTS, Group
-from nimblejax.compiler.fusion_gemm_post import tc_group
+from nimblejax.compiler.fusion_gemm_post import matrix_shape, tc_group
 from nimblejax.compiler.fusion_rows import SAME_INDEX
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.kinds import GroupKind
 from nimblejax.compiler.lowering import gemm_of
+from nimblejax.compiler.lowering.gemm import gemm_sizes, is_small_m_gemm
 from nimblejax.compiler.lowering.gemm_gates import units
+from nimblejax.compiler.lowering.gemm_small import small_tile
 from nimblejax.compiler.lowering.gemm_tc import choose_tile
 
 
@@ -63,19 +67,34 @@ def fuse_gemm_gates(groups: list[Group], graph: Graph, small_gemm: bool = True) 
         if g is None or g.kind is not GroupKind.GEMM or g.post is not None or g.output in results:
             continue
         readers = [j for j, e in enumerate(groups) if e is not None and g.output in e.inputs]
-        if not readers or not tc_group(g, small_gemm):
+        tile = gate_tile(g, small_gemm)
+        if not readers or tile is None:
             continue
         made = _one_reader(g.output, readers, groups, order)
         if made is None:
             continue
         post, changed = made
         width = gate_width(post, g.output)
-        if width is None or units(choose_tile(gemm_of(g, small_gemm)), g.output.shape[1] // width, width) is None:
+        if width is None or units(tile, g.output.shape[-1] // width, width) is None:
             continue
-        groups[i], groups[readers[0]] = None, _merge(g, post, g.output.shape[1] // width)
+        groups[i], groups[readers[0]] = None, _merge(g, post, g.output.shape[-1] // width)
         for j, e in changed.items():
             groups[j] = e
     return [g for g in groups if g is not None]
+
+
+def gate_tile(g: Group, small_gemm: bool):
+    """The tile whose columns a gate post splits (gemm_gates.units): the tensor-core
+    kernel's, or the small-M kernel's block (float32, C (M, N) contiguous); None for the
+    GEMMs that take no post group."""
+    if tc_group(g, small_gemm):
+        return choose_tile(gemm_of(g, small_gemm))
+    if not (small_gemm and is_small_m_gemm(g.root)) or dtypes.name(g.output.dtype) != "float32":
+        return None
+    if any(dtypes.name(v.dtype) != "float32" for v in g.root.inputs):
+        return None
+    _, m, n, _ = gemm_sizes(g.root)
+    return small_tile(m, n) if matrix_shape(g.output.shape) == (m, n) else None
 
 
 def _one_reader(z: Var, readers: list[int], groups: list, order) -> Optional[tuple[Group, dict]]:

@@ -95,10 +95,10 @@ def tc_group(g: Group, small_gemm: bool) -> bool:
         return False
     ldc, _ = made.layout("c")
     return (takes_tc(made) and made.batch == 1 and ldc == made.n and made.c is g.output
-            and _matrix_shape(g.output.shape) == (made.m, made.n))
+            and matrix_shape(g.output.shape) == (made.m, made.n))
 
 
-def _matrix_shape(shape) -> tuple:
+def matrix_shape(shape) -> tuple:
     """`shape` without leading axes of size 1 (the post group's index is (0.., row, col))."""
     shape = tuple(shape)
     while len(shape) > 2 and shape[0] == 1:

@@ -71,7 +71,9 @@ def lower_group(group: Group, small_gemm: bool = True, tc_gemm: bool = True) -> 
             name += f"[{made.label}]" if made.label else ""
             return Task(name, TaskKind.GEMM, group.inputs, group.outputs, group.nodes, gemm=made)
         assert group.epilogue is None, "an epilogue on a GEMM lowered to a kernel"
-        kernel = made
+        # The small-M kernel with a gate-sliced post group (fusion_gemm_gates.py).
+        kernel = made if group.post is None else \
+            rule_for(root).fn(root, small_gemm=small_gemm, post=group.post, gates=group.gates)
     else:
         rule = rule_for(root)
         # A kernel rule that fuses some operands' producers computes them itself; a

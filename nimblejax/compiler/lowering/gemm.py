@@ -17,7 +17,8 @@ from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import BLOCK, KernelBuilder, blocks_for
-from nimblejax.compiler.lowering.gemm_small import small_m_matmul, takes_small_m
+from nimblejax.compiler.lowering.gemm_gates import gate_code
+from nimblejax.compiler.lowering.gemm_small import small_m_matmul, small_tile, takes_small_m
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import GemmCall, Kernel
 
@@ -39,7 +40,9 @@ def is_library_gemm(node: Node, small_gemm: bool = True) -> bool:
 
 
 @register("dot_general", kind=RuleKind.GEMM)
-def dot_general(node: Node, small_gemm: bool = True) -> Union[GemmCall, Kernel]:
+def dot_general(node: Node, small_gemm: bool = True, post=None, gates: int = 0) -> Union[GemmCall, Kernel]:
+    """The GEMM's library call or kernel; the small-M kernel with a gate-sliced `post`
+    group of `gates` gates computed in it (fusion_gemm_gates.py), where one is given."""
     if is_library_gemm(node, small_gemm):
         return library_gemm(node)
     layout = gemm_layout(node)
@@ -49,7 +52,9 @@ def dot_general(node: Node, small_gemm: bool = True) -> Union[GemmCall, Kernel]:
     batch, m, n, k = gemm_sizes(node)
     ta, tb = layout
     if small_gemm and is_small_m_gemm(node):
-        return small_m_matmul(node.outputs[0], lhs, rhs, m, n, k, ta)
+        code = gate_code(post, node.outputs[0], gates, small_tile(m, n), m) if post is not None else None
+        return small_m_matmul(node.outputs[0], lhs, rhs, m, n, k, ta, gates=code)
+    assert post is None, "a post group on a GEMM that is neither the small-M nor the tensor-core kernel"
     return naive_matmul(node, batch, m, n, k, ta, tb)
 
 

@@ -1,5 +1,6 @@
 """The C code of a gate-sliced post group (compiler/fusion_gemm_gates.py: an LSTM cell)
-inside the tensor-core GEMM kernel (gemm_tc.py).
+inside the tensor-core GEMM kernel (gemm_tc.py), or the small-M kernel (gemm_small.py:
+its block of columns is the tile, BN columns by its M rows).
 
 The GEMM's result z is (M, G·H); gate k is its columns [k·H, (k+1)·H). The post group
 reads z only through those G slices, at (row, k·H + unit), and computes values of shape
@@ -86,7 +87,8 @@ class _Builder(KernelBuilder):
         s = self.slot
         # The column indices a gate slice makes (rules_elementwise.slice_ of unit_s).
         columns = {f"unit{s}": 0} | {f"({k * self.width} + unit{s})": k for k in range(1, self.gates)}
-        assert len(idx) == 2 and idx[0] == f"row{s}" and idx[1] in columns, \
+        # (A result of one row is read at row "0": codegen.operand_index.)
+        assert len(idx) == 2 and idx[0] in (f"row{s}", "0") and idx[1] in columns, \
             f"the GEMM's result read at {idx}, not through a gate slice"
         return f"gate{columns[idx[1]]}_{s}"
 
@@ -163,6 +165,13 @@ def gate_epilogue(m: int, tile, gp: GatePost, steps: list[str], split_sum: list[
         "  }",
         "  __syncthreads();",
     ]
+    return lines + slot_lines(gp, tile, m)
+
+
+def slot_lines(gp: GatePost, tile, m: int) -> list[str]:
+    """The post group at each of a thread's slots, reading the gates from the staged tile
+    Z ([row][gate * U + unit], gp.stride floats a row) of the block's tile.bm rows."""
+    u, stride, lines = gp.units, gp.stride, []
     for s, (body, results) in enumerate(zip(gp.lines, gp.results)):
         read = set(_NAME.findall(" ".join(body)))
         gates = [f"const float gate{k}_{s} = Z[lr{s} * {stride} + {k * u} + lu{s}];" for k in range(gp.gates)

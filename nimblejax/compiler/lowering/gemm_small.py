@@ -40,14 +40,25 @@ that 128-byte line is in L1. Then the chunks' partial sums are added through sha
 memory, chunk 0 first, and each block writes its columns of C. Registers (ptxas, sm_90,
 M = 32): 88 for float32, 160 for halves (more loads in flight), no spills; capping them
 at 128 (two blocks per SM) made ptxas spill.
+
+With a gate-sliced post group (an LSTM cell reading C through G gate slices of H
+columns: compiler/fusion_gemm_gates.py), a block's columns are U = columns / G units of
+every gate (column col: gate col / U, unit blockIdx.x * U + col % U), the chunks' sums go
+to a staged tile in shared memory instead of C, and the block computes the cell for its
+M x U elements (lowering/gemm_gates.py's slots), its loads of the cell's other operands
+issued at the kernel's start. The LSTM's step at batch 1 is then one kernel, not a GEMM
+and a cell kernel on the recurrence's critical path.
 """
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
+from typing import Optional
 
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.ir import Var, short_dtype
 from nimblejax.compiler.lowering.codegen import PRELUDE
+from nimblejax.compiler.lowering.gemm_gates import GatePost, slot_lines
 from nimblejax.compiler.lowering.task import Kernel
 
 # Measured on an H100 (python -m nimblejax.bench.gemm_small, f32, µs of the dot alone):
@@ -83,35 +94,65 @@ def chunk_length(k: int, chunks: int) -> int:
     return -(-per // 4) * 4
 
 
-def small_m_matmul(out: Var, a: Var, b: Var, m: int, n: int, k: int, trans_a: bool) -> Kernel:
-    """C (m x n) = op(A) @ B, B stored (k, n) row-major, A (m, k) or, if trans_a, (k, m)."""
+@dataclass(frozen=True)
+class SmallTile:
+    """A block's share of C, as gemm_gates.py splits a tile: its bm rows (all M) by bn
+    columns, on `threads` threads."""
+
+    bm: int
+    bn: int
+    threads: int = THREADS
+
+
+def small_tile(m: int, n: int) -> SmallTile:
+    return SmallTile(m, columns_per_block(n))
+
+
+def small_m_matmul(out: Var, a: Var, b: Var, m: int, n: int, k: int, trans_a: bool,
+                   gates: Optional[GatePost] = None) -> Kernel:
+    """C (m x n) = op(A) @ B, B stored (k, n) row-major, A (m, k) or, if trans_a, (k, m);
+    with `gates` (gemm_gates.py: an LSTM cell reading C through gate slices, all float32),
+    a block's columns are U units of each gate and it writes the post group's outputs
+    instead of C."""
     cols = columns_per_block(n)
     chunks = THREADS // cols
     length = chunk_length(k, chunks)
     dtype = dtypes.name(a.dtype)
     vector = dtype if not trans_a and k % 4 == 0 else None
-    body = _source(m, n, k, trans_a, cols, chunks, length, a, b, out, vector)
+    body = _source(m, n, k, trans_a, cols, chunks, length, a, b, out, vector, gates)
     digest = hashlib.sha1(body.encode()).hexdigest()[:4]
-    name = f"nimble_gemm_small_m{m}_{short_dtype(a.dtype)}_{digest}"
+    then = f"_gates{gates.gates}_then_" + "_".join(gates.ops[-2:]) if gates else ""
+    name = f"nimble_gemm_small_m{m}_{short_dtype(a.dtype)}{then}_{digest}"
     source = PRELUDE + body.replace("NAME", name, 1)
-    return Kernel(name, source, (-(-n // cols), 1, 1), (THREADS, 1, 1), (out, a, b))
+    params = (gates.outputs + (a, b) + gates.inputs) if gates else (out, a, b)
+    return Kernel(name, source, (-(-n // cols), 1, 1), (THREADS, 1, 1), params)
 
 
 def _source(m: int, n: int, k: int, trans_a: bool, cols: int, chunks: int, length: int,
-            a: Var, b: Var, out: Var, vector: str | None) -> str:
+            a: Var, b: Var, out: Var, vector: str | None, gates: Optional[GatePost] = None) -> str:
     sa, sb, sc = (dtypes.storage_type(v.dtype) for v in (a, b, out))
     a_at = (lambda i, kk: dtypes.load(a.dtype, f"A[({kk}) * {m} + {i}]")) if trans_a else \
         (lambda i, kk: dtypes.load(a.dtype, f"A[{i} * {k} + ({kk})]"))
     b_at = lambda kk: dtypes.load(b.dtype, f"B[({kk}) * {n} + j]")  # noqa: E731
     layout = f"A stored ({k}, {m})" if trans_a else f"A stored ({m}, {k})"
     stage = min(length, STAGE)
+    outs = [f"float* __restrict__ out{i}" for i in range(len(gates.outputs))] if gates else \
+        [f"{sc}* __restrict__ C"]
+    args = outs + [f"const {sa}* __restrict__ A", f"const {sb}* __restrict__ B"] + \
+        (list(gates.params) if gates else [])
+    if gates:  # column col of the block: unit u0 + col % U of gate col / U
+        u = gates.units
+        column = [f"  const int tid = threadIdx.x, m0 = 0, u0 = blockIdx.x * {u};",
+                  *(f"  {x}" for x in gates.prologue),
+                  f"  const int j = (col / {u}) * {gates.width} + u0 + col % {u};"]
+    else:
+        column = [f"  const int j = blockIdx.x * {cols} + col;"]
     lines = [
         f"// C ({m} x {n}) = A @ B, {layout}, B stored ({k}, {n}), float32 accumulation.",
         f"// Thread (col, chunk): column j of C, rows [k_begin, k_end) of B; {m} accumulators.",
-        f'extern "C" __global__ void __launch_bounds__({THREADS}) NAME('
-        f"{sc}* __restrict__ C, const {sa}* __restrict__ A, const {sb}* __restrict__ B) {{",
+        f'extern "C" __global__ void __launch_bounds__({THREADS}) NAME({", ".join(args)}) {{',
         f"  const int col = threadIdx.x % {cols}, chunk = threadIdx.x / {cols};",
-        f"  const int j = blockIdx.x * {cols} + col;",
+        *column,
         f"  const int k_begin = chunk * {length};",
         f"  const int k_end = min(k_begin + {length}, {k});",
         f"  float acc[{m}];",
@@ -141,16 +182,35 @@ def _source(m: int, n: int, k: int, trans_a: bool, cols: int, chunks: int, lengt
         "  #pragma unroll",
         f"  for (int i = 0; i < {m}; ++i) partial[chunk][i][col] = acc[i];",
         "  __syncthreads();",
-        f"  for (int o = threadIdx.x; o < {m * cols}; o += {THREADS}) {{",
-        f"    const int i = o / {cols}, c = o % {cols}, jc = blockIdx.x * {cols} + c;",
-        f"    if (jc >= {n}) continue;",
-        "    float sum = partial[0][i][c];",
-        f"    for (int s = 1; s < {chunks}; ++s) sum += partial[s][i][c];  // fixed order",
-        f"    C[i * {n} + jc] = {dtypes.store(out.dtype, 'sum')};",
-        "  }",
+        *(_staged(m, cols, chunks, gates) if gates else _written(m, n, cols, chunks, out)),
         "}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _written(m: int, n: int, cols: int, chunks: int, out: Var) -> list[str]:
+    """The chunks' sums added and written to C."""
+    return [f"  for (int o = threadIdx.x; o < {m * cols}; o += {THREADS}) {{",
+            f"    const int i = o / {cols}, c = o % {cols}, jc = blockIdx.x * {cols} + c;",
+            f"    if (jc >= {n}) continue;",
+            "    float sum = partial[0][i][c];",
+            f"    for (int s = 1; s < {chunks}; ++s) sum += partial[s][i][c];  // fixed order",
+            f"    C[i * {n} + jc] = {dtypes.store(out.dtype, 'sum')};",
+            "  }"]
+
+
+def _staged(m: int, cols: int, chunks: int, gates: GatePost) -> list[str]:
+    """The chunks' sums added into the staged tile Z ([row][gate * U + unit]), then the
+    post group at each of the thread's slots (gemm_gates.slot_lines)."""
+    return [f"  __shared__ float Z[{m * gates.stride}];",
+            f"  for (int o = threadIdx.x; o < {m * cols}; o += {THREADS}) {{",
+            f"    const int i = o / {cols}, c = o % {cols};",
+            "    float sum = partial[0][i][c];",
+            f"    for (int s = 1; s < {chunks}; ++s) sum += partial[s][i][c];  // fixed order",
+            f"    Z[i * {gates.stride} + c] = sum;",
+            "  }",
+            "  __syncthreads();",
+            *slot_lines(gates, SmallTile(m, cols), m)]
 
 
 def _four_products(a_at, vector: str | None, k: int) -> list[str]:

@@ -1,6 +1,7 @@
-"""An LSTM cell computed by the recurrent GEMM's tensor-core kernel (compiler/
-fusion_gemm_gates.py, lowering/gemm_gates.py): which readers merge, the plan of the bench
-LSTM, the kernels on the CPU emulator against jax.jit, NVRTC, and (marked gpu) the GPU."""
+"""An LSTM cell computed by the recurrent GEMM's tensor-core kernel or its small-M kernel
+(compiler/fusion_gemm_gates.py, lowering/gemm_gates.py, lowering/gemm_small.py): which
+readers merge, the plan of the bench LSTM, the kernels on the CPU emulator against
+jax.jit, NVRTC, and (marked gpu) the GPU."""
 from __future__ import annotations
 
 import collections
@@ -67,6 +68,34 @@ def test_every_step_of_the_bench_lstm_is_one_task():
     # The recurrence: each step reads the h (and c) the step before wrote.
     for before, after in zip(tasks, tasks[1:]):
         assert set(before.outputs) <= set(after.inputs)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_at_small_batch_each_step_is_one_small_m_kernel(batch):
+    """Batch 1 and 4: the recurrent GEMM is the small-M kernel (gemm_small.py), and the
+    cell runs in it too, h and c written by each step but the last (c unread after it)."""
+    fn, args = MODELS["lstm"].abstract(batch)
+    tasks = gate_tasks(plan_of(fn, *args))
+    assert len(tasks) == lstm.FULL.steps
+    assert {t.name.split(GATES)[0] for t in tasks} == {f"nimble_gemm_small_m{batch}_f32"}
+    assert [len(t.outputs) for t in tasks] == [2] * (lstm.FULL.steps - 1) + [1]
+    for before, after in zip(tasks, tasks[1:]):
+        assert set(before.outputs) <= set(after.inputs)
+
+
+@needs_cxx
+@pytest.mark.parametrize("batch", [1, 3])
+def test_small_m_cells_on_the_emulator_match_jax(batch, monkeypatch):
+    """The small-M kernel with the cell, at a hidden size its rule would leave to
+    cuBLASLt (MIN_KN lowered, so that the emulator's threads stay few): 8-column blocks,
+    2 units a gate; M = 3 leaves rows of the staged tile unused."""
+    from nimblejax.compiler.lowering import gemm_small
+
+    monkeypatch.setattr(gemm_small, "MIN_KN", 1 << 14)
+    args = lstm_args(batch, 128)
+    tasks = gate_tasks(plan_of(lstm_steps, *args))
+    assert len(tasks) == 3 and all(t.name.startswith(f"nimble_gemm_small_m{batch}_") for t in tasks)
+    assert_emulated_matches_jax(lstm_steps, args)
 
 
 def test_the_cells_loads_are_issued_before_the_product():
@@ -139,7 +168,7 @@ def test_a_bias_epilogue_and_a_transposed_weight():
 
 @pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
 def test_gate_kernels_compile_for_sm90():
-    cases = [(lstm_steps, lstm_args(32, hidden)) for hidden in (32, 128, 512)]
+    cases = [(lstm_steps, lstm_args(batch, hidden)) for batch, hidden in ((32, 32), (32, 128), (32, 512), (1, 512))]
     cases.append((lambda h, c, w, b: cell(h @ w.T + b, c),
                   (rand(r, 48, 64), rand(r, 48, 32), rand(r, 128, 64), rand(r, 128))))
     for fn, args in cases:
@@ -150,9 +179,10 @@ def test_gate_kernels_compile_for_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("hidden", [64, 512])
-def test_on_the_gpu_twice(hidden):
-    args = lstm_args(32, hidden, steps=4, features=hidden)
+@pytest.mark.parametrize("batch,hidden", [(32, 64), (32, 512), (1, 512), (4, 512)])
+def test_on_the_gpu_twice(batch, hidden):
+    """The tensor-core kernel at batch 32, the small-M kernel at batch 1 and 4."""
+    args = lstm_args(batch, hidden, steps=4, features=hidden)
     f = nimble.jit(lstm_steps, backend="cuda")
     assert len(gate_tasks(f.plan(*args))) == 4
     for _ in range(2):
