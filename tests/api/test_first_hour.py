@@ -342,3 +342,16 @@ def test_documented_commands_and_links_exist(doc):
         assert (REPO / script).is_file(), f"{doc}: {script}"
     for link in set(re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", path.read_text())):
         assert (path.parent / link).exists(), f"{doc}: link {link}"
+
+
+def test_the_transformer_benchmark_runs_its_rows_on_the_cpu():
+    """examples/gpu/benchmark_transformers.py on the CPU interpreter at its tiny sizes: a
+    row per program, nimble's values those of jax.jit."""
+    done = subprocess.run([sys.executable, "examples/gpu/benchmark_transformers.py", "--tiny",
+                           "--backend", "interpret", "--batch", "1", "--only", "causal self"],
+                          cwd=REPO, env=_env(PYTHONPATH=str(REPO)), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| causal")]
+    assert [r[0] for r in rows] == ["| causal self-attention block"], done.stdout
+    assert float(rows[0][-1].rstrip(" |")) < 1e-4, done.stdout
