@@ -41,10 +41,11 @@ win. Both products round their operands to TF32 (round to nearest) and accumulat
 float32, as the library GEMMs do under JAX's default precision; a program asking for
 "highest" precision keeps its GEMMs.
 
-Shared memory strides: scores rows length + 4 floats apart (a fragment read of row g,
-column t hits bank 4g + t: all 32 distinct), keys head + 4 and values width + 8 apart
-(bank 4g + t and 8t + g). All of it within the 48 KB of static shared memory the
-runtime's launches have: `keys` is the largest chunk of 128, 64, 32 that fits.
+Shared memory strides: scores rows (the length padded to a whole chunk) + 4 floats apart
+(a fragment read of row g, column t hits bank 4g + t: all 32 distinct), keys head + 4
+and values width + 8 apart (bank 4g + t and 8t + g). All of it within the 48 KB of
+static shared memory the runtime's launches have: `keys` is the largest chunk of 128,
+64, 32 that fits.
 """
 from __future__ import annotations
 
