@@ -9,14 +9,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import nimblejax as nimble
 from nimblejax.bench.models import MODELS
+from tests.helpers import kernel_emulator as emu
 from tests.helpers.libraries import assert_kernels_compile
 from tests.helpers.models import (assert_cuda_matches_jax_twice, assert_emulated_matches_jax,
                                   assert_interpreted_matches_jax, rand)
 
 r = np.random.default_rng(53)
+needs_emulator = pytest.mark.skipif(emu.compiler() is None, reason="no host C++ compiler")
 
 
 def causal(q, k, v):
@@ -169,3 +173,41 @@ def test_bench_bert_at_batch_32_on_tensor_cores_matches_jax(monkeypatch):
     monkeypatch.setattr(attention_tc, "MAX_MACS", 1 << 40)
     fn, args = MODELS["bert"].build(32, rng=np.random.default_rng(0))
     assert_cuda_matches_jax_twice(fn, args, lambda plan: len(attention_tasks(plan)) == 12)
+
+
+# ---- random shapes: both kernels, every form ---------------------------------------------
+FORMS = {"plain": einsum_softmax, "causal": causal, "scaled": lambda q, k, v: jnp.einsum(
+    "bhqk,bkhd->bqhd", jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.125, axis=-1), v) * 2.0}
+
+
+@st.composite
+def attention_programs(draw, max_seq: int, max_head: int):
+    """(fn, args): a form, and q, k, v of (batch, queries, heads, head size), with an
+    additive mask where one is drawn (the scores GEMM's residual)."""
+    seed = draw(st.integers(0, 2 ** 16))
+    batch, heads = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    seq = draw(st.sampled_from([s for s in (16, 24, 48, 64, 80, 112, 128, 144, 208, 256) if s <= max_seq]))
+    head = draw(st.sampled_from([h for h in (8, 16, 24, 32, 64, 128) if h <= max_head]))
+    rng = np.random.default_rng(seed)
+    args = tuple(rand(rng, batch, seq, heads, head) for _ in range(3))
+    if draw(st.booleans()):
+        return masked, args + (rand(rng, batch, 1, seq, seq),)
+    return FORMS[draw(st.sampled_from(sorted(FORMS)))], args
+
+
+@needs_emulator
+@settings(max_examples=4, derandomize=True, deadline=None, database=None)
+@given(attention_programs(max_seq=96, max_head=32))
+def test_random_attention_on_the_emulator_matches_jax(program):
+    """Four drawn programs (derandomized): the FMA kernel three times, the tensor-core
+    kernel once (a masked one, whose scores GEMM has a residual the FMA kernel takes not)."""
+    fn, args = program
+    assert_emulated_matches_jax(fn, args)
+
+
+@pytest.mark.gpu
+@settings(max_examples=40, derandomize=True, deadline=None, database=None)
+@given(attention_programs(max_seq=256, max_head=128))
+def test_random_attention_on_gpu_matches_jax(program):
+    fn, args = program
+    assert_cuda_matches_jax_twice(fn, args)
