@@ -71,9 +71,7 @@ def lower_group(group: Group, small_gemm: bool = True, tc_gemm: bool = True) -> 
             name += f"[{made.label}]" if made.label else ""
             return Task(name, TaskKind.GEMM, group.inputs, group.outputs, group.nodes, gemm=made)
         assert group.epilogue is None, "an epilogue on a GEMM lowered to a kernel"
-        # The small-M kernel with a gate-sliced post group (fusion_gemm_gates.py).
-        kernel = made if group.post is None else \
-            rule_for(root).fn(root, small_gemm=small_gemm, post=group.post, gates=group.gates)
+        kernel = made
     else:
         rule = rule_for(root)
         # A kernel rule that fuses some operands' producers computes them itself; a
@@ -102,8 +100,9 @@ def _post_code(group: Group, call: GemmCall):
 
 def gemm_of(group: Group, small_gemm: bool = True) -> GemmCall | Kernel:
     """What a GEMM group's rule makes: the library call with the group's epilogue (fusion
-    made one only for library GEMMs), or a generated kernel (integers, gemm_small.py)."""
-    made = rule_for(group.root).fn(group.root, small_gemm=small_gemm)
+    made one only for library GEMMs), or a generated kernel (integers, gemm_small.py: with
+    the group's gate-sliced post group, fusion_gemm_gates.py, where it has one)."""
+    made = rule_for(group.root).fn(group.root, small_gemm=small_gemm, post=group.post, gates=group.gates)
     if isinstance(made, GemmCall) and group.epilogue is not None:
         made = group.epilogue.apply(made)
     return made

@@ -43,6 +43,7 @@ from nimblejax.compiler.fusion_rows import keeps_rows
 from nimblejax.compiler.ir import Var
 from nimblejax.compiler.kinds import GroupKind, RuleKind, TaskKind
 from nimblejax.compiler.lowering import attention_tc
+from nimblejax.compiler.lowering.gemm_tc_ptx import PTX_HELPERS
 from nimblejax.compiler.lowering.registry import rule_for
 from nimblejax.compiler.lowering.rows import (RowBuilder, extra_passes, name_ops, prologue_ops, reduce_row,
                                               write_row)
@@ -229,7 +230,7 @@ def _tensor_core_kernel(b: _AttentionBuilder, g1: GemmCall, row, g2: GemmCall,
     b.forget()
     attention_tc.values(b, g2, probs_first, tc, length, _offset)
     b.ops = name_ops(reductions, b.ops, False, prologue_ops(row.root, row.nodes, reductions))
-    return b.finish("attention_tc", g2.c, n_rows // attention_tc.ROWS, tc.threads, attention_tc.PRELUDE)
+    return b.finish("attention_tc", g2.c, n_rows // attention_tc.ROWS, tc.threads, PTX_HELPERS)
 
 
 def _offset(g: GemmCall, which: str, row: str, col: str) -> str:

@@ -52,8 +52,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from nimblejax.compiler.lowering.gemm_tc_ptx import PTX_HELPERS
-from nimblejax.compiler.lowering.task import Epilogue, GemmCall
+from nimblejax.compiler.lowering.task import GemmCall
 
 ROWS = 16  # queries per block: one mma row group
 MAX_HEAD = 128  # the head size and the values' width: registers per thread
@@ -63,7 +62,6 @@ WARP_CHOICES = (8, 4, 2, 1)  # warps per block, the most that split the products
 # At most this many multiply-adds (queries x keys x (head size + width), over the batch):
 # beyond, the GEMMs and the row kernel win (module docstring's table).
 MAX_MACS = 1 << 26
-PRELUDE = PTX_HELPERS
 
 
 @dataclass(frozen=True)
@@ -79,14 +77,12 @@ class Shape:
 
 
 def shape_for(g1: GemmCall, g2: GemmCall, width: int) -> Optional[Shape]:
-    """The kernel's cut where it applies, else None: TF32 products on both sides, the
-    first with no epilogue but a residual (an additive mask, read as the scores are
-    stored), a multiple of 16 queries, head size and width multiples of 8 of at most
+    """The kernel's cut where it applies, else None: TF32 products on both sides (the
+    caller, attention.py, has checked that the first has no epilogue but maybe a
+    residual, an additive mask read as the scores are stored), a multiple of 16 queries, head size and width multiples of 8 of at most
     MAX_HEAD, at most MAX_MACS multiply-adds, and the block's scores and a chunk fitting
     shared memory."""
     if g1.compute != "tf32" or g2.compute != "tf32":
-        return None
-    if g1.epilogue not in (Epilogue(), Epilogue(residual=True)) or g1.beta != float(g1.epilogue.residual):
         return None
     if g1.m % ROWS or g1.k % 8 or g1.k > MAX_HEAD or width % 8 or width > MAX_HEAD:
         return None

@@ -42,7 +42,8 @@ def is_library_gemm(node: Node, small_gemm: bool = True) -> bool:
 @register("dot_general", kind=RuleKind.GEMM)
 def dot_general(node: Node, small_gemm: bool = True, post=None, gates: int = 0) -> Union[GemmCall, Kernel]:
     """The GEMM's library call or kernel; the small-M kernel with a gate-sliced `post`
-    group of `gates` gates computed in it (fusion_gemm_gates.py), where one is given."""
+    group of `gates` gates computed in it (fusion_gemm_gates.py), where one is given. A
+    library call's post group is lowering's (the tensor-core kernel's: gemm_tc.py)."""
     if is_library_gemm(node, small_gemm):
         return library_gemm(node)
     layout = gemm_layout(node)
