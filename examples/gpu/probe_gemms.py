@@ -33,7 +33,8 @@ def chain(depth: int):
     return fn
 
 
-SPLITK_NUM = 2  # cublasLtMatmulAlgoConfigAttributes_t: CUBLASLT_ALGO_CONFIG_SPLITK_NUM
+# cublasLtMatmulAlgoConfigAttributes_t: CUBLASLT_ALGO_CONFIG_SPLITK_NUM, _REDUCTION_SCHEME
+SPLITK_NUM, REDUCTION_SCHEME = 2, 3
 
 
 @functools.cache
@@ -46,11 +47,54 @@ def _config_get_attribute():
     return fn
 
 
+def _config(algo, attribute: int, default: int) -> int:
+    value, written = ctypes.c_uint32(default), ctypes.c_size_t(0)
+    _config_get_attribute()(ctypes.byref(algo), attribute, ctypes.byref(value), 4, ctypes.byref(written))
+    return int(value.value)
+
+
 def split_k(algo) -> int:
     """The number of K splits of a cuBLASLt algorithm (1: one kernel, no reduction)."""
-    value, written = ctypes.c_uint32(1), ctypes.c_size_t(0)
-    _config_get_attribute()(ctypes.byref(algo), SPLITK_NUM, ctypes.byref(value), 4, ctypes.byref(written))
-    return int(value.value)
+    return _config(algo, SPLITK_NUM, 1)
+
+
+def reduction_scheme(algo) -> int:
+    """How its K splits are summed: cublasLtReductionScheme_t (0 none, 1 in place in the
+    GEMM's kernel, 2 and 4 in a second kernel)."""
+    return _config(algo, REDUCTION_SCHEME, 0)
+
+
+def scheme_graphs(names: str, batch: int, masks: str, merge_all: bool = False) -> None:
+    """Each bench model's nimble graph (GPU µs, median of 3) with the autotuner offered
+    only the reduction schemes of each mask (cublasLtReductionScheme_t bits; 7 = all, as
+    cuBLASLt's default), against jax.jit back to back. `merge_all`: every mergeable set
+    of dots merged, their operands concatenated each call (merge_dots' cost rule off)."""
+    from nimblejax.bench.models import MODELS
+    from nimblejax.compiler.canonicalize import merge_dots
+    from nimblejax.runtime.libs import cublaslt
+
+    if merge_all:
+        merge_dots._worth_concatenating = lambda *a: True
+
+    print("| model | batch | jax.jit µs | " + " | ".join(f"schemes {m}: graph µs (splits, schemes)" for m in masks.split(",")) + " |")
+    print("|---|---|---|" + "---|" * len(masks.split(",")))
+    for name in names.split(","):
+        fn, args = MODELS[name].build(batch, rng=np.random.default_rng(0))
+        j = jax.jit(fn)
+        want = j(*args)
+        cells = [f"{timing.throughput_us(j, args, calls=50):.1f}"]
+        for mask in masks.split(","):
+            cublaslt.REDUCTION_SCHEMES = int(mask)
+            cublaslt._ALGO_CACHE.clear()
+            f = nimble.jit(fn, backend="cuda")
+            err = float(jnp.max(jnp.abs(f(*args) - want)) / jnp.max(jnp.abs(want)))
+            us = sorted(timing.nimble_gpu_us(f) for _ in range(3))[1]
+            algos = [cublaslt.MatmulAlgo.from_buffer_copy(c.algo) for c in cublaslt._ALGO_CACHE.values()]
+            splits = sum(split_k(a) > 1 for a in algos)
+            schemes = sorted({reduction_scheme(a) for a in algos if split_k(a) > 1})
+            cells.append(f"{us:.1f} ({splits}/{len(algos)} split, {schemes}, err {err:.0e})")
+        cublaslt.REDUCTION_SCHEMES = 7
+        print(f"| {name} | {batch} | " + " | ".join(cells) + " |", flush=True)
 
 
 def drop_split_k() -> None:
@@ -87,7 +131,7 @@ def model_choices(name: str, batch: int) -> None:
         return choice.timings_us[choice.index] if choice.timings_us else float("nan")
 
     rows = sorted(cublaslt._ALGO_CACHE.items(), key=lambda kv: -best(kv[1]))
-    for (call, _), choice in rows:
+    for (call, *_), choice in rows:
         t = choice.timings_us or ()
         algo = cublaslt.MatmulAlgo.from_buffer_copy(choice.algo)
         print(f"| {call.batch}×{call.m}×{call.n}×{call.k} | {int(call.trans_a)}, {int(call.trans_b)} "
@@ -109,6 +153,11 @@ def main() -> None:
                     help="instead of the chains: the autotuner's choice for each GEMM of this "
                          "bench model's plan (with --batch)")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--schemes", default=None,
+                    help="with --model (names, comma-separated): the graph's GPU µs for each "
+                         "mask of cuBLASLt reduction schemes offered, e.g. 7,1,0")
+    ap.add_argument("--merge-all", action="store_true",
+                    help="with --schemes: merge every mergeable set of dots (operands concatenated each call)")
     opts = ap.parse_args()
     require_gpu(__file__)
     from nimblejax.runtime.libs import cublaslt
@@ -117,6 +166,9 @@ def main() -> None:
         cublaslt.REQUESTED_ALGOS = opts.requested
     if opts.no_split_k:
         drop_split_k()
+    if opts.model and opts.schemes:
+        scheme_graphs(opts.model, opts.batch, opts.schemes, opts.merge_all)
+        return
     if opts.model:
         model_choices(opts.model, opts.batch)
         return

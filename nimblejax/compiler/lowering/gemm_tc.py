@@ -3,7 +3,7 @@ at batch 32) as one generated kernel, not cuBLASLt.
 
 Why: cuBLASLt's kernels are built for large tiles; at M = 8..128 and small K most of a
 tile is padding, and a launch costs 2.4 to 3.5 µs however small the problem. This kernel
-is a plain mma.sync pipeline on 32-row tiles, narrow enough to make enough blocks.
+is a plain mma.sync pipeline on 16- or 32-row tiles, narrow enough to make enough blocks.
 Measured on an H100 (python -m nimblejax.bench.gemm_tc; GPU µs per launch from CUDA
 events around a graph of 100 launches, median of 5; XLA: its kernels per call from JAX's
 profiler (CUPTI), median of 30; the product alone unless named; () outside the rule):
@@ -26,17 +26,15 @@ profiler (CUPTI), median of 30; the product alone unless named; () outside the r
     128x3072x768      16.83   9.21  11.87   |  128x768x3072 resid. 21.50  10.01  11.42
     128x768x3072      20.95   9.87  11.47   |  (SGD: w - 0.01 * x.T @ dy, x.T read in place)
 
-It loses where M = 128 and K >= 768: its loads are latency bound at about 30 GB/s per SM
-(48 KB of static shared memory a block, so at most three 8 KB stages in flight); bigger
-tiles, which read less from L2, leave most SMs idle, and 32 x 32 tiles read 19 MB from
-L2 at 128x768x768. The best of 14 tiles there (`--sweep`): 128x2304x768 12.36 µs,
-128x3072x768 13.28, 128x768x3072 20.67. Beating cuBLASLt there needs deeper pipelines
-(dynamic shared memory, which the runtime's launches do not pass), TMA and wgmma, or a
-deterministic split of K across blocks (a cluster's distributed shared memory).
+It loses where M = 128 and K >= 768, whatever its tile and pipeline: the best of 14
+tiles (`--sweep`) took 12.36 µs at 128x2304x768, 13.28 at 128x3072x768, 20.67 at
+128x768x3072; deeper pipelines in dynamic shared memory (up to 146 KB: K steps of 64 and
+128, 6 to 12 stages, `examples/gpu/probe_tc_deep.py`) were no faster (128x768x768: 6.57
+µs at 4 stages, 6.8 to 13.7 deeper; cuBLASLt 6.54), so its loads are not what limits it.
 
 The rule (`measured_faster`), each condition with its reason:
 - batch == 1: batched GEMMs (attention's heads) were not measured.
-- MIN_M <= M <= MAX_M (16..128): 32-row tiles. Fewer rows leave most of each 16-row
+- MIN_M <= M <= MAX_M (16..128). Fewer rows leave most of each 16-row
   product idle and were measured at one shape only (8x256x256, a win): they keep
   cuBLASLt until more are (M <= 8 with a large K * N is gemm_small.py's anyway).
 - at most SM_COUNT blocks: one wave; more (larger N) was not measured.
@@ -46,11 +44,13 @@ The rule (`measured_faster`), each condition with its reason:
 Only float32 with TF32 math qualifies (`qualifies`): precision HIGHEST stays on
 cuBLASLt in full float32.
 
-The tile (`choose_tile`): in the sweep, 32 x 32 tiles with 2 x 2 warps (two splitting
-K) were best where they make 64 blocks or more (32x2048x512 4.77 µs, 5.73 at 32 x 16),
-32 x 16 with four warps splitting K where those make 32 or more (32x1024x512 4.25, 4.67
-at 32 x 32), else 32 x 8 (32x64x128 1.71, 2.07 at 32 x 32). 64-row tiles were slower at
-every shape (64x128x64: 2.53 to 3.34 against 1.71).
+The tile (`choose_tile`): 16 x 32 with eight warps, four splitting K (HALF), where its
+blocks fit one wave and K <= 512 (probe_tc_deep.py --small, 2026-11-28: 32x2048x512 4.32
+µs against 4.85 at 32 x 32, 32x1024x256 2.50 against 3.01, 96x512x256 2.59 against
+3.04; two waves lost, 64x2048x256 3.87 against 3.51). Else, as swept before: 32 x 32 with
+2 x 2 warps (two splitting K) where they make 64 blocks or more, 32 x 16 with four warps
+splitting K where those make 32 or more, else 32 x 8. 64-row tiles were slower at every
+shape (64x128x64: 2.53 to 3.34 against 1.71).
 
 The kernel (`tc_matmul`) computes exactly what its GemmCall asks cuBLASLt for:
 C[b] = act(alpha * op(A[b]) @ op(B[b]) + R[b] + bias), any trans_a / trans_b, leading
@@ -167,16 +167,20 @@ def _matrix_extent(call: GemmCall, which: str) -> int:
 
 
 # ---- the tile ------------------------------------------------------------------------------
-# The tiles the rule uses: 32 rows of C, 32, 16 or 8 columns; four warps, two or four
-# of them splitting each K step; four stages (module docstring: the sweep).
+# The rule's tiles (module docstring): HALF, 16 x 32 with eight warps; 32 rows by 32, 16
+# or 8 columns with four warps; two or four warps splitting each K step; four stages.
 TILES = {32: Tile(32, 32, 32, 1, 2, 2, 4), 16: Tile(32, 16, 32, 1, 1, 4, 4),
          8: Tile(32, 8, 32, 1, 1, 4, 4)}
+HALF = Tile(16, 32, 32, 1, 2, 4, 4)
 MIN_BLOCKS = {32: 64, 16: 32}  # the widest tile that still gives this many blocks
+HALF_MAX_K = 512  # the deepest K measured with HALF (32x2048x512)
 
 
 def choose_tile(call: GemmCall) -> Tile:
-    """32 x 32 tiles where they make MIN_BLOCKS[32] blocks, else 32 x 16 where those make
-    MIN_BLOCKS[16], else 32 x 8 (measured best in the sweep, module docstring)."""
+    """HALF where it makes one wave (SM_COUNT blocks) and K <= HALF_MAX_K, else the widest
+    32-row tile that makes MIN_BLOCKS blocks, else 32 x 8 (module docstring)."""
+    if call.k <= HALF_MAX_K and -(-call.m // HALF.bm) * -(-call.n // HALF.bn) <= SM_COUNT:
+        return HALF
     row_tiles = -(-call.m // 32)
     for bn in (32, 16):
         if row_tiles * -(-call.n // bn) >= MIN_BLOCKS[bn]:

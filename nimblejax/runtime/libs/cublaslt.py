@@ -54,6 +54,11 @@ CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT = 5           # int32
 CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET = 6  # int64, in elements
 # cublasLtMatmulPreferenceAttributes_t, cublasLt.h
 CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES = 1     # uint64
+CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK = 3   # uint32 of cublasLtReductionScheme_t bits
+# cublasLtReductionScheme_t: how a K split is summed (no split needs none). INPLACE sums in
+# the output inside the GEMM's own kernel; COMPUTE_TYPE and OUTPUT_TYPE sum partials kept
+# in the workspace in a second kernel.
+REDUCTION_INPLACE, REDUCTION_COMPUTE_TYPE, REDUCTION_OUTPUT_TYPE = 1, 2, 4
 # cublasLtEpilogue_t, cublasLt.h: RELU_BIAS = RELU|BIAS, GELU_BIAS = GELU|BIAS
 CUBLASLT_EPILOGUE_DEFAULT = 1
 CUBLASLT_EPILOGUE_RELU = 2
@@ -64,6 +69,8 @@ SCALE_TYPE = cublas.CUDA_R_32F
 CUBLAS_STATUS_NOT_SUPPORTED = 15  # cublasStatus_t, cublas_api.h
 
 REQUESTED_ALGOS = 8
+# The reduction schemes the heuristic may offer (cuBLASLt's default: every one).
+REDUCTION_SCHEMES = REDUCTION_INPLACE | REDUCTION_COMPUTE_TYPE | REDUCTION_OUTPUT_TYPE
 TIMED_LAUNCHES = 10
 # cuBLASLt's CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_*_BYTES default: chosen
 # algorithms may assume every matrix pointer is this aligned.
@@ -221,9 +228,10 @@ class _Choice:
     timings_us: tuple[float | None, ...] | None  # None: heuristic #0, unmeasured
 
 
-# (call without operands, epilogue included, workspace_bytes) -> choice; valid for
-# this process's library and device (a process mixing GPU models should not share it).
-_ALGO_CACHE: dict[tuple[GemmCall, int], _Choice] = {}
+# (call without operands, epilogue included, workspace_bytes, REDUCTION_SCHEMES) ->
+# choice; valid for this process's library and device (a process mixing GPU models
+# should not share it).
+_ALGO_CACHE: dict[tuple[GemmCall, int, int], _Choice] = {}
 
 
 def _set(fn, obj, attr: int, value: ctypes._SimpleCData) -> None:
@@ -276,6 +284,8 @@ class LtGemm:
         self._pref = pref
         _set(lib.cublasLtMatmulPreferenceSetAttribute, pref,
              CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(self.workspace_bytes))
+        _set(lib.cublasLtMatmulPreferenceSetAttribute, pref,
+             CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, ctypes.c_uint32(REDUCTION_SCHEMES))
 
     def _add_layout(self, layout: LtLayout) -> None:
         lib, handle = self._lib, ctypes.c_void_p()
@@ -304,7 +314,7 @@ class LtGemm:
         # Without operands: equal anyway (they are not compared), and the cache keeps
         # no plan's Vars alive.
         problem = dataclasses.replace(self.call, a=None, b=None, c=None, bias=None, residual=None)
-        key = (problem, self.workspace_bytes)
+        key = (problem, self.workspace_bytes, REDUCTION_SCHEMES)
         cached = _ALGO_CACHE.get(key)
         if cached is not None and (cached.timings_us is not None or buffers is None):
             return cached

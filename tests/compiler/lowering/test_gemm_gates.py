@@ -13,6 +13,7 @@ import pytest
 
 import nimblejax as nimble
 from nimblejax.bench.models import MODELS, lstm
+from nimblejax.compiler.lowering import gemm_tc
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 from tests.helpers import kernel_emulator as emu
 from tests.helpers.models import (assert_emulated_matches_jax, assert_interpreted_matches_jax,
@@ -139,12 +140,17 @@ def test_a_cell_reading_the_product_alone_merges():
 
 
 @needs_cxx
-@pytest.mark.parametrize("hidden", [32, 64, 128])
-def test_lstm_on_the_emulator_matches_jax(hidden):
-    """hidden 32 and 64: 8-column tiles, 2 units a gate, 4-byte copies of B; 128:
-    16-column tiles, 4 units, 16-byte copies."""
+@pytest.mark.parametrize("hidden,rows", [(32, 16), (64, 32), (128, 16), (128, 32)])
+def test_lstm_on_the_emulator_matches_jax(hidden, rows, monkeypatch):
+    """The rule's 16 x 32 tiles (8 units a gate, 16-byte copies of B) and, with those
+    off, its 32-row tiles: hidden 64 in 32 x 8 tiles (2 units a gate, 4-byte copies),
+    hidden 128 in 32 x 16 (4 units)."""
+    if rows == 32:
+        monkeypatch.setattr(gemm_tc, "HALF_MAX_K", 0)
     args = lstm_args(32, hidden)
-    assert len(gate_tasks(plan_of(lstm_steps, *args))) == 3
+    tasks = gate_tasks(plan_of(lstm_steps, *args))
+    assert len(tasks) == 3 and f"Tile {rows}x" in tasks[0].kernel.source
+    assert ("nimble_cp_async4(&Bs" in tasks[0].kernel.source) == (hidden == 64)
     assert_emulated_matches_jax(lstm_steps, args)
 
 
