@@ -69,12 +69,14 @@ def scheme_graphs(names: str, batch: int, masks: str, merge_all: bool = False) -
     only the reduction schemes of each mask (cublasLtReductionScheme_t bits; 7 = all, as
     cuBLASLt's default), against jax.jit back to back. `merge_all`: every mergeable set
     of dots merged, their operands concatenated each call (merge_dots' cost rule off)."""
+    import importlib
+
     from nimblejax.bench.models import MODELS
-    from nimblejax.compiler.canonicalize import merge_dots
     from nimblejax.runtime.libs import cublaslt
 
-    if merge_all:
-        merge_dots._worth_concatenating = lambda *a: True
+    if merge_all:  # the module (the package exports its function under the same name)
+        rule = importlib.import_module("nimblejax.compiler.canonicalize.merge_dots")
+        rule._worth_concatenating = lambda *a: True
 
     print("| model | batch | jax.jit µs | " + " | ".join(f"schemes {m}: graph µs (splits, schemes)" for m in masks.split(",")) + " |")
     print("|---|---|---|" + "---|" * len(masks.split(",")))
