@@ -26,6 +26,7 @@ from nimblejax.compiler.ir import Literal, Var
 from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.pipeline import Plan
 from nimblejax.compiler.streams import Schedule
+from nimblejax.runtime import interpret_layout
 from nimblejax.runtime.runner import assemble
 
 NAN_BYTE = 0xFF  # 0xFFFFFFFF is a NaN in float32 and -1 in int32
@@ -145,10 +146,14 @@ MIN_BUCKET = 256
 
 
 def evaluate(eqn, vals: list):
-    """`eqn`'s results on `vals`, evaluated with JAX on the CPU; an elementwise equation
-    whose operands all have its output's shape on flat, padded copies of them (each
-    element's value is computed from the same operands, wherever it sits)."""
+    """`eqn`'s results on `vals`: a move of data by NumPy (interpret_layout.py), else
+    evaluated with JAX on the CPU; an elementwise equation whose operands all have its
+    output's shape on flat, padded copies of them (each element's value is computed from
+    the same operands, wherever it sits)."""
     out = eqn.outputs[0] if len(eqn.outputs) == 1 else None
+    moved = interpret_layout.evaluate(eqn.primitive.name, vals, eqn.params) if out is not None else None
+    if moved is not None and moved.shape == tuple(out.shape) and moved.dtype == out.dtype:
+        return moved
     if (out is None or eqn.primitive.name not in SAME_INDEX or out.size < 2
             or any(np.shape(v) != tuple(out.shape) for v in vals)):
         return eqn.primitive.bind(*vals, **eqn.params)
