@@ -43,10 +43,11 @@ def fuse_gemm_posts(groups: list[Group], graph: Graph, small_gemm: bool = True) 
 
 
 def merge_posts(groups: list[Group], graph: Graph, takes_post: Callable[[Group], bool],
-                reshaped: bool = False) -> list[Group]:
+                reshaped: bool = False, dtypes_ok: frozenset = frozenset({"float32"})) -> list[Group]:
     """`groups` with each group that `takes_post` merged with its elementwise reader, where
-    that reader qualifies (module docstring); also fusion_conv_post.py's, whose reader
-    may end in a reshape of the result's shape (`reshaped`)."""
+    that reader qualifies (module docstring; its output of a dtype in `dtypes_ok`); also
+    fusion_conv_post.py's, whose reader may end in a reshape of the result's shape
+    (`reshaped`)."""
     readers: dict[Var, list[int]] = {}
     for i, g in enumerate(groups):
         for v in set(g.inputs):
@@ -55,14 +56,15 @@ def merge_posts(groups: list[Group], graph: Graph, takes_post: Callable[[Group],
     merged: dict[int, Group] = {}  # index of the post group → the merged group
     dropped: set[int] = set()
     for i, g in enumerate(groups):
-        j = _post_of(g, readers, groups, results, reshaped) if takes_post(g) else None
+        j = _post_of(g, readers, groups, results, reshaped, dtypes_ok) if takes_post(g) else None
         if j is not None and j not in merged:  # a group reading two GEMMs takes the first
             merged[j] = _merge(g, groups[j])
             dropped.add(i)
     return [merged.get(i, g) for i, g in enumerate(groups) if i not in dropped]
 
 
-def _post_of(g: Group, readers, groups, results, reshaped: bool = False) -> Optional[int]:
+def _post_of(g: Group, readers, groups, results, reshaped: bool = False,
+             dtypes_ok: frozenset = frozenset({"float32"})) -> Optional[int]:
     out = g.output
     if out in results or len(readers.get(out, ())) != 1:
         return None
@@ -72,7 +74,7 @@ def _post_of(g: Group, readers, groups, results, reshaped: bool = False) -> Opti
     if reshaped and e.root.name == "reshape" and e.root.params.get("dimensions") is None:
         shape = e.root.inputs[0].shape
     if (e.kind is not GroupKind.FUSED or e.extra_outputs or len(e.outputs) != 1
-            or shape != out.shape or dtypes.name(e.output.dtype) != "float32"):
+            or shape != out.shape or dtypes.name(e.output.dtype) not in dtypes_ok):
         return None
     if not all(_reads_at_its_element(n, out) for n in e.nodes if out in n.inputs):
         return None
