@@ -147,20 +147,22 @@ MIN_BUCKET = 256
 
 def evaluate(eqn, vals: list):
     """`eqn`'s results on `vals`: a move of data by NumPy (interpret_layout.py), else
-    evaluated with JAX on the CPU; an elementwise equation whose operands all have its
-    output's shape on flat, padded copies of them (each element's value is computed from
-    the same operands, wherever it sits)."""
+    evaluated with JAX on the CPU; an elementwise equation whose operands have its
+    output's shape, or are scalars, on flat, padded copies of the former (each element's
+    value is computed from the same operands, wherever it sits)."""
     out = eqn.outputs[0] if len(eqn.outputs) == 1 else None
     moved = interpret_layout.evaluate(eqn.primitive.name, vals, eqn.params) if out is not None else None
     if moved is not None and moved.shape == tuple(out.shape) and moved.dtype == out.dtype:
         return moved
+    shape = None if out is None else tuple(out.shape)
     if (out is None or eqn.primitive.name not in SAME_INDEX or out.size < 2
-            or any(np.shape(v) != tuple(out.shape) for v in vals)):
+            or any(np.shape(v) not in (shape, ()) for v in vals)
+            or not any(np.shape(v) == shape for v in vals)):
         return eqn.primitive.bind(*vals, **eqn.params)
     n = out.size
     size = max(MIN_BUCKET, 1 << (n - 1).bit_length())
-    flat = [np.pad(np.asarray(v).reshape(-1), (0, size - n)) for v in vals]
-    return np.asarray(eqn.primitive.bind(*flat, **eqn.params))[:n].reshape(out.shape)
+    flat = [np.pad(np.asarray(v).reshape(-1), (0, size - n)) if np.shape(v) == shape else v for v in vals]
+    return np.asarray(eqn.primitive.bind(*flat, **eqn.params))[:n].reshape(shape)
 
 
 # ---- WHILE and SWITCH tasks (compiler/loops.py) --------------------------------------

@@ -249,8 +249,10 @@ def test_ltgemm_descriptors_and_run_arguments(monkeypatch) -> None:
     battrs = _attr_values(lib, "cublasLtMatrixLayoutSetAttribute")
     for (handle, _), lay in zip(layouts, (p.a, p.b, p.c)):
         assert battrs[(handle, 5)] == (3, 4) and battrs[(handle, 6)] == (lay.stride, 8)
-    (pref_args,) = lib.named("cublasLtMatmulPreferenceSetAttribute")
+    pref_args, schemes = lib.named("cublasLtMatmulPreferenceSetAttribute")
     assert (pref_args[1], pref_args[2]._obj.value, pref_args[3]) == (1, 4096, 8)
+    # every reduction scheme offered, as cuBLASLt's default (a knob for probes)
+    assert (schemes[1], schemes[2]._obj.value, schemes[3]) == (3, 7, 4)
     # No buffers: heuristic #0, unmeasured.
     assert (gemm.algo_index, gemm.workspace_needed, gemm.timings_us) == (0, 0, None)
 
