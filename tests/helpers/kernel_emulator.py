@@ -7,8 +7,8 @@ checks the planners, not the kernels. Here the CUDA C of the plan's kernels is c
 as C++ with a small shim (thread indices, half types, intrinsics) and run on the CPU:
 grid-stride loop kernels one emulated thread after another; kernels whose threads
 cooperate (warp shuffles, shared memory, __syncthreads: reductions, argmax, tiled
-transposes) with one OS thread per CUDA thread of a block, blocks one after another, up
-to MAX_COOPERATIVE_THREADS. Other tasks (GEMMs, library calls, larger cooperative
+transposes) with one OS thread per CUDA thread of a block (threads of a pool kept for
+the process), blocks one after another, up to MAX_COOPERATIVE_THREADS. Other tasks (GEMMs, library calls, larger cooperative
 launches) are evaluated with JAX as the interpreter does. Tasks run in launch order over
 an arena laid out as the memory plan says (NaN-filled, so a read past a buffer shows;
 afterwards the bytes between buffers must still be the fill: no kernel wrote outside its
@@ -213,6 +213,7 @@ static void nimble_block(unsigned int b, unsigned int y, unsigned int z, unsigne
 """
 RUNTIME = r"""
 #include <barrier>
+#include <condition_variable>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -224,10 +225,37 @@ void nimble_barrier_drop(void* b) { static_cast<std::barrier<>*>(b)->arrive_and_
 void nimble_barrier_free(void* b) { delete static_cast<std::barrier<>*>(b); }
 void nimble_lock() { atomic_lock.lock(); }
 void nimble_unlock() { atomic_lock.unlock(); }
+// body(0..n-1) at once, one OS thread each (they wait on each other's barriers), from a
+// pool kept for the process: starting an OS thread per CUDA thread per block was most of
+// a cooperative launch's time. Its lock and conditions are never destroyed: at exit a
+// condition variable with waiting threads would block its destructor (glibc) for ever.
+static std::mutex& pool_lock = *new std::mutex;
+static std::condition_variable& pool_start = *new std::condition_variable;
+static std::condition_variable& pool_done = *new std::condition_variable;
+static std::vector<std::thread>& pool = *new std::vector<std::thread>;
+static unsigned long pool_round = 0;
+static unsigned int pool_n = 0, pool_left = 0;
+static void (*pool_body)(unsigned int) = nullptr;
+static void pool_worker(unsigned int id) {
+  unsigned long seen = 0;
+  std::unique_lock<std::mutex> lk(pool_lock);
+  for (;;) {
+    pool_start.wait(lk, [&] { return pool_round != seen; });
+    seen = pool_round;
+    if (id >= pool_n) continue;
+    void (*body)(unsigned int) = pool_body;
+    lk.unlock();
+    body(id);
+    lk.lock();
+    if (--pool_left == 0) pool_done.notify_all(); } }
 void nimble_run_threads(unsigned int n, void (*body)(unsigned int)) {
-  std::vector<std::thread> threads;
-  for (unsigned int t = 0; t < n; ++t) threads.emplace_back(body, t);
-  for (auto& th : threads) th.join(); }
+  std::unique_lock<std::mutex> lk(pool_lock);
+  while (pool.size() < n) {
+    pool.emplace_back(pool_worker, (unsigned int)pool.size());
+    pool.back().detach(); }
+  pool_body = body; pool_n = n; pool_left = n; ++pool_round;
+  pool_start.notify_all();
+  pool_done.wait(lk, [] { return pool_left == 0; }); }
 }
 """
 # Kernels that use any of these run one OS thread per CUDA thread (cooperative).
