@@ -29,13 +29,13 @@ from nimblejax.compiler.ir import Graph
 from nimblejax.compiler.kinds import GroupKind
 
 
+POST_DTYPES = frozenset({"float32", "bfloat16", "float16"})
+
+
 def fuse_conv_posts(groups: list[Group], graph: Graph) -> list[Group]:
     """`groups` with each (direct convolution or pooling group, elementwise reader) pair as
     one group."""
     return merge_posts(groups, graph, takes_post, reshaped=True, dtypes_ok=POST_DTYPES)
-
-
-POST_DTYPES = frozenset({"float32", "bfloat16", "float16"})
 
 
 # Kernel rules whose loop computes one output element per step and can hand it to a

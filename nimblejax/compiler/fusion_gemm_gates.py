@@ -47,11 +47,10 @@ from typing import Optional
 
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.fusion import MAX_FUSED_OUTPUTS, Group
-from nimblejax.compiler.fusion_gemm_post import matrix_shape, tc_group
+from nimblejax.compiler.fusion_gemm_post import matrix_shape, tc_call
 from nimblejax.compiler.fusion_rows import SAME_INDEX
 from nimblejax.compiler.ir import Graph, Node, Var
 from nimblejax.compiler.kinds import GroupKind
-from nimblejax.compiler.lowering import gemm_of
 from nimblejax.compiler.lowering.gemm import gemm_sizes, is_small_m_gemm
 from nimblejax.compiler.lowering.gemm_gates import units
 from nimblejax.compiler.lowering.gemm_small import small_tile
@@ -67,8 +66,8 @@ def fuse_gemm_gates(groups: list[Group], graph: Graph, small_gemm: bool = True) 
         if g is None or g.kind is not GroupKind.GEMM or g.post is not None or g.output in results:
             continue
         readers = [j for j, e in enumerate(groups) if e is not None and g.output in e.inputs]
-        tile = gate_tile(g, small_gemm)
-        if not readers or tile is None:
+        tile = gate_tile(g, small_gemm) if readers else None
+        if tile is None:
             continue
         made = _one_reader(g.output, readers, groups, order)
         if made is None:
@@ -87,8 +86,9 @@ def gate_tile(g: Group, small_gemm: bool):
     """The tile whose columns a gate post splits (gemm_gates.units): the tensor-core
     kernel's, or the small-M kernel's block (float32, C (M, N) contiguous); None for the
     GEMMs that take no post group."""
-    if tc_group(g, small_gemm):
-        return choose_tile(gemm_of(g, small_gemm))
+    call = tc_call(g, small_gemm)
+    if call is not None:
+        return choose_tile(call)
     if not (small_gemm and is_small_m_gemm(g.root)) or dtypes.name(g.output.dtype) != "float32":
         return None
     if any(dtypes.name(v.dtype) != "float32" for v in g.root.inputs):

@@ -42,8 +42,11 @@ def fuse_gemm_posts(groups: list[Group], graph: Graph, small_gemm: bool = True) 
     return merge_posts(groups, graph, lambda g: g.kind is GroupKind.GEMM and tc_group(g, small_gemm))
 
 
+FLOAT32 = frozenset({"float32"})  # the post dtypes of the tensor-core kernel
+
+
 def merge_posts(groups: list[Group], graph: Graph, takes_post: Callable[[Group], bool],
-                reshaped: bool = False, dtypes_ok: frozenset = frozenset({"float32"})) -> list[Group]:
+                reshaped: bool = False, dtypes_ok: frozenset = FLOAT32) -> list[Group]:
     """`groups` with each group that `takes_post` merged with its elementwise reader, where
     that reader qualifies (module docstring; its output of a dtype in `dtypes_ok`); also
     fusion_conv_post.py's, whose reader may end in a reshape of the result's shape
@@ -63,8 +66,7 @@ def merge_posts(groups: list[Group], graph: Graph, takes_post: Callable[[Group],
     return [merged.get(i, g) for i, g in enumerate(groups) if i not in dropped]
 
 
-def _post_of(g: Group, readers, groups, results, reshaped: bool = False,
-             dtypes_ok: frozenset = frozenset({"float32"})) -> Optional[int]:
+def _post_of(g: Group, readers, groups, results, reshaped: bool, dtypes_ok: frozenset) -> Optional[int]:
     out = g.output
     if out in results or len(readers.get(out, ())) != 1:
         return None
@@ -92,12 +94,18 @@ def _reads_at_its_element(node, value: Var) -> bool:
 def tc_group(g: Group, small_gemm: bool) -> bool:
     """Whether lowering makes this GEMM group the tensor-core kernel (lower_group's test,
     on the call it builds), writing its (M, N) result contiguously."""
+    return tc_call(g, small_gemm) is not None
+
+
+def tc_call(g: Group, small_gemm: bool) -> Optional[GemmCall]:
+    """The call of tc_group's GEMM, or None where it is not the tensor-core kernel's."""
     made = gemm_of(g, small_gemm)
     if not isinstance(made, GemmCall):
-        return False
+        return None
     ldc, _ = made.layout("c")
-    return (takes_tc(made) and made.batch == 1 and ldc == made.n and made.c is g.output
-            and matrix_shape(g.output.shape) == (made.m, made.n))
+    ok = (takes_tc(made) and made.batch == 1 and ldc == made.n and made.c is g.output
+          and matrix_shape(g.output.shape) == (made.m, made.n))
+    return made if ok else None
 
 
 def matrix_shape(shape) -> tuple:

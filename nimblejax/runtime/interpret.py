@@ -151,11 +151,13 @@ def evaluate(eqn, vals: list):
     output's shape, or are scalars, on flat, padded copies of the former (each element's
     value is computed from the same operands, wherever it sits)."""
     out = eqn.outputs[0] if len(eqn.outputs) == 1 else None
-    moved = interpret_layout.evaluate(eqn.primitive.name, vals, eqn.params) if out is not None else None
-    if moved is not None and moved.shape == tuple(out.shape) and moved.dtype == out.dtype:
+    if out is None:
+        return eqn.primitive.bind(*vals, **eqn.params)
+    shape = tuple(out.shape)
+    moved = interpret_layout.evaluate(eqn.primitive.name, vals, eqn.params)
+    if moved is not None and moved.shape == shape and moved.dtype == out.dtype:
         return moved
-    shape = None if out is None else tuple(out.shape)
-    if (out is None or eqn.primitive.name not in SAME_INDEX or out.size < 2
+    if (eqn.primitive.name not in SAME_INDEX or out.size < 2
             or any(np.shape(v) not in (shape, ()) for v in vals)
             or not any(np.shape(v) == shape for v in vals)):
         return eqn.primitive.bind(*vals, **eqn.params)

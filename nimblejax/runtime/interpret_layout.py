@@ -50,6 +50,9 @@ UNARY: dict[str, Callable] = {
 }
 
 
+COVERED = frozenset(UNARY) | {"iota", "concatenate"}
+
+
 def _array(v) -> Optional[np.ndarray]:
     """v as a NumPy array where it has a dtype of its own (a NumPy array or scalar, a JAX
     array on the CPU); None for a Python number, whose dtype the equation decides."""
@@ -63,6 +66,8 @@ def _array(v) -> Optional[np.ndarray]:
 def evaluate(name: str, vals: list, params: dict) -> Optional[np.ndarray]:
     """The equation's one result by NumPy, or None where this module does not cover it
     (a parameter this JAX has and the table does not know included)."""
+    if name not in COVERED:
+        return None  # before any operand is converted: most equations are not moves
     try:
         if name == "iota" and not vals:
             return _iota(**params)
