@@ -64,7 +64,8 @@ def reduction_scheme(algo) -> int:
     return _config(algo, REDUCTION_SCHEME, 0)
 
 
-def scheme_graphs(names: str, batch: int, masks: str, merge_all: bool = False) -> None:
+def scheme_graphs(names: str, batch: int, masks: str, merge_all: bool = False,
+                  dtype: str = "float32") -> None:
     """Each bench model's nimble graph (GPU µs, median of 3) with the autotuner offered
     only the reduction schemes of each mask (cublasLtReductionScheme_t bits; 7 = all, as
     cuBLASLt's default), against jax.jit back to back. `merge_all`: every mergeable set
@@ -81,15 +82,15 @@ def scheme_graphs(names: str, batch: int, masks: str, merge_all: bool = False) -
     print("| model | batch | jax.jit µs | " + " | ".join(f"schemes {m}: graph µs (splits, schemes)" for m in masks.split(",")) + " |")
     print("|---|---|---|" + "---|" * len(masks.split(",")))
     for name in names.split(","):
-        fn, args = MODELS[name].build(batch, rng=np.random.default_rng(0))
+        fn, args = MODELS[name].build(batch, dtype=dtype, rng=np.random.default_rng(0))
         j = jax.jit(fn)
-        want = j(*args)
+        want = j(*args).astype(jnp.float32)
         cells = [f"{timing.throughput_us(j, args, calls=50):.1f}"]
         for mask in masks.split(","):
             cublaslt.REDUCTION_SCHEMES = int(mask)
             cublaslt._ALGO_CACHE.clear()
             f = nimble.jit(fn, backend="cuda")
-            err = float(jnp.max(jnp.abs(f(*args) - want)) / jnp.max(jnp.abs(want)))
+            err = float(jnp.max(jnp.abs(f(*args).astype(jnp.float32) - want)) / jnp.max(jnp.abs(want)))
             us = sorted(timing.nimble_gpu_us(f) for _ in range(3))[1]
             algos = [cublaslt.MatmulAlgo.from_buffer_copy(c.algo) for c in cublaslt._ALGO_CACHE.values()]
             splits = sum(split_k(a) > 1 for a in algos)
@@ -158,6 +159,7 @@ def main() -> None:
     ap.add_argument("--schemes", default=None,
                     help="with --model (names, comma-separated): the graph's GPU µs for each "
                          "mask of cuBLASLt reduction schemes offered, e.g. 7,1,0")
+    ap.add_argument("--dtype", default="float32", help="with --schemes: the models' parameters and inputs")
     ap.add_argument("--merge-all", action="store_true",
                     help="with --schemes: merge every mergeable set of dots (operands concatenated each call)")
     opts = ap.parse_args()
@@ -169,7 +171,7 @@ def main() -> None:
     if opts.no_split_k:
         drop_split_k()
     if opts.model and opts.schemes:
-        scheme_graphs(opts.model, opts.batch, opts.schemes, opts.merge_all)
+        scheme_graphs(opts.model, opts.batch, opts.schemes, opts.merge_all, opts.dtype)
         return
     if opts.model:
         model_choices(opts.model, opts.batch)

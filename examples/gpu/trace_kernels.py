@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--models", default="bert")
     ap.add_argument("--batch", default="1")
     ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--dtype", default="float32", help="the models' parameters and inputs (float32, bfloat16)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--no-split-k", action="store_true",
                     help="nimble's autotuner times only cuBLASLt candidates without K splits")
@@ -81,7 +82,7 @@ def main() -> None:
         drop_split_k()
     for batch in [int(b) for b in opts.batch.split(",")]:
         for name in opts.models.split(","):
-            fn, args = MODELS[name].build(batch, rng=np.random.default_rng(0))
+            fn, args = MODELS[name].build(batch, dtype=opts.dtype, rng=np.random.default_rng(0))
             if opts.constants:
                 params, x = args
                 fn, args = (lambda f, p: lambda x: f(p, x))(fn, params), (x,)
@@ -92,7 +93,7 @@ def main() -> None:
             ju = min(timing.throughput_us(sides["jax.jit"], a, calls=50) for a in fresh)
             print(f"\n{name} batch {batch}{' (parameters constant)' if opts.constants else ''}: "
                   f"jax.jit back-to-back {ju:.1f} µs, nimble graph {timing.nimble_gpu_us(sides['nimble']):.1f} µs")
-            print(f"\n=== {name} batch {batch}: kernels per call, µs per call (sum of kernel durations)")
+            print(f"\n=== {name} batch {batch} {opts.dtype}: kernels per call, µs per call (sum of kernel durations)")
             for side, t in tables.items():
                 total = sum(us for _, us in t.values())
                 count = sum(n for n, _ in t.values())
