@@ -140,6 +140,7 @@ def row_kernel(root: Node, nodes: tuple[Node, ...], extra: tuple[Var, ...] = ())
     for k, reduction in enumerate(reductions):
         b.known[reduction.outputs[0]] = reduce_row(b, reduction, k, per_row,
                                                     passes.get(k, ()), n_rows if ragged else 0)
+        hoist_row_values(b, nodes, reductions, n_rows)
     if ragged:
         b.open(f"if (row < {n_rows})")
     for v in passes.get(None, ()):  # a length no pass has: a pass of its own
@@ -149,6 +150,31 @@ def row_kernel(root: Node, nodes: tuple[Node, ...], extra: tuple[Var, ...] = ())
         b.close()
     b.ops = name_ops(reductions, b.ops, per_out < longest, prologue_ops(root, nodes, reductions))
     return b.finish("row", out, -(-n_rows // rows_per_block), block)
+
+
+def hoist_row_values(b: RowBuilder, nodes: tuple[Node, ...], reductions: list[Node], n_rows: int) -> None:
+    """Compute once per row, between passes, each value of the group that has one element
+    per row and is computed from the reductions known so far (LayerNorm's mean, variance
+    and rsqrt; softmax's sum in its dtype), so the passes read a register instead of
+    recomputing it at every element: in bfloat16 each of those steps is a conversion,
+    which an H100 runs at a quarter of the float rate. Only values that read a reduction
+    are taken: fusion_rows.py made sure those are read at their own row, whose row-major
+    offset is `o`. Same operations, same order: the same bits as computing them in the
+    pass."""
+    known = {r.outputs[0] for r in reductions if r.outputs[0] in b.known}
+    pending = {r.outputs[0] for r in reductions} - known
+    made = {v: n for n in nodes for v in n.outputs}
+    rows: dict[tuple[int, ...], Index] = {}  # shape → its index of row o
+    for node in nodes:
+        v = node.outputs[0]
+        if node in reductions or v in b.known or v.size != n_rows:
+            continue
+        upstream = _reads(v, made, known | pending)
+        if upstream and not upstream & pending:
+            shape = tuple(v.shape)
+            if shape not in rows:
+                rows[shape] = b.index_vars("o", shape)
+            b.known[v] = b.value(v, rows[shape])
 
 
 def extra_passes(nodes: tuple[Node, ...], reductions: list[Node], extra: tuple[Var, ...],

@@ -14,6 +14,7 @@ from tests.helpers import kernel_emulator as emu
 import nimblejax as nimble
 from tests.helpers.models import assert_tree_close, layer_norm, rand
 from nimblejax.compiler.canonicalize import split
+from nimblejax.compiler.lowering import rows
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 
 r = np.random.default_rng(0)
@@ -274,6 +275,26 @@ def test_emulated_row_inputs_kept_in_registers_up_to_a_budget():
     source = plan_of(f, *args).tasks[0].kernel.source
     assert "row3[8]" in source and "row4[" not in source
     check_emulated(f, *args)
+
+
+@pytest.mark.parametrize("name", ["flax_layer_norm", "jnp_layer_norm", "softmax", "flax_rms_norm"])
+def test_emulated_row_values_computed_once_per_row_give_the_same_bits(name, monkeypatch):
+    """LayerNorm's mean, variance and rsqrt (softmax's sum in bfloat16) come out of the
+    passes' loops (rows.hoist_row_values): the kernel's bytes are those of computing
+    them at every element."""
+    fn, _ = PATTERNS[name]
+    args = pattern_args(name, 9, 300, jnp.bfloat16)
+    hoisted = plan_of(fn, *args)
+    source = next(t.kernel.source for t in hoisted.tasks if t.name.startswith("nimble_row_"))
+    last_loop = source.rindex("for (int j = 0;")
+    assert "sqrtf" not in source[last_loop:] and ("sqrtf" in source or name == "softmax")
+    outs, _ = emu.run(hoisted, [np.asarray(a) for a in args])
+    monkeypatch.setattr(rows, "hoist_row_values", lambda *a: None)
+    inline = plan_of(fn, *args)
+    assert next(t.kernel.source for t in inline.tasks if t.name.startswith("nimble_row_")) != source
+    want, _ = emu.run(inline, [np.asarray(a) for a in args])
+    for got, w in zip(outs, want):
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(w).view(np.uint16))
 
 
 @pytest.mark.parametrize("n", [1, 7, 1000, 4096])
