@@ -66,21 +66,6 @@ _HALF_CONVERSIONS = {"float16": ("__half2float", "__float2half_rn"),
                      "bfloat16": ("__bfloat162float", "__float2bfloat16_rn")}
 
 
-# Half types two at a time (4 bytes): the pair's type and its rounding of two floats,
-# one instruction for both (cvt.rn.bf16x2.f32) where two conversions would take two.
-_HALF_PAIRS = {"float16": ("__half2", "__floats2half2_rn"),
-               "bfloat16": ("__nv_bfloat162", "__floats2bfloat162_rn")}
-
-
-def pair_type(dtype) -> str:
-    return _HALF_PAIRS[name(dtype)][0]
-
-
-def store_pair(dtype, first: str, second: str) -> str:
-    """Expression packing two compute-type values into a pair of `dtype` (a half type)."""
-    return f"{_HALF_PAIRS[name(dtype)][1]}({first}, {second})"
-
-
 def load(dtype, ref: str) -> str:
     """Expression converting a stored element `ref` to the compute type."""
     conv = _HALF_CONVERSIONS.get(name(dtype))

@@ -16,7 +16,6 @@ from nimblejax.compiler.lowering.task import Kernel
 
 PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
 BLOCK = 256
-PAIR_HALVES = True  # loop kernels over half types move neighbouring elements in pairs (_paired_loop)
 MAX_BLOCKS = 65535 * 16  # grid-stride loops cover the rest
 
 Index = tuple[str, ...]
@@ -37,10 +36,6 @@ class KernelBuilder:
         # (index, shape) -> the C name of its row-major linear offset, where one is
         # known: a reshape of the loop's own index then reads `in[i]`, with no divisions.
         self.flat: dict[tuple[Index, tuple[int, ...]], str] = {}
-        # (first, second): the offsets of a pair of elements the loop computes together
-        # (loop_body's paired loop); a half input read at either is loaded with the other.
-        self.pair: Optional[tuple[str, str]] = None
-        self.pair_loads: dict[tuple[Var, str], str] = {}
 
     # ---- parameters and lines ---------------------------------------------------
     def input(self, var: Var) -> str:
@@ -74,7 +69,6 @@ class KernelBuilder:
         """Drop memoized values (they were defined in a scope that just closed)."""
         self.memo.clear()
         self.flat.clear()
-        self.pair_loads.clear()
 
     # ---- values -----------------------------------------------------------------
     def value(self, atom: Atom, idx: Index) -> str:
@@ -97,15 +91,7 @@ class KernelBuilder:
         return name
 
     def load(self, var: Var, idx: Index) -> str:
-        offset = self.linear(idx, var.shape)
-        if self.pair is not None and offset in self.pair and dtypes.is_half(var.dtype):
-            key = (var, self.pair[0])
-            if key not in self.pair_loads:  # both elements in one 4-byte load
-                ptype = dtypes.pair_type(var.dtype)
-                self.pair_loads[key] = self.tmp(
-                    f"const {ptype}", f"*reinterpret_cast<const {ptype}*>({self.input(var)} + {self.pair[0]})")
-            return dtypes.load(var.dtype, f"{self.pair_loads[key]}.{'x' if offset == self.pair[0] else 'y'}")
-        return dtypes.load(var.dtype, f"{self.input(var)}[{offset}]")
+        return dtypes.load(var.dtype, f"{self.input(var)}[{self.linear(idx, var.shape)}]")
 
     def linear(self, idx: Index, shape: Sequence[int]) -> str:
         """Row-major offset of `idx` in `shape`: a known name, or the sum of strides."""
@@ -247,9 +233,7 @@ def loop_body(b: KernelBuilder, out: Var, body: Callable[[KernelBuilder, Index],
     shape = tuple(index_shape) if index_shape is not None else out.shape
     assert math.prod(shape) == n, (shape, out.shape)
     itype = "long long" if n >= 2 ** 30 else "int"  # i + a grid's stride stays in range
-    if PAIR_HALVES and unroll > 1 and dtypes.is_half(out.dtype) and n % 2 == 0 and unroll % 2 == 0:
-        _paired_loop(b, out, body, unroll // 2, shape, itype)
-    elif unroll > 1:
+    if unroll > 1:
         step = unroll * BLOCK
         b.open(f"for ({itype} i0 = ({itype})blockIdx.x * {step} + threadIdx.x; i0 < {n}; "
                f"i0 += ({itype})gridDim.x * {step})")
@@ -272,36 +256,6 @@ def loop_body(b: KernelBuilder, out: Var, body: Callable[[KernelBuilder, Index],
     while b.depth > 1:
         b.close()
     return blocks_for(-(-n // unroll))
-
-
-def _paired_loop(b: KernelBuilder, out: Var, body: Callable[[KernelBuilder, Index], str],
-                 per: int, shape: tuple[int, ...], itype: str) -> None:
-    """loop_body's unrolled loop for a half-typed `out`: a thread computes `per` pairs of
-    neighbouring elements a block of pairs apart, loads each half input read at an
-    element's own offset two elements at a time and stores each pair in one 4-byte
-    store (a warp moves 128 bytes an instruction, as for float32, where one element a
-    thread moves 64). The tail: the same pairs, an element at a time. Leaves the tail's
-    loop open at element `i` for loop_body's last statement."""
-    pairs, step = out.size // 2, per * BLOCK
-    b.open(f"for ({itype} p0 = ({itype})blockIdx.x * {step} + threadIdx.x; p0 < {pairs}; "
-           f"p0 += ({itype})gridDim.x * {step})")
-    b.open(f"if (p0 + {(per - 1) * BLOCK} < {pairs})")
-    values = []
-    for k in range(per):
-        first = b.tmp(f"const {itype}", f"2 * (p0 + {k * BLOCK})" if k else "2 * p0")
-        second = b.tmp(f"const {itype}", f"{first} + 1")
-        b.pair = (first, second)
-        values.append((first, body(b, b.index_vars(first, shape)), body(b, b.index_vars(second, shape))))
-    b.pair = None
-    ptype = dtypes.pair_type(out.dtype)
-    for first, v0, v1 in values:
-        b.emit(f"*reinterpret_cast<{ptype}*>({b.output(out)} + {first}) = "
-               f"{dtypes.store_pair(out.dtype, v0, v1)};")
-    b.close()
-    b.forget()
-    b.open("else")
-    b.open(f"for ({itype} p = p0; p < {pairs}; p += {BLOCK})")
-    b.open(f"for ({itype} i = 2 * p; i < 2 * p + 2; ++i)")
 
 
 # ---- a loop kernel's post group (fusion_conv_post.py) --------------------------------------
