@@ -59,27 +59,44 @@ class RowBuilder(KernelBuilder):
         self.element: tuple[Index, tuple[int, ...], int] | None = None  # idx, shape, depth
         self.cached: dict[Var, str] = {}
         self.uncached: set[Var] = set()
+        self.reused: frozenset[Var] = frozenset()  # computed values kept for later passes
         self.declarations = 0  # where the register arrays are declared: lines[top:]
 
     def value(self, atom: Atom, idx: Index) -> str:
         if isinstance(atom, Var) and atom in self.known:
             return self.known[atom]
-        return super().value(atom, idx)
+        if not (isinstance(atom, Var) and atom in self.reused and self._at_element(atom, idx)):
+            return super().value(atom, idx)
+        if atom in self.cached:
+            return f"{self.cached[atom]}[j]"
+        value = super().value(atom, idx)
+        if atom not in self.uncached and self._declare(atom):
+            self.emit(f"{self.cached[atom]}[j] = {value};")
+        return value
 
     def load(self, var: Var, idx: Index) -> str:
-        if (not self.slots or self.element is None or var in self.uncached
-                or self.element != (tuple(idx), tuple(var.shape), self.depth)):
+        if var in self.uncached or not self._at_element(var, idx):
             return super().load(var, idx)
         if var in self.cached:
             return f"{self.cached[var]}[j]"
+        if not self._declare(var):
+            return super().load(var, idx)
+        return f"({self.cached[var]}[j] = {super().load(var, idx)})"
+
+    def _at_element(self, var: Var, idx: Index) -> bool:
+        """Whether `idx` is the pass's own element, in a loop over this thread's slots."""
+        return bool(self.slots) and self.element == (tuple(idx), tuple(var.shape), self.depth)
+
+    def _declare(self, var: Var) -> bool:
+        """A register array for var's elements of row o, if the budget has room."""
         if (len(self.cached) + 1) * self.slots > CACHED_REGISTERS:
             self.uncached.add(var)
-            return super().load(var, idx)
+            return False
         name = self.cached[var] = f"row{len(self.cached)}"
         self.lines.insert(self.declarations, f"  {dtypes.compute_type(var.dtype)} {name}[{self.slots}];"
                           f"  // {var!r}: this thread's elements of row o")
         self.declarations += 1
-        return f"({name}[j] = {super().load(var, idx)})"
+        return True
 
     def open_pass(self, length: int, per_row: int) -> int:
         """Open the loop over this thread's elements `c` of a row of `length`; returns how
@@ -136,6 +153,7 @@ def row_kernel(root: Node, nodes: tuple[Node, ...], extra: tuple[Var, ...] = ())
     else:
         b.emit("const long long o = row;")
     b.declarations = len(b.lines)
+    b.reused = reused_values(nodes, reductions, root, extra)
     passes = extra_passes(nodes, reductions, extra, n_rows, per_out)
     for k, reduction in enumerate(reductions):
         b.known[reduction.outputs[0]] = reduce_row(b, reduction, k, per_row,
@@ -175,6 +193,29 @@ def hoist_row_values(b: RowBuilder, nodes: tuple[Node, ...], reductions: list[No
             if shape not in rows:
                 rows[shape] = b.index_vars("o", shape)
             b.known[v] = b.value(v, rows[shape])
+
+
+def reused_values(nodes: tuple[Node, ...], reductions: list[Node], root: Node,
+                  extra: tuple[Var, ...]) -> frozenset[Var]:
+    """The values a later pass would recompute at its element from a reduction: computed
+    from one and read by two passes (softmax's exp(x - max), read by the sum's pass and
+    the last; LayerNorm's x - mean, by the variance's and the last), less those read only
+    to compute another such value. The first pass that computes one keeps it in
+    registers, where the budget allows (RowBuilder), and later passes read it there."""
+    made = {v: n for n in nodes for v in n.outputs}
+    stop = {r.outputs[0] for r in reductions}
+    targets = [r.inputs[0] for r in reductions] + [root.outputs[0], *extra]
+    counts: dict[Var, int] = {}
+    for t in targets:
+        for v in _computed(t, made, stop):
+            counts[v] = counts.get(v, 0) + 1
+    shared = {v for v, k in counts.items() if k >= 2 and _reads(v, made, stop)}
+    readers: dict[Var, set[Var]] = {}
+    for n in nodes:
+        for a in n.inputs:
+            if isinstance(a, Var):
+                readers.setdefault(a, set()).update(n.outputs)
+    return frozenset(v for v in shared if not readers.get(v, set()) <= shared)
 
 
 def extra_passes(nodes: tuple[Node, ...], reductions: list[Node], extra: tuple[Var, ...],
