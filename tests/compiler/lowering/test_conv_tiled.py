@@ -12,6 +12,7 @@ import pytest
 from jax import lax
 
 import nimblejax as nimble
+from nimblejax.compiler.lowering import conv_tiled
 from nimblejax.compiler.lowering.conv_tiled import MAX_TILE_BYTES, LANES, tiles
 from tests.helpers import kernel_emulator as emu
 from tests.helpers.libraries import assert_kernels_compile
@@ -70,6 +71,34 @@ def test_tiled_kernel_matches_jax_emulated(case):
         assert emulated == len([t for t in plan.tasks if t.kind == "kernel"])
         assert_tree_close(outs[0], want)
     assert_kernels_compile({conv.kernel.name: conv.kernel.source}, "nimble_dwconv")
+
+
+@pytest.mark.parametrize("case", CASES + [("bf16-stride2", (2, 16, 18, 32), 3, (2, 2), "SAME", (1, 1),
+                                             "bfloat16")], ids=[c[0] for c in CASES] + ["bf16-stride2"])
+def test_window_loaded_by_row_runs_gives_the_bits_of_the_flat_load(case, monkeypatch):
+    """conv_tiled's two ways of loading the window (a warp taking runs of one row's
+    columns, or elements of the flattened window) fill the same tile: the same bits."""
+    _, shape, k, strides, padding, dilation, dtype = case
+    if emu.compiler() is None:
+        pytest.skip("no C++ compiler for the kernel emulator")
+    a = case_args(shape, k, dtype)
+    g = lambda *a: swish_dw_relu(*a, strides=strides, padding=padding, dilation=dilation)  # noqa: E731
+    outs = {}
+    for runs in (True, False):
+        monkeypatch.setattr(conv_tiled, "ROW_RUNS", runs)
+        plan = nimble.jit(g, backend="interpret").plan(*a)
+        assert ("for (int run = warp;" in conv_kernels(plan)[0].kernel.source) == runs
+        outs[runs], _ = emu.run(plan, [np.asarray(v) for v in a])
+    for got, want in zip(outs[True], outs[False]):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_run_length_keeps_the_busiest_warp_short():
+    assert conv_tiled.run_length(18, 10) == 6   # 3 runs a row, 30 runs: 4 a warp, 24 elements
+    assert conv_tiled.run_length(33, 17) == 3   # 11 runs a row, 187 runs: 24 a warp, 72 elements
+    for iw, ih in [(18, 10), (33, 17), (20, 12), (35, 19), (3, 3)]:
+        u = conv_tiled.run_length(iw, ih)
+        assert u in conv_tiled.RUNS
 
 
 def test_a_plain_depthwise_convolution_alone():
