@@ -81,7 +81,6 @@ def _load_flat(b: KernelBuilder, x: Var, t: Tiles, h_in: int, w_in: int, c: int)
     that their loads are in flight together; each element's row and column divided out
     of its place in the window."""
     n_in = t.ih * t.iw
-    b.emit(f"const int cc = min(c, {c - 1});")
     b.open(f"for (int e0 = warp; e0 < {n_in}; e0 += {WARPS * UNROLL})")
     values = []
     for k in range(UNROLL):
@@ -95,6 +94,30 @@ def _load_flat(b: KernelBuilder, x: Var, t: Tiles, h_in: int, w_in: int, c: int)
         b.emit(f"if (e0 + {k * WARPS} < {n_in}) tile[(e0 + {k * WARPS}) * {LANES} + lane] = {v};")
     b.close()
     b.forget()
+
+
+def computing(v: Var, inlined: Mapping[Var, Node]) -> tuple[Node, ...]:
+    """The inlined nodes that computing v at an element computes."""
+    found, todo = {}, [v]
+    while todo:
+        node = inlined.get(todo.pop())
+        if node is not None and node not in found:
+            found[node] = None
+            todo.extend(a for a in node.inputs if isinstance(a, Var))
+    return tuple(found)
+
+
+def per_channel(b: KernelBuilder, nodes, channel: str) -> None:
+    """Compute, before a loop over positions, what `nodes` (elementwise, inlined) read
+    through a broadcast along the channel axis only (a batch norm's scale and shift), at
+    channel `channel`: the loop's reads of them find the values (the builder's memo) and
+    do not load them again at each position."""
+    for node in nodes:
+        if node.name != "broadcast_in_dim" or node.outputs[0].ndim != 4:
+            continue
+        operand, dims = node.inputs[0], node.params["broadcast_dimensions"]
+        if all(operand.shape[j] == 1 or d == 3 for j, d in enumerate(dims)):
+            b.value(operand, tuple("0" if operand.shape[j] == 1 else channel for j in range(len(dims))))
 
 
 def run_length(iw: int, ih: int) -> int:
@@ -113,7 +136,6 @@ def _load_row_runs(b: KernelBuilder, x: Var, t: Tiles, h_in: int, w_in: int, c: 
     depthwise kernels issue-bound on an H100)."""
     u = run_length(t.iw, t.ih)
     per_row = -(-t.iw // u)
-    b.emit(f"const int cc = min(c, {c - 1});")
     b.open(f"for (int run = warp; run < {t.ih * per_row}; run += {WARPS})")
     r = b.tmp("const int", f"run / {per_row}")
     q0 = b.tmp("const int", f"(run % {per_row}) * {u}")
@@ -146,6 +168,7 @@ def tiled_depthwise(node: Node, t: Tiles, inlined: Mapping[Var, Node] = {}, post
     (ph, _), (pw, _) = p["padding"]
     kh, kw = (w.shape[d] for d in rhs_spec[2:])
     tiles_h, tiles_w, chunks = -(-ho // t.th), -(-wo // t.tw), -(-c // LANES)
+    producers = computing(x, inlined)
     if post is not None:
         inlined = {**inlined, **{n.outputs[0]: n for n in post.nodes}}
     target = out if post is None else post.output
@@ -160,6 +183,8 @@ def tiled_depthwise(node: Node, t: Tiles, inlined: Mapping[Var, Node] = {}, post
     b.emit(f"const int c = chunk * {LANES} + lane;")
     b.emit(f"const int h0 = th * {t.th * sh} - {ph}, w0 = tw * {t.tw * sw} - {pw};")
 
+    b.emit(f"const int cc = min(c, {c - 1});")
+    per_channel(b, producers, "cc")
     if ROW_RUNS:
         _load_row_runs(b, x, t, h_in, w_in, c)
     else:
@@ -175,6 +200,7 @@ def tiled_depthwise(node: Node, t: Tiles, inlined: Mapping[Var, Node] = {}, post
             ws[rhs_spec[0]], ws[rhs_spec[1]], ws[rhs_spec[2]], ws[rhs_spec[3]] = "c", "0", str(i), str(j)
             taps.append((i, j, b.tmp("const float", f"(float){b.load(w, tuple(ws))}")))
 
+    per_channel(b, computing(post.output, inlined) if post is not None else (), "c")
     b.open(f"for (int e = warp; e < {t.th * t.tw}; e += {WARPS})")
     b.emit(f"const int ho = th * {t.th} + e / {t.tw}, wo = tw * {t.tw} + e % {t.tw};")
     b.emit(f"if (ho >= {ho} || wo >= {wo}) continue;")

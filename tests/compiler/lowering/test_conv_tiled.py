@@ -5,6 +5,8 @@ half precision, fused producers and readers); the kernels compiled by NVRTC; mar
 `gpu`, on the GPU."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,6 +93,19 @@ def test_window_loaded_by_row_runs_gives_the_bits_of_the_flat_load(case, monkeyp
         outs[runs], _ = emu.run(plan, [np.asarray(v) for v in a])
     for got, want in zip(outs[True], outs[False]):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_batch_norm_parameters_are_read_once_per_channel_not_per_position():
+    """conv_tiled.per_channel: the producers' and the reader's scale and shift (read
+    through a broadcast along the channels) are loaded before the loops over positions."""
+    a = case_args((2, 16, 18, 32), 3, "bfloat16")
+    plan = nimble.jit(swish_dw_relu, backend="interpret").plan(*a)
+    source = conv_kernels(plan)[0].kernel.source
+    load_loop, out_loop = source.index("for (int run = warp;"), source.index("for (int e = warp;")
+    assert len(re.findall(r"in\d+\[cc\]", source[:load_loop])) == 2
+    assert len(re.findall(r"in\d+\[c\]", source[load_loop:out_loop])) == 2 + 1  # and the first tap
+    assert not re.findall(r"in\d+\[cc?\]", source[out_loop:])
+    assert not re.findall(r"in\d+\[cc\]", source[load_loop:out_loop])
 
 
 def test_run_length_keeps_the_busiest_warp_short():
