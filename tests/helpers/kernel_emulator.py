@@ -7,13 +7,13 @@ checks the planners, not the kernels. Here the CUDA C of the plan's kernels is c
 as C++ with a small shim (thread indices, half types, intrinsics) and run on the CPU:
 grid-stride loop kernels one emulated thread after another; kernels whose threads
 cooperate (warp shuffles, shared memory, __syncthreads: reductions, argmax, tiled
-transposes) with one OS thread per CUDA thread of a block (threads of a pool kept for
-the process), blocks one after another, up to MAX_COOPERATIVE_THREADS. Other tasks (GEMMs, library calls, larger cooperative
-launches) are evaluated with JAX as the interpreter does. Tasks run in launch order over
-an arena laid out as the memory plan says (NaN-filled, so a read past a buffer shows;
-afterwards the bytes between buffers must still be the fill: no kernel wrote outside its
-buffers). A task's launches (`Kernel.launches`: a scatter's copy, then the scatter) run in
-order. Atomics take one lock, so they are atomic across OS threads too. __CUDA_ARCH__ is
+transposes) with one fiber per CUDA thread of a block (RUNTIME: each runs to its next
+barrier, then the next), blocks one after another, up to MAX_COOPERATIVE_THREADS.
+Other tasks (GEMMs, library calls, larger cooperative launches) are evaluated with JAX
+as the interpreter does. Tasks run in launch order over an arena laid out as the memory
+plan says (NaN-filled, so a read past a buffer shows; afterwards the bytes between
+buffers must still be the fill: no kernel wrote outside its buffers). A task's launches (`Kernel.launches`: a scatter's copy, then the scatter) run in
+order. Atomics take one lock. __CUDA_ARCH__ is
 undefined unless `build(..., arch=900)` defines it: a kernel's `#if __CUDA_ARCH__ >= 900`
 branch (a scatter-add's vector atomics) runs then, its other branch otherwise. The TF32
 tensor-core kernels' PTX helpers (compiler/lowering/gemm_tc.py, guarded by NIMBLE_TC_PTX)
@@ -57,9 +57,9 @@ void nimble_run_threads(unsigned int n, void (*body)(unsigned int)); }
 struct Dim3 { unsigned int x, y, z; };
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
 struct alignas(8) uint2 { unsigned int x, y; };
-static thread_local Dim3 threadIdx, blockIdx;
+static Dim3 threadIdx, blockIdx;
 static Dim3 blockDim, gridDim;
-// One OS thread per CUDA thread of a block; blocks run one after another, so a static
+// One fiber per CUDA thread of a block; blocks run one after another, so a static
 // array is the block's shared memory. Warp shuffles and __syncthreads are barriers;
 // a thread that returns drops out of them (as an exited thread does on the GPU).
 #define __shared__ static
@@ -68,8 +68,11 @@ struct Warp { void* bar; unsigned long long slot[32];  // bar: a barrier of 32 t
 static Warp* warps;
 static void* block_bar;
 static inline int flat_tid() { return threadIdx.x + threadIdx.y * blockDim.x; }
-static inline void __syncthreads() { nimble_barrier_wait(block_bar); }
-static inline void __syncwarp(unsigned int = 0xffffffffu) { nimble_barrier_wait(warps[flat_tid() / 32].bar); }
+// A block's threads are fibers of one OS thread (RUNTIME): each keeps its own threadIdx
+// across a wait, in which the others ran and set theirs.
+static inline void nimble_wait(void* b) { Dim3 t = threadIdx; nimble_barrier_wait(b); threadIdx = t; }
+static inline void __syncthreads() { nimble_wait(block_bar); }
+static inline void __syncwarp(unsigned int = 0xffffffffu) { nimble_wait(warps[flat_tid() / 32].bar); }
 static int votes;
 static inline int __syncthreads_or(int p) {
   __syncthreads(); if (p) __atomic_fetch_add(&votes, 1, __ATOMIC_SEQ_CST);
@@ -78,14 +81,14 @@ static inline int __syncthreads_or(int p) {
   return r; }
 template <class T> static inline T __shfl_down_sync(unsigned int, T v, int off) {
   int t = flat_tid(), lane = t % 32; Warp& w = warps[t / 32];
-  memcpy(&w.slot[lane], &v, sizeof(T)); nimble_barrier_wait(w.bar);
+  memcpy(&w.slot[lane], &v, sizeof(T)); nimble_wait(w.bar);
   T r = v; if (lane + off < 32) memcpy(&r, &w.slot[lane + off], sizeof(T));
-  nimble_barrier_wait(w.bar); return r; }
+  nimble_wait(w.bar); return r; }
 template <class T> static inline T __shfl_xor_sync(unsigned int, T v, int mask) {
   int t = flat_tid(), lane = t % 32; Warp& w = warps[t / 32];
-  memcpy(&w.slot[lane], &v, sizeof(T)); nimble_barrier_wait(w.bar);
+  memcpy(&w.slot[lane], &v, sizeof(T)); nimble_wait(w.bar);
   T r; memcpy(&r, &w.slot[lane ^ mask], sizeof(T));
-  nimble_barrier_wait(w.bar); return r; }
+  nimble_wait(w.bar); return r; }
 #define __global__
 #define __launch_bounds__(...)
 #define __device__
@@ -182,7 +185,7 @@ static inline unsigned nimble_tf32(float x) {
 static inline void nimble_mma_tf32(float* d, const unsigned* a, const unsigned* b) {
   int tid = flat_tid(), lane = tid % 32; Warp& w = warps[tid / 32];
   memcpy(w.mma_a[lane], a, 16); memcpy(w.mma_b[lane], b, 8);
-  nimble_barrier_wait(w.bar);
+  nimble_wait(w.bar);
   for (int r = 0; r < 4; ++r) {
     const int row = lane / 4 + 8 * (r / 2), col = 2 * (lane % 4) + r % 2;
     float sum = d[r];
@@ -190,7 +193,7 @@ static inline void nimble_mma_tf32(float* d, const unsigned* a, const unsigned* 
       sum = fmaf(__uint_as_float(w.mma_a[(row % 8) * 4 + k % 4][row / 8 + 2 * (k / 4)]),
                  __uint_as_float(w.mma_b[col * 4 + k % 4][k / 4]), sum);
     d[r] = sum; }
-  nimble_barrier_wait(w.bar); }
+  nimble_wait(w.bar); }
 // cp.async as a plain copy (done at once: wait_group has nothing to wait for).
 static inline void nimble_cp_async16(float* dst, const float* src, bool valid) {
   if (valid) memcpy(dst, src, 16); else memset(dst, 0, 16); }
@@ -198,7 +201,7 @@ static inline void nimble_cp_async4(float* dst, const float* src, bool valid) {
   *dst = valid ? *src : 0.0f; }
 static inline void nimble_cp_async_commit() {}
 template <int N> static inline void nimble_cp_async_wait() {}
-// One block of a cooperative launch: `body(t)` on an OS thread for each of its n threads.
+// One block of a cooperative launch: `body(t)` on a fiber for each of its n threads.
 static Dim3 launch_block;
 static void** launch_args;
 static void nimble_block(unsigned int b, unsigned int y, unsigned int z, unsigned int n,
@@ -212,55 +215,80 @@ static void nimble_block(unsigned int b, unsigned int y, unsigned int z, unsigne
   nimble_barrier_free(block_bar); free(ws); }
 """
 RUNTIME = r"""
-#include <barrier>
-#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
-#include <thread>
 #include <vector>
-static std::mutex atomic_lock;  // one lock: atomics are atomic across OS threads too
+#include <sys/mman.h>
+#include <ucontext.h>
+// A block's CUDA threads are fibers of the calling OS thread (ucontext), run round by
+// round: each runs until it waits at a barrier (or returns), then the next. OS threads
+// (one per CUDA thread, a pool kept for the process) were as right but slow, and slower
+// still on a busy machine: a barrier of 128 threads waited for all of them to be given
+// a core (test_row_kernels' 256 x 1024 softmax: 42 s in a 2-core suite run, 4 s alone).
+// Rounds alternate their order (0..n-1, then n-1..0), so a read of shared memory that
+// misses a barrier sees both a later and an earlier thread's write not yet made.
+// A barrier counts arrivals; a thread that returns drops out of its barriers, as
+// std::barrier's arrive_and_drop (and an exited GPU thread) does.
+static std::mutex atomic_lock;  // atomics: one lock (a fiber never waits holding it)
+static std::mutex launch_lock;  // one cooperative launch at a time in the process
+struct Barrier { int expected, arrived; unsigned long phase; };
+struct Fiber { ucontext_t context; char* stack; bool done; };
+static const size_t STACK = 256 << 10, GUARD = 64 << 10;  // pages cost once touched
+static std::vector<Fiber>& fibers = *new std::vector<Fiber>;
+static ucontext_t scheduler;
+static unsigned int current;
+static unsigned long events;  // arrivals, drops and returns: a round without any is a deadlock
+static void (*fiber_body)(unsigned int);
 extern "C" {
-void* nimble_barrier_new(int n) { return new std::barrier<>(n); }
-void nimble_barrier_wait(void* b) { static_cast<std::barrier<>*>(b)->arrive_and_wait(); }
-void nimble_barrier_drop(void* b) { static_cast<std::barrier<>*>(b)->arrive_and_drop(); }
-void nimble_barrier_free(void* b) { delete static_cast<std::barrier<>*>(b); }
+void* nimble_barrier_new(int n) { return new Barrier{n, 0, 0}; }
+void nimble_barrier_free(void* b) { delete static_cast<Barrier*>(b); }
+static void complete_if_all(Barrier* b) {
+  if (b->arrived == b->expected) { b->arrived = 0; ++b->phase; } }
+void nimble_barrier_wait(void* p) {
+  Barrier* b = static_cast<Barrier*>(p);
+  const unsigned long phase = b->phase;
+  ++events; ++b->arrived; complete_if_all(b);
+  while (b->phase == phase) swapcontext(&fibers[current].context, &scheduler); }
+void nimble_barrier_drop(void* p) {
+  Barrier* b = static_cast<Barrier*>(p);
+  ++events; --b->expected; complete_if_all(b); }
 void nimble_lock() { atomic_lock.lock(); }
 void nimble_unlock() { atomic_lock.unlock(); }
-// body(0..n-1) at once, one OS thread each (they wait on each other's barriers), from a
-// pool kept for the process: starting an OS thread per CUDA thread per block was most of
-// a cooperative launch's time. Its lock and conditions are never destroyed: at exit a
-// condition variable with waiting threads would block its destructor (glibc) for ever.
-static std::mutex& pool_lock = *new std::mutex;
-static std::condition_variable& pool_start = *new std::condition_variable;
-static std::condition_variable& pool_done = *new std::condition_variable;
-static std::vector<std::thread>& pool = *new std::vector<std::thread>;
-static unsigned long pool_round = 0;
-static unsigned int pool_n = 0, pool_left = 0;
-static void (*pool_body)(unsigned int) = nullptr;
-static void pool_worker(unsigned int id) {
-  unsigned long seen = 0;
-  std::unique_lock<std::mutex> lk(pool_lock);
-  for (;;) {
-    pool_start.wait(lk, [&] { return pool_round != seen; });
-    seen = pool_round;
-    if (id >= pool_n) continue;
-    void (*body)(unsigned int) = pool_body;
-    lk.unlock();
-    body(id);
-    lk.lock();
-    if (--pool_left == 0) pool_done.notify_all(); } }
+static void fiber_main(unsigned int id) { fiber_body(id); fibers[id].done = true; ++events; }
+// body(0..n-1) as n fibers, until every one has returned.
 void nimble_run_threads(unsigned int n, void (*body)(unsigned int)) {
-  std::unique_lock<std::mutex> lk(pool_lock);
-  while (pool.size() < n) {
-    pool.emplace_back(pool_worker, (unsigned int)pool.size());
-    pool.back().detach(); }
-  pool_body = body; pool_n = n; pool_left = n; ++pool_round;
-  pool_start.notify_all();
-  pool_done.wait(lk, [] { return pool_left == 0; }); }
+  std::lock_guard<std::mutex> guard(launch_lock);
+  while (fibers.size() < n) {
+    char* stack = static_cast<char*>(mmap(nullptr, STACK + GUARD, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+    if (stack == MAP_FAILED || mprotect(stack, GUARD, PROT_NONE)) {  // overflow: a fault
+      perror("nimble emulator: fiber stack"); abort(); }
+    fibers.push_back(Fiber{{}, stack + GUARD, true}); }
+  fiber_body = body;
+  for (unsigned int i = 0; i < n; ++i) {
+    Fiber& f = fibers[i];
+    getcontext(&f.context);
+    f.context.uc_stack.ss_sp = f.stack; f.context.uc_stack.ss_size = STACK;
+    f.context.uc_link = &scheduler; f.done = false;
+    makecontext(&f.context, (void (*)())fiber_main, 1, i); }
+  for (unsigned int left = n, round = 0; left; ++round) {
+    const unsigned long before = events;
+    for (unsigned int k = 0; k < n; ++k) {
+      const unsigned int i = round % 2 ? n - 1 - k : k;
+      if (fibers[i].done) continue;
+      current = i;
+      swapcontext(&scheduler, &fibers[i].context);
+      left -= fibers[i].done; }
+    if (left && events == before) {
+      fprintf(stderr, "nimble emulator: %u of %u threads wait at barriers the others "
+              "never reach\n", left, n);
+      abort(); } } }
 }
 """
-# Kernels that use any of these run one OS thread per CUDA thread (cooperative).
+# Kernels that use any of these run one fiber per CUDA thread (cooperative).
 COOPERATIVE = ("__shfl", "__syncthreads", "__syncwarp", "__shared__")
-MAX_COOPERATIVE_THREADS = 1 << 15  # larger launches go through JAX (thread start-up)
+MAX_COOPERATIVE_THREADS = 1 << 15  # larger launches go through JAX (emulation time)
 UNSUPPORTED = ("__ldg", "asm(")
 
 
