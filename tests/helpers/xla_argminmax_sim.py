@@ -22,6 +22,20 @@ def reducer(is_max: bool):
     return red
 
 
+def rows_reducer(is_max: bool):
+    """`reducer` applied to many rows at once: each value and index a NumPy array (one
+    element per row), the same choice made in every element (`ov != ov` is isnan)."""
+    import numpy as np
+
+    def red(op, acc):
+        (ov, oi), (av, ai) = op, acc
+        better = ov > av if is_max else ov < av
+        pick_val = better | np.isnan(ov)
+        pick_idx = pick_val | ((ov == av) & (oi < ai))
+        return np.where(pick_val, ov, av), np.where(pick_idx, oi, ai)
+    return red
+
+
 def _shuffle_tree(lanes, red, max_dist):
     lanes = list(lanes)
     d = max_dist

@@ -19,7 +19,8 @@ import pytest
 
 from tests.helpers import kernel_emulator
 import nimblejax as nimble
-from tests.helpers.xla_argminmax_sim import first_nan_by_rank, reducer, simulate, xla_gpu_argminmax
+from tests.helpers.xla_argminmax_sim import (first_nan_by_rank, rows_reducer, simulate,
+                                             xla_gpu_argminmax)
 from nimblejax.compiler.lowering import xla_reduce_order as xo
 
 
@@ -37,14 +38,13 @@ def test_xla_order_model_reproduces_the_gpu_probe():
     rank model gives jax.jit's GPU index, and so does the literal simulation of XLA's
     fusion (rows up to 6000 long)."""
     doc = json.load(gzip.open(PROBE, "rt"))
-    ranks, shapes = {}, set()
+    ranks, shapes, simulated = {}, set(), {}  # simulated: (key, op) -> ([NaN masks], [indices])
     for row in doc["rows"]:
         shape, axis, dtype = tuple(row["shape"]), row["axis"], row["dtype"]
         n = shape[axis]
         key = (shape, axis, dtype)
-        if key not in ranks:
-            order = xo.arrangement_for(shape, axis, jnp.dtype(dtype))
-            ranks[key] = order, np.array([xo.nan_rank(order, n, i) for i in range(n)])
+        if key not in ranks:  # the rank of a position, computed where a row has a NaN
+            ranks[key] = xo.arrangement_for(shape, axis, jnp.dtype(dtype)), {}
         order, rank = ranks[key]
         if "pos" in row:
             nans = np.asarray(row["pos"])
@@ -52,16 +52,26 @@ def test_xla_order_model_reproduces_the_gpu_probe():
             bits = np.unpackbits(np.frombuffer(base64.b64decode(row["nan"]), np.uint8))[:n]
             nans = np.flatnonzero(bits)
         assert len(nans) >= 2
-        assert nans[np.argmin(rank[nans])] == row["y"], (key, order)
+        nan_ranks = [rank[i] if i in rank else rank.setdefault(i, xo.nan_rank(order, n, int(i)))
+                     for i in nans]
+        assert nans[np.argmin(nan_ranks)] == row["y"], (key, order)
         if n <= 6000:
-            is_max = row["op"] == "argmax"
             mask = np.zeros(n, bool)
             mask[nans] = True
-            elems = [(math.nan if m else 0.0, i) for i, m in enumerate(mask)]
-            assert simulate(order, elems, reducer(is_max), (-math.inf if is_max else math.inf, 0))[1] \
-                == row["y"], (key, order)
+            masks, want = simulated.setdefault((key, row["op"]), ([], []))
+            masks.append(mask)
+            want.append(row["y"])
         shapes.add((shape, axis))
     assert len(doc["rows"]) == 13078 and len(shapes) == 52
+    # The simulation runs the rows of one shape and op together, each value an array of
+    # one element per row (rows_reducer).
+    for ((shape, axis, dtype), op), (masks, want) in simulated.items():
+        is_max, values = op == "argmax", np.where(np.array(masks), math.nan, 0.0)
+        elems = [(values[:, i], np.full(len(masks), i)) for i in range(values.shape[1])]
+        init = (-math.inf if is_max else math.inf, 0)
+        got = simulate(ranks[(shape, axis, dtype)][0], elems, rows_reducer(is_max), init)[1]
+        np.testing.assert_array_equal(np.broadcast_to(got, len(want)), want,
+                                      err_msg=str((shape, axis, dtype, op)))
 
 
 # (shape, axis, dtype): one of each arrangement XLA picks (its kind noted).
