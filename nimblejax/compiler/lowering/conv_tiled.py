@@ -25,9 +25,7 @@ from nimblejax.compiler.lowering.codegen import KernelBuilder, linear, post_valu
 from nimblejax.compiler.lowering.task import Kernel
 
 LANES, WARPS = 32, 8          # channels of a block, warps of a block
-UNROLL = 4                    # input elements a thread loads at a time (_load_flat)
-ROW_RUNS = True               # load the window a run of one row's columns at a time
-RUNS = (3, 4, 5, 6)           # the columns of a run to choose from (run_length)
+RUNS = (3, 4, 5, 6)           # the columns of a run a warp loads at a time (run_length)
 MAX_TILE_BYTES = 40 * 1024    # under the 48 KB of static shared memory a block may have
 MIN_CHANNELS = 16             # fewer leave most lanes of a block idle
 NHWC = (0, 3, 1, 2)           # lhs_spec / out_spec: batch, feature, then H and W
@@ -74,28 +72,6 @@ def tiles(node: Node) -> Optional[Tiles]:
     return Tiles(th, tw, extent(th, sh, kh, dh), extent(tw, sw, kw, dw))
 
 
-def _load_flat(b: KernelBuilder, x: Var, t: Tiles, h_in: int, w_in: int, c: int) -> None:
-    """The input window under the tile into `tile`, its producers computed once per
-    element, UNROLL elements a thread at a time with no branch between them (an index
-    outside the input is clamped to a real element and its value replaced by zero), so
-    that their loads are in flight together; each element's row and column divided out
-    of its place in the window."""
-    n_in = t.ih * t.iw
-    b.open(f"for (int e0 = warp; e0 < {n_in}; e0 += {WARPS * UNROLL})")
-    values = []
-    for k in range(UNROLL):
-        e = b.tmp("const int", f"min(e0 + {k * WARPS}, {n_in - 1})")
-        hi, wi = b.tmp("const int", f"h0 + {e} / {t.iw}"), b.tmp("const int", f"w0 + {e} % {t.iw}")
-        ok = b.tmp("const bool", f"c < {c} && {hi} >= 0 && {hi} < {h_in} && {wi} >= 0 && {wi} < {w_in}")
-        hc = b.tmp("const int", f"min(max({hi}, 0), {h_in - 1})")
-        wc = b.tmp("const int", f"min(max({wi}, 0), {w_in - 1})")
-        values.append(b.tmp("const float", f"{ok} ? (float){b.value(x, ('n', hc, wc, 'cc'))} : 0.0f"))
-    for k, v in enumerate(values):
-        b.emit(f"if (e0 + {k * WARPS} < {n_in}) tile[(e0 + {k * WARPS}) * {LANES} + lane] = {v};")
-    b.close()
-    b.forget()
-
-
 def computing(v: Var, inlined: Mapping[Var, Node]) -> tuple[Node, ...]:
     """The inlined nodes that computing v at an element computes."""
     found, todo = {}, [v]
@@ -129,11 +105,14 @@ def run_length(iw: int, ih: int) -> int:
 
 
 def _load_row_runs(b: KernelBuilder, x: Var, t: Tiles, h_in: int, w_in: int, c: int) -> None:
-    """The input window under the tile into `tile`, as _load_flat does, a warp taking a
-    run of neighbouring columns of one row at a time: the row's bounds, clamp and offset
-    are worked out once per run, each element adds its column (no division per element;
-    the element loop is what the kernel's instructions go to, EfficientNet's batch-32
-    depthwise kernels issue-bound on an H100)."""
+    """The input window under the tile into `tile`, its producers computed once per
+    element, a warp taking a run of neighbouring columns of one row at a time, with no
+    branch between them (an index outside the input is clamped to a real element and its
+    value replaced by zero), so that their loads are in flight together: the row's
+    bounds, clamp and offset are worked out once per run, each element adds its column.
+    Measured on an H100 against loading the flattened window (a division per element):
+    EfficientNet-B0's bfloat16 depthwise kernels 884.5 against 895.6 µs, MobileNetV2's
+    float32 ones 401.1 against 454.9 (the kernels are bound by their instructions)."""
     u = run_length(t.iw, t.ih)
     per_row = -(-t.iw // u)
     b.open(f"for (int run = warp; run < {t.ih * per_row}; run += {WARPS})")
@@ -185,10 +164,7 @@ def tiled_depthwise(node: Node, t: Tiles, inlined: Mapping[Var, Node] = {}, post
 
     b.emit(f"const int cc = min(c, {c - 1});")
     per_channel(b, producers, "cc")
-    if ROW_RUNS:
-        _load_row_runs(b, x, t, h_in, w_in, c)
-    else:
-        _load_flat(b, x, t, h_in, w_in, c)
+    _load_row_runs(b, x, t, h_in, w_in, c)
     b.emit("__syncthreads();")
     b.emit(f"if (c >= {c}) return;  // no barrier follows")
 
