@@ -9,6 +9,7 @@ Variants (text edits of the generated source; results are not checked, only time
   as-is      the kernel as planned
   no-round   a 16-bit value's rounding after each operation left out (float math)
   fast-exp   expf → __expf
+  libdevice  XLA's erf and tanh formulas (xla_math.py) → CUDA's erff and tanhf
 Each kernel runs alone on random operands, CUDA events over `--calls` launches.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ ROUND = re.compile(r"__bfloat162float\(__float2bfloat16_rn\(|__half2float\(__flo
 
 
 def variants(src: str) -> dict[str, str]:
-    return {"as-is": src, "no-round": ROUND.sub("((", src), "fast-exp": src.replace("expf(", "__expf(")}
+    return {"as-is": src, "no-round": ROUND.sub("((", src), "fast-exp": src.replace("expf(", "__expf("),
+            "libdevice": src.replace("nimble_erf(", "erff(").replace("nimble_tanh(", "tanhf(")}
 
 
 def operand(var, rng) -> cupy.ndarray:

@@ -13,8 +13,9 @@ from typing import Callable, Mapping, Optional, Sequence
 from nimblejax.compiler.ir import Atom, Literal, Node, Var, short_dtype
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.lowering.task import Kernel
+from nimblejax.compiler.lowering.xla_math import MATH
 
-PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
+PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + MATH
 BLOCK = 256
 MAX_BLOCKS = 65535 * 16  # grid-stride loops cover the rest
 

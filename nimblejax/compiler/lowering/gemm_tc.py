@@ -487,7 +487,7 @@ def _steps(call: GemmCall) -> list[str]:
     if ep.activation == "relu":
         steps.append("v = fmaxf(v, 0.0f);")
     elif ep.activation == "gelu_tanh":
-        steps.append(f"v = 0.5f * v * (1.0f + tanhf({_float(SQRT_2_OVER_PI)} * "
+        steps.append(f"v = 0.5f * v * (1.0f + nimble_tanh({_float(SQRT_2_OVER_PI)} * "
                      f"(v + {_float(GELU_CUBIC)} * v * v * v)));")
     return steps
 

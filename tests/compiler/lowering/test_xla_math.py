@@ -1,0 +1,83 @@
+"""erf and tanh as XLA's GPU code computes them (compiler/lowering/xla_math.py): the
+generated kernels run on the CPU (tests/helpers/kernel_emulator.py) against jax.jit on
+the CPU, whose erf is the same formula; on the GPU, nimble against jax.jit bit for bit."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import nimblejax as nimble
+from tests.helpers import kernel_emulator as emu
+
+
+def spread(n: int = 1 << 16, seed: int = 3) -> np.ndarray:
+    """float32 values over the exponents 2^-20 to 2^6 of both signs, the borders of the
+    formulas' branches, the specials, and every bfloat16 value."""
+    rng = np.random.default_rng(seed)
+    mags = np.exp2(rng.uniform(-20, 6, n)).astype(np.float32)
+    signs = np.where(rng.integers(0, 2, n) == 1, -1, 1).astype(np.float32)
+    borders = np.array([3.832506856900711, 7.90531110763549805, 20.0, 0.0004], np.float32)
+    borders = np.concatenate([borders, np.nextafter(borders, 0), np.nextafter(borders, np.inf)])
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan], np.float32)
+    every_bf16 = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+    return np.concatenate([mags * signs, borders, -borders, specials, every_bf16])
+
+
+def emulated(fn, x: np.ndarray) -> np.ndarray:
+    plan = nimble.jit(fn, backend="interpret").plan(x)
+    outs, count = emu.run(plan, [x])
+    assert count >= 1
+    return np.asarray(outs[0])
+
+
+def same_bits(got, want) -> np.ndarray:
+    """Where got and want differ (NaNs of any payload are the same)."""
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    return (got.view(np.int32) != want.view(np.int32)) & ~(np.isnan(got) & np.isnan(want))
+
+
+@pytest.mark.skipif(emu.compiler() is None, reason="no C++ compiler")
+def test_erf_kernel_is_xlas_formula_bit_for_bit():
+    """XLA's CPU code computes erf by the same formula, so jax.jit's values on the CPU
+    are the emulated kernel's, except where XLA's CPU code flushes subnormal numbers to
+    zero (its GPU code does not)."""
+    x = spread()
+    got, want = emulated(lax.erf, x), np.asarray(jax.jit(lax.erf)(x))
+    subnormal = (np.abs(x) < np.finfo(np.float32).tiny) & (x != 0)
+    differ = same_bits(got, want) & ~subnormal
+    assert not differ.any(), (x[differ][:5], got[differ][:5], want[differ][:5])
+    assert got[np.isnan(x)].size and np.isnan(got[np.isnan(x)]).all()
+
+
+@pytest.mark.skipif(emu.compiler() is None, reason="no C++ compiler")
+def test_tanh_kernel_is_within_five_units_in_the_last_place():
+    """XLA's CPU code computes tanh by another form (its multiply-adds fused, clamped
+    at 7.9988), so the emulated kernel is held to the true tanh instead: within 5 units in
+    the last place (the approximation's own error, largest just below 1), x itself below
+    0.0004, NaN kept, ±1 at ±inf."""
+    x = spread()
+    got = emulated(jnp.tanh, x)
+    finite = np.isfinite(x)
+    exact = np.where(finite, np.tanh(np.where(finite, x, 0).astype(np.float64)), 0)
+    ulp = np.spacing(np.abs(exact[finite]).astype(np.float32)).astype(np.float64)
+    err = np.abs(got[finite] - exact[finite]) / ulp
+    assert err.max() <= 5.0, x[finite][np.argmax(err)]
+    small = np.abs(x) < 0.0004
+    assert (got[small] == x[small]).all()
+    assert np.isnan(got[np.isnan(x)]).all() and (got[np.isinf(x)] == np.sign(x[np.isinf(x)])).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["erf", "tanh", "gelu_erf", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_gpu_matches_jax_jit_bit_for_bit(name, dtype):
+    fn = {"erf": lax.erf, "tanh": jnp.tanh,
+          "gelu_erf": lambda v: jax.nn.gelu(v, approximate=False),
+          "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}[name]
+    x = jnp.asarray(spread(1 << 18)).astype(dtype)
+    got, want = nimble.jit(fn, backend="cuda")(x), jax.jit(fn)(x)
+    differ = same_bits(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+    assert not differ.any(), (np.asarray(x.astype(jnp.float32))[differ][:5], differ.sum())
