@@ -6,9 +6,11 @@ GPU machine): jax.jit and nimble.jit over the same inputs, and candidate CUDA fo
 For each function: how many of the inputs nimble's result differs from jax.jit's in
 (NaNs compare equal), and the largest difference in units in the last place. For the
 functions in CANDIDATES, the same count for each candidate CUDA expression compiled with
-NVRTC's default options (nimble's), which shows which form XLA's matches.
-Inputs: float32 values spread over the exponents (random bit patterns with |x| in
-[2^-20, 2^6]), the specials, and every bfloat16 value (as float32, and as bfloat16).
+NVRTC's default options (nimble's), which shows which form XLA's matches; a form's
+division is named (div.rn: CUDA C's `/`; div.full: the PTX instruction; __fdividef).
+Inputs: float32 values spread over the exponents (|x| from 2^-20 to 2^6), the specials,
+and every bfloat16 value (as float32, and as bfloat16); division's divisors are the
+same values shuffled.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ FUNCS = {
     "cosh": jnp.cosh, "asinh": jnp.arcsinh, "erfc": lax.erfc, "erf_inv": lax.erf_inv,
     "cbrt": jnp.cbrt, "exp2": jnp.exp2, "log2": jnp.log2,
 }
+BINARY = {"div": jnp.divide}  # w: the inputs shuffled
 
 _ERF = """
     float ax = fabsf(x), x2 = x * x;
@@ -40,31 +43,36 @@ _ERF = """
     q = fmaf(x2, q, 0.0010179625278914885f); q = fmaf(x2, q, 0.014070470171167667f);
     q = fmaf(x2, q, 0.11098505178285362f); q = fmaf(x2, q, 0.49746925110067538f);
     q = fmaf(x2, q, 1.0f);
-    y = (3.832506856900711f <= ax) ? copysignf(1.0f, x) : {DIV};
+    y = (3.832506856900711f <= ax) ? copysignf(1.0f, x) : DIV(p, q);
 """
 _TANH = """
     float c = fminf(fmaxf(x, -{CLAMP}), {CLAMP}), c2 = c * c;
-    float n = -2.76076847742355e-16f;
-    n = {MA}(c2, n, 2.00018790482477e-13f); n = {MA}(c2, n, -8.60467152213735e-11f);
-    n = {MA}(c2, n, 5.12229709037114e-08f); n = {MA}(c2, n, 1.48572235717979e-05f);
-    n = {MA}(c2, n, 6.37261928875436e-04f); n = {MA}(c2, n, 4.89352455891786e-03f);
-    n = c * n;
-    float d = 1.19825839466702e-06f;
-    d = {MA}(c2, d, 1.18534705686654e-04f); d = {MA}(c2, d, 2.26843463243900e-03f);
-    d = {MA}(c2, d, 4.89352518554385e-03f);
-    float t = (fabsf(x) < 0.0004f || x != x) ? x : n / d;
+    float nu = -2.76076847742355e-16f;
+    nu = {MA}(c2, nu, 2.00018790482477e-13f); nu = {MA}(c2, nu, -8.60467152213735e-11f);
+    nu = {MA}(c2, nu, 5.12229709037114e-08f); nu = {MA}(c2, nu, 1.48572235717979e-05f);
+    nu = {MA}(c2, nu, 6.37261928875436e-04f); nu = {MA}(c2, nu, 4.89352455891786e-03f);
+    nu = c * nu;
+    float de = 1.19825839466702e-06f;
+    de = {MA}(c2, de, 1.18534705686654e-04f); de = {MA}(c2, de, 2.26843463243900e-03f);
+    de = {MA}(c2, de, 4.89352518554385e-03f);
+    float t = (fabsf(x) < 0.0004f || x != x) ? x : DIV(nu, de);
     y = (fabsf(x) < 20.0f || x != x) ? t : copysignf(1.0f, x);
 """
-_MUL_ADD = "#define MUL_ADD(a, b, c) __fadd_rn(__fmul_rn(a, b), c)\n"  # not contracted to an fma
+HEADER = """__device__ __forceinline__ float div_full(float a, float b) {
+  float r; asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
+#define MUL_ADD(a, b, c) __fadd_rn(__fmul_rn(a, b), c)
+"""
+DIVS = {"div.rn": "((a) / (b))", "div.full": "div_full(a, b)", "__fdividef": "__fdividef(a, b)"}
+# function -> form -> the body (x, w in; y out; DIV(a, b) the division of the form's name)
 CANDIDATES = {
-    "erf": {"erff": "y = erff(x);", "xla-poly div.rn": _ERF.replace("{DIV}", "p / q"),
-            "xla-poly div.full": _ERF.replace("{DIV}", "__fdividef(p, q)")},
+    "erf": {"erff": "y = erff(x);", **{f"xla-poly {d}": _ERF + "//" + d for d in DIVS}},
     "tanh": {"tanhf": "y = tanhf(x);",
-             **{f"xla-rational {ma} clamp {clamp}": _MUL_ADD + _TANH.replace("{MA}", ma).replace("{CLAMP}", clamp)
-                for ma in ("MUL_ADD", "fmaf") for clamp in ("7.90531110763549805f", "7.99881172180175781f")}},
-    "rsqrt": {"1/sqrtf": "y = 1.0f / sqrtf(x);", "rsqrtf": "y = rsqrtf(x);"},
-    "logistic": {"1/(1+expf(-x))": "y = 1.0f / (1.0f + expf(-x));",
-                 "1/(1+__expf(-x))": "y = 1.0f / (1.0f + __expf(-x));"},
+             **{f"xla-rational {ma} clamp {clamp[:6]} {d}": _TANH.replace("{MA}", ma).replace("{CLAMP}", clamp) + "//" + d
+                for ma in ("MUL_ADD", "fmaf") for clamp in ("7.90531110763549805f", "7.99881172180175781f")
+                for d in ("div.rn", "div.full")}},
+    "rsqrt": {"rsqrtf": "y = rsqrtf(x);", **{f"1/sqrtf {d}": "y = DIV(1.0f, sqrtf(x));//" + d for d in DIVS}},
+    "logistic": {f"1/(1+expf(-x)) {d}": "y = DIV(1.0f, 1.0f + expf(-x));//" + d for d in DIVS},
+    "div": {d: "y = DIV(x, w);//" + d for d in DIVS},
 }
 
 
@@ -93,20 +101,20 @@ def compare(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
 
 
 def candidate(body: str):
-    prelude, code = ("", body)
-    if body.startswith("#define"):  # a macro line first, outside the kernel
-        prelude, code = body.split("\n", 1)
-        prelude += "\n"
-    src = (prelude + 'extern "C" __global__ void k(const float* xs, float* ys, int n) {\n'
-           "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i >= n) return;\n"
-           "  float x = xs[i], y;\n" + code + "\n  ys[i] = y;\n}\n")
+    code, _, div = body.rpartition("//")
+    if not code:
+        code, div = body, "div.rn"
+    src = (HEADER + f"#define DIV(a, b) {DIVS[div]}\n"
+           'extern "C" __global__ void k(const float* xs, const float* ws, float* ys, int count) {\n'
+           "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i >= count) return;\n"
+           "  float x = xs[i], w = ws[i], y;\n" + code + "\n  ys[i] = y;\n}\n")
     return cupy.RawModule(code=src, backend="nvrtc").get_function("k")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=1 << 22)
-    ap.add_argument("--funcs", default=",".join(FUNCS))
+    ap.add_argument("--funcs", default=",".join([*FUNCS, *BINARY]))
     args = ap.parse_args()
     require_gpu(__file__)
     rng = np.random.default_rng(0)
@@ -114,24 +122,25 @@ def main() -> None:
     x_dev = jnp.asarray(xs)
     print(f"{len(xs)} float32 inputs; jax {jax.__version__}, {jax.devices()[0].device_kind}")
     print(f"{'function':<10} {'dtype':<9} {'form':<42} {'differ':>9} {'max ulp':>8}")
+    w_host = rng.permutation(xs)
+    w_dev = jnp.asarray(w_host)
     for name in args.funcs.split(","):
-        fn = FUNCS[name]
+        fn = BINARY.get(name) or FUNCS[name]
+        call = (lambda f, a, b: f(a, b)) if name in BINARY else (lambda f, a, b: f(a))
         for dtype in (jnp.float32, jnp.bfloat16):
-            x = x_dev.astype(dtype)
-            want = np.asarray(jax.jit(fn)(x).astype(jnp.float32))
-            got = np.asarray(nimble.jit(fn)(x).astype(jnp.float32))
+            x, w = x_dev.astype(dtype), w_dev.astype(dtype)
+            want = np.asarray(call(jax.jit(fn), x, w).astype(jnp.float32))
+            got = np.asarray(call(nimble.jit(fn), x, w).astype(jnp.float32))
             d, u = compare(got, want)
-            print(f"{name:<10} {jnp.dtype(dtype).name:<9} {'nimble':<42} {d:>9} {u:>8}")
-        special = jnp.asarray(np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32))
-        print(f"{name:<10} jax.jit at nan, -nan, inf, -inf, 0, -0: {np.asarray(jax.jit(fn)(special))}")
+            print(f"{name:<10} {jnp.dtype(dtype).name:<9} {'nimble':<42} {d:>9} {u:>8}", flush=True)
+        want = np.asarray(call(jax.jit(fn), x_dev, w_dev))
         for form, body in CANDIDATES.get(name, {}).items():
             kernel = candidate(body)
-            xin = cupy.asarray(xs)
+            xin, win = cupy.asarray(xs), cupy.asarray(w_host)
             out = cupy.empty_like(xin)
-            kernel(((len(xs) + 255) // 256,), (256,), (xin, out, np.int32(len(xs))))
-            want = np.asarray(jax.jit(fn)(x_dev))
+            kernel(((len(xs) + 255) // 256,), (256,), (xin, win, out, np.int32(len(xs))))
             d, u = compare(cupy.asnumpy(out), want)
-            print(f"{name:<10} {'float32':<9} {form:<42} {d:>9} {u:>8}")
+            print(f"{name:<10} {'float32':<9} {form:<42} {d:>9} {u:>8}", flush=True)
 
 
 if __name__ == "__main__":

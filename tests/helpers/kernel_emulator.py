@@ -18,7 +18,8 @@ undefined unless `build(..., arch=900)` defines it: a kernel's `#if __CUDA_ARCH_
 branch (a scatter-add's vector atomics) runs then, its other branch otherwise. The TF32
 tensor-core kernels' PTX helpers (compiler/lowering/gemm_tc.py, guarded by NIMBLE_TC_PTX)
 are SHIM's own: mma.sync as a warp collective over a per-warp scratch, cvt.rna.tf32.f32
-as rounding to 10 mantissa bits (ties away), cp.async as a plain copy. `launch` runs one
+as rounding to 10 mantissa bits (ties away), cp.async as a plain copy; so is the float
+division of compiler/lowering/xla_math.py (NIMBLE_XLA_DIV), rounded as IEEE's. `launch` runs one
 kernel over given arrays; `compile_library` is the host compiler step, for other host code.
 
 Host math (glibc) is not CUDA's libdevice: results agree within a few ulp, not bit for
@@ -171,6 +172,9 @@ template <class T> static inline T atomicMax(T* p, T v) {
 template <class T> static inline T atomicCAS(T* p, T cmp, T v) {
   return atomic_update(p, [&](T o) { return o == cmp ? v : o; }); }
 #define __align__(n) __attribute__((aligned(n)))
+// compiler/lowering/xla_math.py's division (div.full.f32 there): IEEE, as XLA's CPU code.
+#define NIMBLE_XLA_DIV
+static inline float nimble_div(float a, float b) { return a / b; }
 // The TF32 tensor-core helpers of compiler/lowering/gemm_tc.py (its PTX block is skipped).
 #define NIMBLE_TC_PTX
 // cvt.rna.tf32.f32: round to 10 mantissa bits, to nearest, ties away from zero (a
@@ -305,7 +309,7 @@ def emulatable(kernel) -> bool:
 
 
 # Blocks of device code that SHIM replaces with its own (it defines the guard macro).
-SHIM_GUARDS = ("NIMBLE_TC_PTX",)
+SHIM_GUARDS = ("NIMBLE_TC_PTX", "NIMBLE_XLA_DIV")
 
 
 def _device_only(source: str) -> str:

@@ -13,9 +13,9 @@ from typing import Callable, Mapping, Optional, Sequence
 from nimblejax.compiler.ir import Atom, Literal, Node, Var, short_dtype
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.lowering.task import Kernel
-from nimblejax.compiler.lowering.xla_math import MATH
+from nimblejax.compiler.lowering.xla_math import helpers_for
 
-PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n" + MATH
+PRELUDE = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n"
 BLOCK = 256
 MAX_BLOCKS = 65535 * 16  # grid-stride loops cover the rest
 
@@ -141,8 +141,13 @@ class KernelBuilder:
     def finish(self, kind: str, result: Var, grid: int, block: int, prelude: str = "") -> Kernel:
         text = self.text(prelude)
         name = kernel_name(kind, self.ops, result.dtype, text)
-        source = PRELUDE + text.replace("NAME", name, 1)
+        source = with_prelude(text.replace("NAME", name, 1))
         return Kernel(name, source, (grid, 1, 1), (block, 1, 1), self.params())
+
+
+def with_prelude(source: str) -> str:
+    """A kernel's whole source: the headers, the XLA math helpers it calls, `source`."""
+    return PRELUDE + helpers_for(source) + source
 
 
 def kernel_name(kind: str, ops: Sequence[str], dtype, text: str) -> str:

@@ -57,7 +57,7 @@ from typing import Optional
 
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.ir import Var, short_dtype
-from nimblejax.compiler.lowering.codegen import PRELUDE
+from nimblejax.compiler.lowering.codegen import with_prelude
 from nimblejax.compiler.lowering.gemm_gates import GatePost, slot_lines
 from nimblejax.compiler.lowering.task import Kernel
 
@@ -123,7 +123,7 @@ def small_m_matmul(out: Var, a: Var, b: Var, m: int, n: int, k: int, trans_a: bo
     digest = hashlib.sha1(body.encode()).hexdigest()[:4]
     then = f"_gates{gates.gates}_then_" + "_".join(gates.ops[-2:]) if gates else ""
     name = f"nimble_gemm_small_m{m}_{short_dtype(a.dtype)}{then}_{digest}"
-    source = PRELUDE + body.replace("NAME", name, 1)
+    source = with_prelude(body.replace("NAME", name, 1))
     params = (gates.outputs + (a, b) + gates.inputs) if gates else (out, a, b)
     return Kernel(name, source, (-(-n // cols), 1, 1), (THREADS, 1, 1), params)
 

@@ -90,7 +90,7 @@ from typing import Optional
 from nimblejax.compiler.epilogue_gelu import GELU_CUBIC, SQRT_2_OVER_PI
 from nimblejax.compiler.lowering.gemm_gates import GatePost, gate_epilogue, units
 from nimblejax.compiler.lowering.gemm_post import PostCode
-from nimblejax.compiler.lowering.codegen import PRELUDE
+from nimblejax.compiler.lowering.codegen import with_prelude
 from nimblejax.compiler.lowering.gemm_tc_ptx import PTX_HELPERS
 from nimblejax.compiler.lowering.task import GemmCall, Kernel
 
@@ -261,7 +261,7 @@ def tc_matmul(call: GemmCall, tile: Optional[Tile] = None, post: PostCode | Gate
     outputs = gates.outputs if gates else (post.output if post else call.c,)
     params = outputs + (call.a, call.b) + ((call.bias,) if call.epilogue.bias else ()) \
         + ((call.residual,) if call.epilogue.residual else ()) + (post.inputs if post else ())
-    return Kernel(name, PRELUDE + PTX_HELPERS + body.replace("NAME", name, 1), grid,
+    return Kernel(name, with_prelude(PTX_HELPERS + body.replace("NAME", name, 1)), grid,
                   (tile.threads, 1, 1), params)
 
 

@@ -33,9 +33,9 @@ import numpy as np
 from nimblejax.compiler.ir import Literal, Node, Var
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
-from nimblejax.compiler.lowering.codegen import (BLOCK, PRELUDE, UNROLL, UNROLL_MIN, Index,
+from nimblejax.compiler.lowering.codegen import (BLOCK, UNROLL, UNROLL_MIN, Index,
                                                  KernelBuilder, blocks_for, kernel_name, linear,
-                                                 loop_body)
+                                                 loop_body, with_prelude)
 from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import Kernel
@@ -126,15 +126,15 @@ def scatter(node: Node, inlined: Mapping[Var, Node] = {}, in_place: bool = False
     combine, grid, helper = _combine_kernel(node, inlined, params)
     if in_place:
         name = kernel_name("scatter", combine.ops, out.dtype, "in place\n" + combine.text(helper))
-        return Kernel(name, PRELUDE + combine.text(helper).replace("NAME", name, 1), (grid, 1, 1),
+        return Kernel(name, with_prelude(combine.text(helper).replace("NAME", name, 1)), (grid, 1, 1),
                       (BLOCK, 1, 1), combine.params())
     init, init_grid = _init_kernel(node, inlined, params)
     main_text, init_text = combine.text(helper), init.text()
     # Both texts in the hash: two scatters may share a combine and differ in their init.
     name = kernel_name("scatter", combine.ops, out.dtype, main_text + init_text)
-    first = Kernel(name + "_init", PRELUDE + init_text.replace("NAME", name + "_init", 1),
+    first = Kernel(name + "_init", with_prelude(init_text.replace("NAME", name + "_init", 1)),
                    (init_grid, 1, 1), (BLOCK, 1, 1), init.params())
-    return Kernel(name, PRELUDE + main_text.replace("NAME", name, 1), (grid, 1, 1),
+    return Kernel(name, with_prelude(main_text.replace("NAME", name, 1)), (grid, 1, 1),
                   (BLOCK, 1, 1), combine.params(), pre=(first,))
 
 

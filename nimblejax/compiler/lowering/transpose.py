@@ -22,7 +22,7 @@ from typing import Mapping, Optional
 
 from nimblejax.compiler.ir import Atom, Literal, Node, Var
 from nimblejax.compiler import dtypes
-from nimblejax.compiler.lowering.codegen import PRELUDE, Index, KernelBuilder, kernel_name, linear
+from nimblejax.compiler.lowering.codegen import Index, KernelBuilder, kernel_name, linear, with_prelude
 from nimblejax.compiler.lowering.elementwise import BINARY_NAMES, UNARY_NAMES
 from nimblejax.compiler.lowering.registry import rule_for
 from nimblejax.compiler.lowering.task import Kernel
@@ -165,7 +165,7 @@ def _emit(root: Var, inlined: Mapping[Var, Node], x: Var, nodes: tuple[Node, ...
     text = f"{b.signature('NAME')} {{\n" + "\n".join(b.lines) + "\n}\n"
     name = kernel_name("transpose", b.ops, root.dtype, text)
     grid = (-(-n_r // TILE), -(-n_c // TILE), n_p)
-    return Kernel(name, PRELUDE + text.replace("NAME", name, 1), grid, (TILE, ROWS, 1),
+    return Kernel(name, with_prelude(text.replace("NAME", name, 1)), grid, (TILE, ROWS, 1),
                   b.params())
 
 

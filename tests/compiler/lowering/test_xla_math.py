@@ -1,6 +1,6 @@
-"""erf and tanh as XLA's GPU code computes them (compiler/lowering/xla_math.py): the
-generated kernels run on the CPU (tests/helpers/kernel_emulator.py) against jax.jit on
-the CPU, whose erf is the same formula; on the GPU, nimble against jax.jit bit for bit."""
+"""Division, erf and tanh as XLA's GPU code computes them (compiler/lowering/xla_math.py):
+the generated kernels run on the CPU (tests/helpers/kernel_emulator.py) against jax.jit
+on the CPU, whose erf is the same formula; on the GPU, nimble against jax.jit bit for bit."""
 from __future__ import annotations
 
 import jax
@@ -71,12 +71,13 @@ def test_tanh_kernel_is_within_five_units_in_the_last_place():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["erf", "tanh", "gelu_erf", "gelu_tanh"])
+@pytest.mark.parametrize("name", ["erf", "tanh", "gelu_erf", "gelu_tanh", "div", "logistic"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_gpu_matches_jax_jit_bit_for_bit(name, dtype):
     fn = {"erf": lax.erf, "tanh": jnp.tanh,
           "gelu_erf": lambda v: jax.nn.gelu(v, approximate=False),
-          "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}[name]
+          "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True),
+          "div": lambda v: v / v[::-1], "logistic": jax.nn.sigmoid}[name]
     x = jnp.asarray(spread(1 << 18)).astype(dtype)
     got, want = nimble.jit(fn, backend="cuda")(x), jax.jit(fn)(x)
     differ = same_bits(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
