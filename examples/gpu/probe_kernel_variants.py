@@ -25,6 +25,7 @@ import numpy as np
 import nimblejax as nimble
 from nimblejax.bench.models import MODELS
 from nimblejax.bench.needs_gpu import require_gpu
+from nimblejax.runtime.compile import OPTIONS
 
 ROUND = re.compile(r"__bfloat162float\(__float2bfloat16_rn\(|__half2float\(__float2half_rn\(")
 
@@ -86,7 +87,7 @@ def main() -> None:
         ops = [operand(v, rng) for v in k.params]
         row = []
         for label, src in variants(k.source).items():
-            f = cupy.RawModule(code=src, options=("--std=c++17",)).get_function(k.name)
+            f = cupy.RawModule(code=src, options=OPTIONS).get_function(k.name)
             us = time_us(f, k.grid, k.block, tuple(ops), opts.calls)
             totals[label] = totals.get(label, 0.0) + us
             row.append(f"{label} {us:7.2f}")

@@ -73,7 +73,16 @@ CANDIDATES = {
     "rsqrt": {"rsqrtf": "y = rsqrtf(x);", **{f"1/sqrtf {d}": "y = DIV(1.0f, sqrtf(x));//" + d for d in DIVS}},
     "logistic": {f"1/(1+expf(-x)) {d}": "y = DIV(1.0f, 1.0f + expf(-x));//" + d for d in DIVS},
     "div": {d: "y = DIV(x, w);//" + d for d in DIVS},
+    "sqrt": {"sqrtf": "y = sqrtf(x);", "sqrtf --ftz --prec-sqrt=false": "y = sqrtf(x);",
+             "sqrt.approx.f32": 'asm("sqrt.approx.f32 %0, %1;" : "=f"(y) : "f"(x));',
+             "sqrt.approx.ftz.f32": 'asm("sqrt.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));'},
+    "sin": {"sinf": "y = sinf(x);", "sinf --ftz": "y = sinf(x);"},
+    "log": {"logf": "y = logf(x);", "logf --ftz": "y = logf(x);"},
+    "exp": {"expf": "y = expf(x);", "expf --ftz": "y = expf(x);"},
 }
+# A form whose name holds --ftz (--prec-sqrt=false) compiles with NVRTC's --ftz=true
+# (--prec-sqrt=false).
+OPTION_FLAGS = {"--ftz": "--ftz=true", "--prec-sqrt=false": "--prec-sqrt=false"}
 
 
 def inputs(n: int, rng) -> np.ndarray:
@@ -100,7 +109,7 @@ def compare(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
     return int(differ.sum()), int(np.abs(ia - ib)[differ].max())
 
 
-def candidate(body: str):
+def candidate(body: str, form: str):
     code, _, div = body.rpartition("//")
     if not code:
         code, div = body, "div.rn"
@@ -108,7 +117,8 @@ def candidate(body: str):
            'extern "C" __global__ void k(const float* xs, const float* ws, float* ys, int count) {\n'
            "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i >= count) return;\n"
            "  float x = xs[i], w = ws[i], y;\n" + code + "\n  ys[i] = y;\n}\n")
-    return cupy.RawModule(code=src, backend="nvrtc").get_function("k")
+    options = tuple(flag for word, flag in OPTION_FLAGS.items() if word in form.split())
+    return cupy.RawModule(code=src, backend="nvrtc", options=options).get_function("k")
 
 
 def main() -> None:
@@ -135,7 +145,7 @@ def main() -> None:
             print(f"{name:<10} {jnp.dtype(dtype).name:<9} {'nimble':<42} {d:>9} {u:>8}", flush=True)
         want = np.asarray(call(jax.jit(fn), x_dev, w_dev))
         for form, body in CANDIDATES.get(name, {}).items():
-            kernel = candidate(body)
+            kernel = candidate(body, form)
             xin, win = cupy.asarray(xs), cupy.asarray(w_host)
             out = cupy.empty_like(xin)
             kernel(((len(xs) + 255) // 256,), (256,), (xin, win, out, np.int32(len(xs))))

@@ -15,7 +15,7 @@ UNARY_FLOAT = {
     "floor": "floorf({a})", "ceil": "ceilf({a})", "exp": "expf({a})", "exp2": "exp2f({a})",
     "log": "logf({a})", "log2": "log2f({a})", "log1p": "log1pf({a})", "expm1": "expm1f({a})",
     "sqrt": "sqrtf({a})",
-    "rsqrt": "(1.0f / sqrtf({a}))", "cbrt": "cbrtf({a})", "sin": "sinf({a})", "cos": "cosf({a})",
+    "rsqrt": "rsqrtf({a})", "cbrt": "cbrtf({a})", "sin": "sinf({a})", "cos": "cosf({a})",
     "tan": "tanf({a})", "asin": "asinf({a})", "acos": "acosf({a})", "atan": "atanf({a})",
     "sinh": "sinhf({a})", "cosh": "coshf({a})", "tanh": "nimble_tanh({a})", "asinh": "asinhf({a})",
     "acosh": "acoshf({a})", "atanh": "atanhf({a})", "logistic": "nimble_div(1.0f, 1.0f + expf(-{a}))",
@@ -134,6 +134,11 @@ def unary_template(prim: str, dtype, params) -> str:
     if prim == "round" and operand_class(dtype) == "float":
         # rounding_method 0: away from zero (roundf); 1: to nearest even (rintf).
         return "rintf({a})" if int(params.get("rounding_method", 0)) == 1 else "roundf({a})"
+    from nimblejax.compiler import dtypes
+
+    if prim == "logistic" and dtypes.is_half(dtype):  # XLA expands it into 16-bit steps
+        e = dtypes.round_to(dtype, "expf(-{a})")
+        return f"nimble_div(1.0f, {dtypes.round_to(dtype, '1.0f + ' + e)})"
     table = UNARY[operand_class(dtype)]
     if prim not in table:
         raise NotImplementedError(f"{prim} is not supported for {dtype}")
