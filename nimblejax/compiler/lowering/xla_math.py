@@ -20,7 +20,15 @@ that nimble's results are jax.jit's bit for bit.
   bfloat16 and float16 each of its steps is rounded to the type, as XLA's expansion into
   16-bit operations does (`elementwise.unary_template`).
 
-The other functions are libdevice's, as CUDA C's `expf` and the like are.
+The other functions are libdevice's, as CUDA C's `expf` and the like are; sqrt is its
+approximate form (runtime/compile.py's --prec-sqrt=false).
+
+Measured and not matched yet (probe_unary_bits.py, 1.1M float32 inputs): erf where
+|x| is between about 3.76 and the clamp (jax.jit's result differs from the formula's by
+1 or 2 ulp there, about 1,150 inputs); a subnormal input to most functions (XLA's results
+differ from libdevice's with and without flushing, 256 inputs); erfc, erf_inv, exp2 and
+log2, which JAX and XLA decompose into their own steps (0.3M to 0.5M inputs differ by a
+few ulp); logistic in bfloat16 (161 inputs, 1 ulp).
 `examples/gpu/probe_unary_bits.py` compares every float function with jax.jit on the GPU
 and shows which candidate form matches. The CPU emulator of the tests
 (tests/helpers/kernel_emulator.py) skips the NIMBLE_XLA_DIV block for its own
