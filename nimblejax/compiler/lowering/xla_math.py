@@ -23,9 +23,9 @@ that nimble's results are jax.jit's bit for bit.
 The other functions are libdevice's, as CUDA C's `expf` and the like are; sqrt is its
 approximate form (runtime/compile.py's --prec-sqrt=false).
 
-Measured and not matched yet (probe_unary_bits.py, 1.1M float32 inputs): erf where
-|x| is between about 3.76 and the clamp (jax.jit's result differs from the formula's by
-1 or 2 ulp there, about 1,150 inputs); a subnormal input to most functions (XLA's results
+Measured and not matched yet (probe_unary_bits.py, 1.1M float32 inputs): erf just below
+its clamp (jax.jit's erf is exactly ±1 from |x| ≈ 3.75 on and 1 to 5 ulp below 1 at 3.70
+to 3.74, about 1,150 inputs; the formula's result clamped to ±1 does not match either); a subnormal input to most functions (XLA's results
 differ from libdevice's with and without flushing, 256 inputs); erfc, erf_inv, exp2 and
 log2, which JAX and XLA decompose into their own steps (0.3M to 0.5M inputs differ by a
 few ulp); logistic in bfloat16 (161 inputs, 1 ulp).
