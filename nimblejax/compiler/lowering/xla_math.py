@@ -20,14 +20,20 @@ that nimble's results are jax.jit's bit for bit.
   bfloat16 and float16 each of its steps is rounded to the type, as XLA's expansion into
   16-bit operations does (`elementwise.unary_template`).
 
+- erfc: JAX's `erfc` (the exact form of `jax.nn.gelu`) is decomposed before XLA's
+  kernels are made (stablehlo's CHLO legalization, Cephes's form): 1 − x·T(x²) for
+  |x| < 1, else exp(−x²)/|x| · P(1/x²) below 2 and R(1/x²) from 2 on (0 past
+  exp's range, 2 minus it for negative x), each polynomial evaluated from 0 by
+  multiply-adds, which LLVM fuses; written from that source, not yet measured on a GPU.
+
 The other functions are libdevice's, as CUDA C's `expf` and the like are; sqrt is its
 approximate form (runtime/compile.py's --prec-sqrt=false).
 
 Measured and not matched yet (probe_unary_bits.py, 1.1M float32 inputs): erf just below
 its clamp (jax.jit's erf is exactly ±1 from |x| ≈ 3.75 on and 1 to 5 ulp below 1 at 3.70
 to 3.74, about 1,150 inputs; the formula's result clamped to ±1 does not match either); a subnormal input to most functions (XLA's results
-differ from libdevice's with and without flushing, 256 inputs); erfc, erf_inv, exp2 and
-log2, which JAX and XLA decompose into their own steps (0.3M to 0.5M inputs differ by a
+differ from libdevice's with and without flushing, 256 inputs); erf_inv, exp2 and log2,
+which JAX and XLA decompose into their own steps (0.3M to 0.5M inputs differ by a
 few ulp); logistic in bfloat16 (161 inputs, 1 ulp).
 `examples/gpu/probe_unary_bits.py` compares every float function with jax.jit on the GPU
 and shows which candidate form matches. The CPU emulator of the tests
@@ -78,10 +84,44 @@ static __device__ __forceinline__ float nimble_tanh(float x) {
   d = fmaf(c2, d, 4.89352518554385e-03f);
   return nimble_div(n, d);
 }
+static __device__ __forceinline__ float nimble_erfc(float x) {
+  float x2 = x * x, z = -x2, ax = fabsf(x);
+  float e = expf(z) * nimble_div(1.0f, ax), r = nimble_div(1.0f, x2);
+  float p = 0.0f;
+  p = fmaf(p, r, (float)2.326819970068386E-2);
+  p = fmaf(p, r, (float)-1.387039388740657E-1);
+  p = fmaf(p, r, (float)3.687424674597105E-1);
+  p = fmaf(p, r, (float)-5.824733027278666E-1);
+  p = fmaf(p, r, (float)6.210004621745983E-1);
+  p = fmaf(p, r, (float)-4.944515323274145E-1);
+  p = fmaf(p, r, (float)3.404879937665872E-1);
+  p = fmaf(p, r, (float)-2.741127028184656E-1);
+  p = fmaf(p, r, (float)5.638259427386472E-1);
+  float q = 0.0f;
+  q = fmaf(q, r, (float)-1.047766399936249E+1);
+  q = fmaf(q, r, (float)1.297719955372516E+1);
+  q = fmaf(q, r, (float)-7.495518717768503E+0);
+  q = fmaf(q, r, (float)2.921019019210786E+0);
+  q = fmaf(q, r, (float)-1.015265279202700E+0);
+  q = fmaf(q, r, (float)4.218463358204948E-1);
+  q = fmaf(q, r, (float)-2.820767439740514E-1);
+  q = fmaf(q, r, (float)5.641895067754075E-1);
+  float big = z < (float)-88.72283905206835 ? 0.0f : e * (ax < 2.0f ? p : q);
+  big = x < 0.0f ? 2.0f - big : big;
+  float t = 0.0f;
+  t = fmaf(t, x2, (float)7.853861353153693E-5);
+  t = fmaf(t, x2, (float)-8.010193625184903E-4);
+  t = fmaf(t, x2, (float)5.188327685732524E-3);
+  t = fmaf(t, x2, (float)-2.685381193529856E-2);
+  t = fmaf(t, x2, (float)1.128358514861418E-1);
+  t = fmaf(t, x2, (float)-3.761262582423300E-1);
+  t = fmaf(t, x2, (float)1.128379165726710E+0);
+  return ax < 1.0f ? fmaf(-x, t, 1.0f) : big;
+}
 #endif
 """
 
 
 def helpers_for(source: str) -> str:
     """MATH where `source` calls one of its functions, else nothing."""
-    return MATH if any(f"nimble_{f}(" in source for f in ("div", "erf", "tanh")) else ""
+    return MATH if any(f"nimble_{f}(" in source for f in ("div", "erf", "erfc", "tanh")) else ""
