@@ -19,13 +19,13 @@ UNARY_FLOAT = {
     "tan": "tanf({a})", "asin": "asinf({a})", "acos": "acosf({a})", "atan": "atanf({a})",
     "sinh": "sinhf({a})", "cosh": "coshf({a})", "tanh": "nimble_tanh({a})", "asinh": "asinhf({a})",
     "acosh": "acoshf({a})", "atanh": "atanhf({a})", "logistic": "nimble_div(1.0f, 1.0f + expf(-{a}))",
-    "erf": "nimble_erf({a})", "erfc": "nimble_erfc({a})", "erf_inv": "erfinvf({a})", "lgamma": "lgammaf({a})",
+    "erf": "nimble_erf({a})", "erfc": "nimble_erfc({a})", "erf_inv": "nimble_erf_inv({a})", "lgamma": "lgammaf({a})",
     "square": "({a} * {a})", "is_finite": "isfinite({a})", "copy": "{a}",
     # jax >= 0.11 emits this for the derivative of tanh. (log2, above: a primitive of its
     # own in jax 0.11, lax.log2 / jnp.log2; log(x) / log(2) before.)
     "one_minus_square": "(1.0f - {a} * {a})",
 }
-# erf, erfc, tanh and division as XLA computes them on GPUs (xla_math.py), not as CUDA C does.
+# erf, erfc, erf_inv, tanh and division as XLA computes them on GPUs (xla_math.py), not as CUDA C does.
 # Signed overflow is undefined in C (compilers fold `x + y > x` to `y > 0`); XLA wraps.
 # So signed arithmetic goes through unsigned int, whose overflow wraps, and back.
 UNARY_INT = {

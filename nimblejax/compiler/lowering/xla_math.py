@@ -26,15 +26,19 @@ that nimble's results are jax.jit's bit for bit.
   exp's range, 2 minus it for negative x), each polynomial evaluated from 0 by
   multiply-adds, which LLVM fuses; written from that source, not yet measured on a GPU.
 
+- erf_inv (jax.random.normal's): likewise decomposed (Giles's single-precision form):
+  w = −log1p(−x²); below 5 a polynomial in w − 2.5, else in √w − 3, by multiply-adds;
+  ±inf at ±1; written from that source, not yet measured on a GPU.
+
 The other functions are libdevice's, as CUDA C's `expf` and the like are; sqrt is its
 approximate form (runtime/compile.py's --prec-sqrt=false).
 
 Measured and not matched yet (probe_unary_bits.py, 1.1M float32 inputs): erf just below
 its clamp (jax.jit's erf is exactly ±1 from |x| ≈ 3.75 on and 1 to 5 ulp below 1 at 3.70
-to 3.74, about 1,150 inputs; the formula's result clamped to ±1 does not match either); a subnormal input to most functions (XLA's results
-differ from libdevice's with and without flushing, 256 inputs); erf_inv, exp2 and log2,
-which JAX and XLA decompose into their own steps (0.3M to 0.5M inputs differ by a
-few ulp); logistic in bfloat16 (161 inputs, 1 ulp).
+to 3.74, about 1,150 inputs; the formula's result clamped to ±1 does not match either);
+a subnormal input to most functions (XLA's results differ from libdevice's with and
+without flushing, 256 inputs); exp2 and log2, which JAX lowers into its own steps
+(156,808 and 286,354 inputs differ by a few ulp); logistic in bfloat16 (161 inputs, 1 ulp).
 `examples/gpu/probe_unary_bits.py` compares every float function with jax.jit on the GPU
 and shows which candidate form matches. The CPU emulator of the tests
 (tests/helpers/kernel_emulator.py) skips the NIMBLE_XLA_DIV block for its own
@@ -118,10 +122,25 @@ static __device__ __forceinline__ float nimble_erfc(float x) {
   t = fmaf(t, x2, (float)1.128379165726710E+0);
   return ax < 1.0f ? fmaf(-x, t, 1.0f) : big;
 }
+static __device__ __forceinline__ float nimble_erf_inv(float x) {
+  float w = -log1pf(x * -x);
+  bool lt = w < 5.0f;
+  w = lt ? w - 2.5f : sqrtf(w) - 3.0f;
+  float p = lt ? 2.81022636e-08f : -0.000200214257f;
+  p = fmaf(p, w, lt ? 3.43273939e-07f : 0.000100950558f);
+  p = fmaf(p, w, lt ? -3.5233877e-06f : 0.00134934322f);
+  p = fmaf(p, w, lt ? -4.39150654e-06f : -0.00367342844f);
+  p = fmaf(p, w, lt ? 0.00021858087f : 0.00573950773f);
+  p = fmaf(p, w, lt ? -0.00125372503f : -0.0076224613f);
+  p = fmaf(p, w, lt ? -0.00417768164f : 0.00943887047f);
+  p = fmaf(p, w, lt ? 0.246640727f : 1.00167406f);
+  p = fmaf(p, w, lt ? 1.50140941f : 2.83297682f);
+  return fabsf(x) == 1.0f ? x * __int_as_float(0x7f800000) : p * x;
+}
 #endif
 """
 
 
 def helpers_for(source: str) -> str:
     """MATH where `source` calls one of its functions, else nothing."""
-    return MATH if any(f"nimble_{f}(" in source for f in ("div", "erf", "erfc", "tanh")) else ""
+    return MATH if any(f"nimble_{f}(" in source for f in ("div", "erf", "erfc", "erf_inv", "tanh")) else ""
