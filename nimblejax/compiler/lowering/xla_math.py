@@ -91,35 +91,11 @@ static __device__ __forceinline__ float nimble_tanh(float x) {
 static __device__ __forceinline__ float nimble_erfc(float x) {
   float x2 = x * x, z = -x2, ax = fabsf(x);
   float e = expf(z) * nimble_div(1.0f, ax), r = nimble_div(1.0f, x2);
-  float p = 0.0f;
-  p = fmaf(p, r, (float)2.326819970068386E-2);
-  p = fmaf(p, r, (float)-1.387039388740657E-1);
-  p = fmaf(p, r, (float)3.687424674597105E-1);
-  p = fmaf(p, r, (float)-5.824733027278666E-1);
-  p = fmaf(p, r, (float)6.210004621745983E-1);
-  p = fmaf(p, r, (float)-4.944515323274145E-1);
-  p = fmaf(p, r, (float)3.404879937665872E-1);
-  p = fmaf(p, r, (float)-2.741127028184656E-1);
-  p = fmaf(p, r, (float)5.638259427386472E-1);
-  float q = 0.0f;
-  q = fmaf(q, r, (float)-1.047766399936249E+1);
-  q = fmaf(q, r, (float)1.297719955372516E+1);
-  q = fmaf(q, r, (float)-7.495518717768503E+0);
-  q = fmaf(q, r, (float)2.921019019210786E+0);
-  q = fmaf(q, r, (float)-1.015265279202700E+0);
-  q = fmaf(q, r, (float)4.218463358204948E-1);
-  q = fmaf(q, r, (float)-2.820767439740514E-1);
-  q = fmaf(q, r, (float)5.641895067754075E-1);
+@P@
+@Q@
   float big = z < (float)-88.72283905206835 ? 0.0f : e * (ax < 2.0f ? p : q);
   big = x < 0.0f ? 2.0f - big : big;
-  float t = 0.0f;
-  t = fmaf(t, x2, (float)7.853861353153693E-5);
-  t = fmaf(t, x2, (float)-8.010193625184903E-4);
-  t = fmaf(t, x2, (float)5.188327685732524E-3);
-  t = fmaf(t, x2, (float)-2.685381193529856E-2);
-  t = fmaf(t, x2, (float)1.128358514861418E-1);
-  t = fmaf(t, x2, (float)-3.761262582423300E-1);
-  t = fmaf(t, x2, (float)1.128379165726710E+0);
+@T@
   return ax < 1.0f ? fmaf(-x, t, 1.0f) : big;
 }
 static __device__ __forceinline__ float nimble_erf_inv(float x) {
@@ -139,6 +115,25 @@ static __device__ __forceinline__ float nimble_erf_inv(float x) {
 }
 #endif
 """
+
+# erfc's polynomials (Cephes's coefficients, double literals rounded to float as the
+# decomposition's C++ arrays round them): P for 1 <= |x| < 2 and R from 2 on, in 1/x²;
+# T for |x| < 1, in x².
+ERFC_P = ("2.326819970068386E-2", "-1.387039388740657E-1", "3.687424674597105E-1", "-5.824733027278666E-1", "6.210004621745983E-1", "-4.944515323274145E-1", "3.404879937665872E-1", "-2.741127028184656E-1", "5.638259427386472E-1")
+ERFC_R = ("-1.047766399936249E+1", "1.297719955372516E+1", "-7.495518717768503E+0", "2.921019019210786E+0", "-1.015265279202700E+0", "4.218463358204948E-1", "-2.820767439740514E-1", "5.641895067754075E-1")
+ERFC_T = ("7.853861353153693E-5", "-8.010193625184903E-4", "5.188327685732524E-3", "-2.685381193529856E-2", "1.128358514861418E-1", "-3.761262582423300E-1", "1.128379165726710E+0")
+
+
+def horner(name: str, var: str, coefficients: tuple[str, ...]) -> str:
+    """C lines computing `name` as the decomposition evaluates a polynomial: from 0,
+    name = name * var + c for each coefficient, highest first, each step one fused
+    multiply-add (as LLVM fuses them)."""
+    steps = [f"  {name} = fmaf({name}, {var}, (float){c});" for c in coefficients]
+    return "\n".join([f"  float {name} = 0.0f;", *steps])
+
+
+MATH = (MATH.replace("@P@", horner("p", "r", ERFC_P)).replace("@Q@", horner("q", "r", ERFC_R))
+        .replace("@T@", horner("t", "x2", ERFC_T)))
 
 
 def helpers_for(source: str) -> str:
