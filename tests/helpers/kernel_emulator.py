@@ -126,13 +126,6 @@ static inline long long max(long long a, long long b) { return a > b ? a : b; }
 static inline long long min(long long a, long long b) { return a < b ? a : b; }
 static inline float max(float a, float b) { return fmaxf(a, b); }
 static inline float min(float a, float b) { return fminf(a, b); }
-// erfinv is not in glibc: Winitzki's estimate, then Newton steps on erf in double.
-static inline float erfinvf(float y) {
-  if (!(y > -1.f && y < 1.f)) return y == 1.f ? INFINITY : y == -1.f ? -INFINITY : NAN;
-  const double w = log((1.0 - y) * (1.0 + y)), a = 0.147, t = 2 / (M_PI * a) + w / 2;
-  double x = copysign(sqrt(sqrt(t * t - w / a) - t), (double)y);
-  for (int i = 0; i < 4 && y != 0.f; ++i) x -= (erf(x) - y) / (M_2_SQRTPI * exp(-x * x));
-  return (float)x; }
 template <class T, class F> static inline T atomic_update(T* p, F f) {
   nimble_lock(); T old = *p; *p = f(old); nimble_unlock(); return old; }
 template <class T> static inline T atomicAdd(T* p, T v) {

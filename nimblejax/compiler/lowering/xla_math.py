@@ -47,95 +47,101 @@ A kernel that calls these carries MATH after its headers (`codegen.with_prelude`
 """
 from __future__ import annotations
 
-MATH = """#ifndef NIMBLE_XLA_DIV
+import re
+
+
+def horner(name: str, var: str, coefficients: tuple[str, ...], from_zero: bool = False) -> str:
+    """C lines computing the polynomial `name` in `var`, highest coefficient first, each
+    step one fused multiply-add, name = name * var + c (as LLVM fuses XLA's multiplies and
+    adds). `from_zero`: the first step multiplies 0, as JAX's decompositions start;
+    otherwise the highest coefficient is the start (Eigen's forms in XLA's emitter).
+    A coefficient is a C expression."""
+    first, *rest = coefficients
+    start = f"fmaf(0.0f, {var}, {first})" if from_zero else first
+    steps = [f"  {name} = fmaf({name}, {var}, {c});" for c in rest]
+    return "\n".join([f"  float {name} = {start};", *steps])
+
+
+def _floats(*decimals: str) -> tuple[str, ...]:
+    """Double literals rounded to float, as the decompositions' C++ float arrays round them."""
+    return tuple(f"(float){d}" for d in decimals)
+
+
+# erf (XLA's emitter): x·P(x²)/Q(x²).
+ERF_P = ("0.00022905065861350646f", "0.0034082910107109506f", "0.050955695062380861f",
+         "0.18520832239976145f", "1.128379143519084f")
+ERF_Q = ("-1.1791602954361697e-7f", "0.000023547966471313185f", "0.0010179625278914885f",
+         "0.014070470171167667f", "0.11098505178285362f", "0.49746925110067538f", "1.0f")
+# tanh (XLA's emitter): c·N(c²)/D(c²) of the clamped c.
+TANH_N = ("-2.76076847742355e-16f", "2.00018790482477e-13f", "-8.60467152213735e-11f",
+          "5.12229709037114e-08f", "1.48572235717979e-05f", "6.37261928875436e-04f",
+          "4.89352455891786e-03f")
+TANH_D = ("1.19825839466702e-06f", "1.18534705686654e-04f", "2.26843463243900e-03f",
+          "4.89352518554385e-03f")
+# erfc (Cephes): P for 1 <= |x| < 2 and R from 2 on, in 1/x²; T for |x| < 1, in x².
+ERFC_P = _floats("2.326819970068386E-2", "-1.387039388740657E-1", "3.687424674597105E-1",
+                 "-5.824733027278666E-1", "6.210004621745983E-1", "-4.944515323274145E-1",
+                 "3.404879937665872E-1", "-2.741127028184656E-1", "5.638259427386472E-1")
+ERFC_R = _floats("-1.047766399936249E+1", "1.297719955372516E+1", "-7.495518717768503E+0",
+                 "2.921019019210786E+0", "-1.015265279202700E+0", "4.218463358204948E-1",
+                 "-2.820767439740514E-1", "5.641895067754075E-1")
+ERFC_T = _floats("7.853861353153693E-5", "-8.010193625184903E-4", "5.188327685732524E-3",
+                 "-2.685381193529856E-2", "1.128358514861418E-1", "-3.761262582423300E-1",
+                 "1.128379165726710E+0")
+# erf_inv (Giles): the coefficients below w = 5 and from 5 on, chosen per element.
+ERF_INV_LOW = ("2.81022636e-08f", "3.43273939e-07f", "-3.5233877e-06f", "-4.39150654e-06f",
+               "0.00021858087f", "-0.00125372503f", "-0.00417768164f", "0.246640727f",
+               "1.50140941f")
+ERF_INV_HIGH = ("-0.000200214257f", "0.000100950558f", "0.00134934322f", "-0.00367342844f",
+                "0.00573950773f", "-0.0076224613f", "0.00943887047f", "1.00167406f",
+                "2.83297682f")
+
+MATH = f"""#ifndef NIMBLE_XLA_DIV
 #define NIMBLE_XLA_DIV
-static __device__ __forceinline__ float nimble_div(float a, float b) {
+static __device__ __forceinline__ float nimble_div(float a, float b) {{
   float r;
   asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
-}
+}}
 #endif  // NIMBLE_XLA_DIV
 #ifndef NIMBLE_XLA_MATH
 #define NIMBLE_XLA_MATH
-static __device__ __forceinline__ float nimble_erf(float x) {
+static __device__ __forceinline__ float nimble_erf(float x) {{
   float x2 = x * x;
-  float p = fmaf(x2, 0.00022905065861350646f, 0.0034082910107109506f);
-  p = fmaf(x2, p, 0.050955695062380861f);
-  p = fmaf(x2, p, 0.18520832239976145f);
-  p = fmaf(x2, p, 1.128379143519084f);
-  p = x * p;
-  float q = fmaf(x2, -1.1791602954361697e-7f, 0.000023547966471313185f);
-  q = fmaf(x2, q, 0.0010179625278914885f);
-  q = fmaf(x2, q, 0.014070470171167667f);
-  q = fmaf(x2, q, 0.11098505178285362f);
-  q = fmaf(x2, q, 0.49746925110067538f);
-  q = fmaf(x2, q, 1.0f);
-  return 3.832506856900711f <= fabsf(x) ? copysignf(1.0f, x) : nimble_div(p, q);
-}
-static __device__ __forceinline__ float nimble_tanh(float x) {
+{horner("p", "x2", ERF_P)}
+{horner("q", "x2", ERF_Q)}
+  return 3.832506856900711f <= fabsf(x) ? copysignf(1.0f, x) : nimble_div(x * p, q);
+}}
+static __device__ __forceinline__ float nimble_tanh(float x) {{
   if (x != x || fabsf(x) < 0.0004f) return x;
   if (fabsf(x) >= 20.0f) return copysignf(1.0f, x);
   float c = fminf(fmaxf(x, -7.99881172180175781f), 7.99881172180175781f), c2 = c * c;
-  float n = fmaf(c2, -2.76076847742355e-16f, 2.00018790482477e-13f);
-  n = fmaf(c2, n, -8.60467152213735e-11f);
-  n = fmaf(c2, n, 5.12229709037114e-08f);
-  n = fmaf(c2, n, 1.48572235717979e-05f);
-  n = fmaf(c2, n, 6.37261928875436e-04f);
-  n = fmaf(c2, n, 4.89352455891786e-03f);
-  n = c * n;
-  float d = fmaf(c2, 1.19825839466702e-06f, 1.18534705686654e-04f);
-  d = fmaf(c2, d, 2.26843463243900e-03f);
-  d = fmaf(c2, d, 4.89352518554385e-03f);
-  return nimble_div(n, d);
-}
-static __device__ __forceinline__ float nimble_erfc(float x) {
+{horner("n", "c2", TANH_N)}
+{horner("d", "c2", TANH_D)}
+  return nimble_div(c * n, d);
+}}
+static __device__ __forceinline__ float nimble_erfc(float x) {{
   float x2 = x * x, z = -x2, ax = fabsf(x);
   float e = expf(z) * nimble_div(1.0f, ax), r = nimble_div(1.0f, x2);
-@P@
-@Q@
+{horner("p", "r", ERFC_P, from_zero=True)}
+{horner("q", "r", ERFC_R, from_zero=True)}
   float big = z < (float)-88.72283905206835 ? 0.0f : e * (ax < 2.0f ? p : q);
   big = x < 0.0f ? 2.0f - big : big;
-@T@
+{horner("t", "x2", ERFC_T, from_zero=True)}
   return ax < 1.0f ? fmaf(-x, t, 1.0f) : big;
-}
-static __device__ __forceinline__ float nimble_erf_inv(float x) {
+}}
+static __device__ __forceinline__ float nimble_erf_inv(float x) {{
   float w = -log1pf(x * -x);
   bool lt = w < 5.0f;
   w = lt ? w - 2.5f : sqrtf(w) - 3.0f;
-  float p = lt ? 2.81022636e-08f : -0.000200214257f;
-  p = fmaf(p, w, lt ? 3.43273939e-07f : 0.000100950558f);
-  p = fmaf(p, w, lt ? -3.5233877e-06f : 0.00134934322f);
-  p = fmaf(p, w, lt ? -4.39150654e-06f : -0.00367342844f);
-  p = fmaf(p, w, lt ? 0.00021858087f : 0.00573950773f);
-  p = fmaf(p, w, lt ? -0.00125372503f : -0.0076224613f);
-  p = fmaf(p, w, lt ? -0.00417768164f : 0.00943887047f);
-  p = fmaf(p, w, lt ? 0.246640727f : 1.00167406f);
-  p = fmaf(p, w, lt ? 1.50140941f : 2.83297682f);
+{horner("p", "w", tuple(f"(lt ? {a} : {b})" for a, b in zip(ERF_INV_LOW, ERF_INV_HIGH)))}
   return fabsf(x) == 1.0f ? x * __int_as_float(0x7f800000) : p * x;
-}
+}}
 #endif
 """
-
-# erfc's polynomials (Cephes's coefficients, double literals rounded to float as the
-# decomposition's C++ arrays round them): P for 1 <= |x| < 2 and R from 2 on, in 1/x²;
-# T for |x| < 1, in x².
-ERFC_P = ("2.326819970068386E-2", "-1.387039388740657E-1", "3.687424674597105E-1", "-5.824733027278666E-1", "6.210004621745983E-1", "-4.944515323274145E-1", "3.404879937665872E-1", "-2.741127028184656E-1", "5.638259427386472E-1")
-ERFC_R = ("-1.047766399936249E+1", "1.297719955372516E+1", "-7.495518717768503E+0", "2.921019019210786E+0", "-1.015265279202700E+0", "4.218463358204948E-1", "-2.820767439740514E-1", "5.641895067754075E-1")
-ERFC_T = ("7.853861353153693E-5", "-8.010193625184903E-4", "5.188327685732524E-3", "-2.685381193529856E-2", "1.128358514861418E-1", "-3.761262582423300E-1", "1.128379165726710E+0")
-
-
-def horner(name: str, var: str, coefficients: tuple[str, ...]) -> str:
-    """C lines computing `name` as the decomposition evaluates a polynomial: from 0,
-    name = name * var + c for each coefficient, highest first, each step one fused
-    multiply-add (as LLVM fuses them)."""
-    steps = [f"  {name} = fmaf({name}, {var}, (float){c});" for c in coefficients]
-    return "\n".join([f"  float {name} = 0.0f;", *steps])
-
-
-MATH = (MATH.replace("@P@", horner("p", "r", ERFC_P)).replace("@Q@", horner("q", "r", ERFC_R))
-        .replace("@T@", horner("t", "x2", ERFC_T)))
+HELPERS = tuple(re.findall(r"float (nimble_\w+)\(", MATH))
 
 
 def helpers_for(source: str) -> str:
     """MATH where `source` calls one of its functions, else nothing."""
-    return MATH if any(f"nimble_{f}(" in source for f in ("div", "erf", "erfc", "erf_inv", "tanh")) else ""
+    return MATH if any(f"{h}(" in source for h in HELPERS) else ""
