@@ -31,6 +31,8 @@ FUNCS = {
     "sin": jnp.sin, "cos": jnp.cos, "tan": jnp.tan, "atan": jnp.arctan, "sinh": jnp.sinh,
     "cosh": jnp.cosh, "asinh": jnp.arcsinh, "erfc": lax.erfc, "erf_inv": lax.erf_inv,
     "cbrt": jnp.cbrt, "exp2": jnp.exp2, "log2": jnp.log2,
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_erfc": lambda x: jax.nn.gelu(x, approximate=False),
 }
 BINARY = {"div": jnp.divide}  # w: the inputs shuffled
 
@@ -81,7 +83,11 @@ CANDIDATES = {
     "sin": {"sinf": "y = sinf(x);", "sinf --ftz": "y = sinf(x);"},
     "log": {"logf": "y = logf(x);", "logf --ftz": "y = logf(x);"},
     "exp": {"expf": "y = expf(x);", "expf --ftz": "y = expf(x);"},
+    "exp2": {"exp2f": "y = exp2f(x);", "expf(x * ln2)": "y = expf(__fmul_rn(x, 0.693147182f));"},
+    "log2": {"log2f": "y = log2f(x);", "logf(x) / ln2 div.full": "y = DIV(logf(x), 0.693147182f);//div.full",
+             "logf(x) * (1 / ln2)": "y = __fmul_rn(logf(x), 1.44269502f);"},
 }
+
 # A form whose name holds --ftz (--prec-sqrt=false) compiles with NVRTC's --ftz=true
 # (--prec-sqrt=false).
 OPTION_FLAGS = {"--ftz": "--ftz=true", "--prec-sqrt=false": "--prec-sqrt=false"}
@@ -98,17 +104,30 @@ def inputs(n: int, rng) -> np.ndarray:
     return np.concatenate([mags * signs, specials, every_bf16])
 
 
-def compare(a: np.ndarray, b: np.ndarray) -> tuple[int, int]:
-    """(how many differ, the largest distance in units in the last place)."""
+def compare(a: np.ndarray, b: np.ndarray, keep=None) -> tuple[int, int]:
+    """(how many differ, the largest distance in units in the last place), over the
+    inputs where `keep` is true (all without it)."""
     a, b = np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32)
     both_nan = np.isnan(a) & np.isnan(b)
     differ = (a.view(np.int32) != b.view(np.int32)) & ~both_nan
+    if keep is not None:
+        differ &= keep
     if not differ.any():
         return 0, 0
     ia, ib = a.view(np.int32).astype(np.int64), b.view(np.int32).astype(np.int64)
     ia = np.where(ia < 0, -(ia & 0x7FFFFFFF), ia)  # sign-magnitude to a monotone line
     ib = np.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
     return int(differ.sum()), int(np.abs(ia - ib)[differ].max())
+
+
+def row(got: np.ndarray, want: np.ndarray, keep: np.ndarray) -> str:
+    """The table's counts: over all inputs, then over the normal ones."""
+    tiny = np.finfo(np.float32).tiny
+    outs = [np.abs(np.asarray(v, np.float32)) for v in (got, want)]
+    normal_out = keep & np.logical_and(*[(v >= tiny) | (v == 0) | ~np.isfinite(v) for v in outs])
+    (d, u), (dn, un) = compare(got, want), compare(got, want, keep)
+    do, uo = compare(got, want, normal_out)
+    return f"{d:>9} {u:>8} {dn:>9} {un:>8} {do:>9} {uo:>8}"
 
 
 def candidate(body: str, form: str):
@@ -133,7 +152,11 @@ def main() -> None:
     xs = inputs(args.n, rng)
     x_dev = jnp.asarray(xs)
     print(f"{len(xs)} float32 inputs; jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    print(f"{'function':<10} {'dtype':<9} {'form':<42} {'differ':>9} {'max ulp':>8}")
+    normal = ~((np.abs(xs) < np.finfo(np.float32).tiny) & (xs != 0))
+    print("normal: the same over the inputs that are not subnormal; normal out: and the"
+          " results neither")
+    print(f"{'function':<10} {'dtype':<9} {'form':<42} {'differ':>9} {'max ulp':>8}"
+          f" {'normal':>9} {'max ulp':>8} {'norm out':>9} {'max ulp':>8}")
     w_host = rng.permutation(xs)
     w_dev = jnp.asarray(w_host)
     for name in args.funcs.split(","):
@@ -143,8 +166,9 @@ def main() -> None:
             x, w = x_dev.astype(dtype), w_dev.astype(dtype)
             want = np.asarray(call(jax.jit(fn), x, w).astype(jnp.float32))
             got = np.asarray(call(nimble.jit(fn), x, w).astype(jnp.float32))
-            d, u = compare(got, want)
-            print(f"{name:<10} {jnp.dtype(dtype).name:<9} {'nimble':<42} {d:>9} {u:>8}", flush=True)
+            keep = ~((np.abs(np.asarray(x.astype(jnp.float32))) < np.finfo(np.float32).tiny)
+                     & (np.asarray(x.astype(jnp.float32)) != 0))
+            print(f"{name:<10} {jnp.dtype(dtype).name:<9} {'nimble':<42}", row(got, want, keep), flush=True)
         want = np.asarray(call(jax.jit(fn), x_dev, w_dev))
         if name == "erf":  # where XLA's erf leaves the formula: its bits below the clamp
             band = np.linspace(3.70, 3.84, 15, dtype=np.float32)
@@ -156,8 +180,8 @@ def main() -> None:
             xin, win = cupy.asarray(xs), cupy.asarray(w_host)
             out = cupy.empty_like(xin)
             kernel(((len(xs) + 255) // 256,), (256,), (xin, win, out, np.int32(len(xs))))
-            d, u = compare(cupy.asnumpy(out), want)
-            print(f"{name:<10} {'float32':<9} {form:<42} {d:>9} {u:>8}", flush=True)
+            print(f"{name:<10} {'float32':<9} {form:<42}", row(cupy.asnumpy(out), want, normal),
+                  flush=True)
 
 
 if __name__ == "__main__":

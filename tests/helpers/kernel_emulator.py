@@ -169,6 +169,7 @@ template <class T> static inline T atomicCAS(T* p, T cmp, T v) {
 #define NIMBLE_XLA_DIV
 static inline float nimble_div(float a, float b) { return a / b; }
 static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }  // rsqrt.approx there
+static inline float __fmul_rn(float a, float b) { return a * b; }  // never fused (no -mfma)
 // The TF32 tensor-core helpers of compiler/lowering/gemm_tc.py (its PTX block is skipped).
 #define NIMBLE_TC_PTX
 // cvt.rna.tf32.f32: round to 10 mantissa bits, to nearest, ties away from zero (a

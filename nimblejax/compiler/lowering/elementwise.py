@@ -20,12 +20,16 @@ UNARY_FLOAT = {
     "sinh": "sinhf({a})", "cosh": "coshf({a})", "tanh": "nimble_tanh({a})", "asinh": "asinhf({a})",
     "acosh": "acoshf({a})", "atanh": "atanhf({a})", "logistic": "nimble_div(1.0f, 1.0f + expf(-{a}))",
     "erf": "nimble_erf({a})", "erfc": "nimble_erfc({a})", "erf_inv": "nimble_erf_inv({a})", "lgamma": "lgammaf({a})",
-    "square": "({a} * {a})", "is_finite": "isfinite({a})", "copy": "{a}",
+    "square": "__fmul_rn({a}, {a})", "is_finite": "isfinite({a})", "copy": "{a}",
     # jax >= 0.11 emits this for the derivative of tanh. (log2, above: a primitive of its
     # own in jax 0.11, lax.log2 / jnp.log2; log(x) / log(2) before.)
-    "one_minus_square": "(1.0f - {a} * {a})",
+    "one_minus_square": "(1.0f - __fmul_rn({a}, {a}))",
 }
 # erf, erfc, erf_inv, tanh and division as XLA computes them on GPUs (xla_math.py), not as CUDA C does.
+# A float multiply is __fmul_rn, which NVRTC never fuses into the add that reads it: XLA's
+# GPU code rounds an HLO multiply and an HLO add each (measured: JAX's erfc and erf_inv,
+# sums of products, match jax.jit bit for bit only unfused), where CUDA C's `a * b + c`
+# would be one fused multiply-add.
 # Signed overflow is undefined in C (compilers fold `x + y > x` to `y > 0`); XLA wraps.
 # So signed arithmetic goes through unsigned int, whose overflow wraps, and back.
 UNARY_INT = {
@@ -38,7 +42,7 @@ UNARY_INT = {
 UNARY_BOOL = {"not": "(!{a})", "copy": "{a}"}
 
 BINARY_FLOAT = {
-    "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "({a} * {b})", "div": "nimble_div({a}, {b})",
+    "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "__fmul_rn({a}, {b})", "div": "nimble_div({a}, {b})",
     "rem": "fmodf({a}, {b})", "pow": "powf({a}, {b})", "max": _FMAX, "min": _FMIN,
     "atan2": "atan2f({a}, {b})", "nextafter": "nextafterf({a}, {b})",
 }

@@ -75,17 +75,18 @@ def test_tanh_kernel_is_within_five_units_in_the_last_place():
 @pytest.mark.skipif(emu.compiler() is None, reason="no C++ compiler")
 def test_erfc_kernel_is_jaxs_decomposition():
     """jax.jit on the CPU computes erfc by the same decomposition (CHLO's, before XLA), with
-    its own exp and its own choice of fused multiply-adds: the emulated kernel is its
-    value bit for bit on 99% of inputs and within 4 ulp on every input whose result is a
-    normal number (XLA's CPU code flushes subnormal ones); the decomposition's own error
-    against the true erfc is jax.jit's (the same largest error, 59 ulp near x = 8.7)."""
+    its own exp and some of its multiply-adds fused (XLA's CPU code; its GPU code fuses
+    none, as the kernel): the emulated kernel is its value bit for bit on 95% of inputs
+    and within 8 ulp on every input whose result is a normal number (XLA's CPU code
+    flushes subnormal ones; measured: 2.3% differ, at most 6 ulp), where a wrong
+    coefficient or branch would be far off."""
     x = spread()
     got, want = emulated(lax.erfc, x), np.asarray(jax.jit(lax.erfc)(x))
     normal = np.abs(want) >= np.finfo(np.float32).tiny
     differ = same_bits(got, want) & normal
-    assert differ.sum() <= 0.01 * x.size, differ.sum()
+    assert differ.sum() <= 0.05 * x.size, differ.sum()
     ulp = np.spacing(np.abs(want[normal])).astype(np.float64)
-    assert (np.abs(got[normal].astype(np.float64) - want[normal]) <= 4 * ulp).all()
+    assert (np.abs(got[normal].astype(np.float64) - want[normal]) <= 8 * ulp).all()
     assert np.isnan(got[np.isnan(x)]).all()
     assert (got[x == np.inf] == 0).all() and (got[x == -np.inf] == 2).all()
 
@@ -148,20 +149,23 @@ def test_erfc_and_gelu_kernels_compile():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["erfc", "erf_inv"])
+@pytest.mark.parametrize("name", ["erfc", "erf_inv", "gelu_erfc", "gelu_tanh"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_decompositions_match_jax_jit_bit_for_bit(name, dtype):
-    """erfc and erf_inv as JAX decomposes them, written from the decomposition's source
-    (xla_math.py); their fused multiply-adds are where LLVM would fuse XLA's. Every input
-    but the subnormal ones."""
-    fn = {"erfc": lax.erfc, "erf_inv": lax.erf_inv}[name]
+    """Functions JAX writes as HLO arithmetic: erfc and erf_inv as JAX decomposes them
+    (xla_math.py), the two GELUs of jax.nn.gelu; each multiply rounded before the add
+    that reads it, as XLA's code does. Every input and result but the subnormal ones
+    (XLA's differ from libdevice's there: xla_math.py)."""
+    fn = {"erfc": lax.erfc, "erf_inv": lax.erf_inv,
+          "gelu_erfc": lambda v: jax.nn.gelu(v, approximate=False),
+          "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}[name]
     x = jnp.asarray(spread(1 << 18))
     if name == "erf_inv":
         x = jnp.tanh(x)  # into (-1, 1), and ±1
     x = x.astype(dtype)
     got, want = nimble.jit(fn, backend="cuda")(x), jax.jit(fn)(x)
+    got, want = (np.asarray(v.astype(jnp.float32)) for v in (got, want))
     xs = np.asarray(x.astype(jnp.float32))
-    skip = (np.abs(xs) < np.finfo(np.float32).tiny) & (xs != 0)
-    differ = same_bits(np.asarray(got.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
-    differ &= ~skip
+    subnormal = lambda v: (np.abs(v) < np.finfo(np.float32).tiny) & (v != 0)
+    differ = same_bits(got, want) & ~(subnormal(xs) | subnormal(got) | subnormal(want))
     assert not differ.any(), (xs[differ][:5], differ.sum())
