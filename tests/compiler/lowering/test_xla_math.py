@@ -148,15 +148,21 @@ def test_erfc_and_gelu_kernels_compile():
     assert_kernels_compile(kernels, "erfc")
 
 
+# Functions JAX writes as HLO arithmetic (xla_math.py, elementwise.unary_template),
+# measured bit for bit on an H200 (exp2 and log2 in float32 only).
+DECOMPOSED = [(name, dtype) for name in ("erfc", "erf_inv", "gelu_erfc", "gelu_tanh")
+              for dtype in ("float32", "bfloat16")] + [("exp2", "float32"), ("log2", "float32")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["erfc", "erf_inv", "gelu_erfc", "gelu_tanh"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name,dtype", DECOMPOSED)
 def test_gpu_decompositions_match_jax_jit_bit_for_bit(name, dtype):
-    """Functions JAX writes as HLO arithmetic: erfc and erf_inv as JAX decomposes them
-    (xla_math.py), the two GELUs of jax.nn.gelu; each multiply rounded before the add
-    that reads it, as XLA's code does. Every input and result but the subnormal ones
-    (XLA's differ from libdevice's there: xla_math.py)."""
-    fn = {"erfc": lax.erfc, "erf_inv": lax.erf_inv,
+    """erfc and erf_inv as JAX decomposes them (xla_math.py), the two GELUs of
+    jax.nn.gelu, exp2 as exp(x·ln2) and log2 as log(x)/ln2: each multiply rounded before
+    the add that reads it, as XLA's code does. Every input but those where an input, a
+    result or the GELU's erfc is subnormal or at the border of normal numbers, below
+    2·tiny (XLA's subnormals differ from libdevice's: xla_math.py)."""
+    fn = {"erfc": lax.erfc, "erf_inv": lax.erf_inv, "exp2": jnp.exp2, "log2": jnp.log2,
           "gelu_erfc": lambda v: jax.nn.gelu(v, approximate=False),
           "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}[name]
     x = jnp.asarray(spread(1 << 18))
@@ -166,6 +172,9 @@ def test_gpu_decompositions_match_jax_jit_bit_for_bit(name, dtype):
     got, want = nimble.jit(fn, backend="cuda")(x), jax.jit(fn)(x)
     got, want = (np.asarray(v.astype(jnp.float32)) for v in (got, want))
     xs = np.asarray(x.astype(jnp.float32))
-    subnormal = lambda v: (np.abs(v) < np.finfo(np.float32).tiny) & (v != 0)
-    differ = same_bits(got, want) & ~(subnormal(xs) | subnormal(got) | subnormal(want))
+    border = lambda v: (np.abs(v) < 2 * np.finfo(np.float32).tiny) & (v != 0)
+    skip = border(xs) | border(got) | border(want)
+    if name == "gelu_erfc":
+        skip |= border(np.asarray(jax.jit(lax.erfc)(-xs / np.float32(np.sqrt(2)))))
+    differ = same_bits(got, want) & ~skip
     assert not differ.any(), (xs[differ][:5], differ.sum())
