@@ -39,7 +39,9 @@ its clamp (jax.jit's erf is exactly ±1 from |x| ≈ 3.75 on and 1 to 5 ulp belo
 to 3.74, about 1,150 inputs; the formula's result clamped to ±1 does not match either);
 a subnormal input to most functions (XLA's results differ from libdevice's with and
 without flushing, 256 inputs), and subnormal results of erfc (731) and erf_inv (34);
-exp2 and log2, which JAX lowers into its own steps (156,808 and 286,354 inputs differ by a few ulp); logistic in bfloat16 (161 inputs, 1 ulp).
+exp2 and log2 in bfloat16 (JAX's exp(ln2·x) and log(x)/ln2, elementwise.unary_template:
+51 and 24,545 inputs differ by one bfloat16 ulp; float32 matches); logistic in bfloat16
+(161 inputs, 1 ulp).
 `examples/gpu/probe_unary_bits.py` compares every float function with jax.jit on the GPU
 and shows which candidate form matches. The CPU emulator of the tests
 (tests/helpers/kernel_emulator.py) skips the NIMBLE_XLA_DIV block for its own
