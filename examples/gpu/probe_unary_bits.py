@@ -4,10 +4,12 @@ GPU machine): jax.jit and nimble.jit over the same inputs, and candidate CUDA fo
     PYTHONPATH=. python3 examples/gpu/probe_unary_bits.py [--n 4194304]
 
 For each function: how many of the inputs nimble's result differs from jax.jit's in
-(NaNs compare equal), and the largest difference in units in the last place. For the
-functions in CANDIDATES, the same count for each candidate CUDA expression compiled with
-NVRTC's default options (nimble's), which shows which form XLA's matches; a form's
-division is named (div.rn: CUDA C's `/`; div.full: the PTX instruction; __fdividef).
+(NaNs compare equal), and the largest difference in units in the last place, over all
+inputs, over the inputs that are not subnormal, and over those whose results are not
+subnormal either. For the functions in CANDIDATES, the same counts for each candidate
+CUDA expression compiled with NVRTC's default options, which shows which form XLA's
+matches; a form's division is named (div.rn: CUDA C's `/`; div.full: the PTX
+instruction; __fdividef).
 Inputs: float32 values spread over the exponents (|x| from 2^-20 to 2^6), the specials,
 and every bfloat16 value (as float32, and as bfloat16); division's divisors are the
 same values shuffled.
@@ -87,7 +89,6 @@ CANDIDATES = {
     "log2": {"log2f": "y = log2f(x);", "logf(x) / ln2 div.full": "y = DIV(logf(x), 0.693147182f);//div.full",
              "logf(x) * (1 / ln2)": "y = __fmul_rn(logf(x), 1.44269502f);"},
 }
-
 # A form whose name holds --ftz (--prec-sqrt=false) compiles with NVRTC's --ftz=true
 # (--prec-sqrt=false).
 OPTION_FLAGS = {"--ftz": "--ftz=true", "--prec-sqrt=false": "--prec-sqrt=false"}
@@ -120,14 +121,18 @@ def compare(a: np.ndarray, b: np.ndarray, keep=None) -> tuple[int, int]:
     return int(differ.sum()), int(np.abs(ia - ib)[differ].max())
 
 
-def row(got: np.ndarray, want: np.ndarray, keep: np.ndarray) -> str:
-    """The table's counts: over all inputs, then over the normal ones."""
-    tiny = np.finfo(np.float32).tiny
-    outs = [np.abs(np.asarray(v, np.float32)) for v in (got, want)]
-    normal_out = keep & np.logical_and(*[(v >= tiny) | (v == 0) | ~np.isfinite(v) for v in outs])
-    (d, u), (dn, un) = compare(got, want), compare(got, want, keep)
-    do, uo = compare(got, want, normal_out)
-    return f"{d:>9} {u:>8} {dn:>9} {un:>8} {do:>9} {uo:>8}"
+def not_subnormal(v) -> np.ndarray:
+    v = np.asarray(v, np.float32)
+    return ~((np.abs(v) < np.finfo(np.float32).tiny) & (v != 0))
+
+
+def row(got: np.ndarray, want: np.ndarray, x: np.ndarray) -> str:
+    """The table's counts: over all inputs, over the inputs that are not subnormal, and
+    over those whose results (both) are not subnormal either."""
+    normal_in = not_subnormal(x)
+    normal_out = normal_in & not_subnormal(got) & not_subnormal(want)
+    counts = [compare(got, want), compare(got, want, normal_in), compare(got, want, normal_out)]
+    return " ".join(f"{d:>9} {u:>8}" for d, u in counts)
 
 
 def candidate(body: str, form: str):
@@ -152,9 +157,8 @@ def main() -> None:
     xs = inputs(args.n, rng)
     x_dev = jnp.asarray(xs)
     print(f"{len(xs)} float32 inputs; jax {jax.__version__}, {jax.devices()[0].device_kind}")
-    normal = ~((np.abs(xs) < np.finfo(np.float32).tiny) & (xs != 0))
-    print("normal: the same over the inputs that are not subnormal; normal out: and the"
-          " results neither")
+    print("normal: the same over the inputs that are not subnormal; norm out: and whose"
+          " results are not either")
     print(f"{'function':<10} {'dtype':<9} {'form':<42} {'differ':>9} {'max ulp':>8}"
           f" {'normal':>9} {'max ulp':>8} {'norm out':>9} {'max ulp':>8}")
     w_host = rng.permutation(xs)
@@ -166,9 +170,9 @@ def main() -> None:
             x, w = x_dev.astype(dtype), w_dev.astype(dtype)
             want = np.asarray(call(jax.jit(fn), x, w).astype(jnp.float32))
             got = np.asarray(call(nimble.jit(fn), x, w).astype(jnp.float32))
-            keep = ~((np.abs(np.asarray(x.astype(jnp.float32))) < np.finfo(np.float32).tiny)
-                     & (np.asarray(x.astype(jnp.float32)) != 0))
-            print(f"{name:<10} {jnp.dtype(dtype).name:<9} {'nimble':<42}", row(got, want, keep), flush=True)
+            x_in = np.asarray(x.astype(jnp.float32))
+            print(f"{name:<10} {jnp.dtype(dtype).name:<9} {'nimble':<42}", row(got, want, x_in),
+                  flush=True)
         want = np.asarray(call(jax.jit(fn), x_dev, w_dev))
         if name == "erf":  # where XLA's erf leaves the formula: its bits below the clamp
             band = np.linspace(3.70, 3.84, 15, dtype=np.float32)
@@ -180,7 +184,7 @@ def main() -> None:
             xin, win = cupy.asarray(xs), cupy.asarray(w_host)
             out = cupy.empty_like(xin)
             kernel(((len(xs) + 255) // 256,), (256,), (xin, win, out, np.int32(len(xs))))
-            print(f"{name:<10} {'float32':<9} {form:<42}", row(cupy.asnumpy(out), want, normal),
+            print(f"{name:<10} {'float32':<9} {form:<42}", row(cupy.asnumpy(out), want, xs),
                   flush=True)
 
 

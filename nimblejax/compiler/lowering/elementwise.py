@@ -29,10 +29,6 @@ UNARY_FLOAT = {
     "one_minus_square": "(1.0f - __fmul_rn({a}, {a}))",
 }
 # erf, erfc, erf_inv, tanh and division as XLA computes them on GPUs (xla_math.py), not as CUDA C does.
-# A float multiply is __fmul_rn, which NVRTC never fuses into the add that reads it: XLA's
-# GPU code rounds an HLO multiply and an HLO add each (measured: JAX's erfc and erf_inv,
-# sums of products, match jax.jit bit for bit only unfused), where CUDA C's `a * b + c`
-# would be one fused multiply-add.
 # Signed overflow is undefined in C (compilers fold `x + y > x` to `y > 0`); XLA wraps.
 # So signed arithmetic goes through unsigned int, whose overflow wraps, and back.
 UNARY_INT = {
@@ -44,6 +40,10 @@ UNARY_INT = {
 }
 UNARY_BOOL = {"not": "(!{a})", "copy": "{a}"}
 
+# A float multiply is __fmul_rn, which NVRTC never fuses into the add that reads it: XLA's
+# GPU code rounds an HLO multiply and an HLO add each (measured: JAX's erfc and erf_inv,
+# sums of products, match jax.jit bit for bit only unfused), where CUDA C's `a * b + c`
+# would be one fused multiply-add.
 BINARY_FLOAT = {
     "add": "({a} + {b})", "sub": "({a} - {b})", "mul": "__fmul_rn({a}, {b})", "div": "nimble_div({a}, {b})",
     "rem": "fmodf({a}, {b})", "pow": "powf({a}, {b})", "max": _FMAX, "min": _FMIN,
