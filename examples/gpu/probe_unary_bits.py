@@ -65,6 +65,10 @@ _TANH = """
 HEADER = """__device__ __forceinline__ float div_full(float a, float b) {
   float r; asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r; }
 #define MUL_ADD(a, b, c) __fadd_rn(__fmul_rn(a, b), c)
+__device__ __forceinline__ float R(float v) {  // rounded to bfloat16, to nearest even
+  unsigned u = __float_as_uint(v);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return v;
+  return __uint_as_float((u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u); }
 """
 DIVS = {"div.rn": "((a) / (b))", "div.full": "div_full(a, b)", "__fdividef": "__fdividef(a, b)"}
 # function -> form -> the body (x, w in; y out; DIV(a, b) the division of the form's name)
@@ -88,6 +92,21 @@ CANDIDATES = {
     "exp2": {"exp2f": "y = exp2f(x);", "expf(x * ln2)": "y = expf(__fmul_rn(x, 0.693147182f));"},
     "log2": {"log2f": "y = log2f(x);", "logf(x) / ln2 div.full": "y = DIV(logf(x), 0.693147182f);//div.full",
              "logf(x) * (1 / ln2)": "y = __fmul_rn(logf(x), 1.44269502f);"},
+}
+# Forms in bfloat16: x is a bfloat16 value, R(v) rounds to bfloat16 (a step of XLA's
+# in the type, or not where its excess precision keeps float32 between two steps).
+CANDIDATES_BF16 = {
+    "exp2": {"R(exp(R(ln2·x)))": "y = R(expf(R(__fmul_rn(0.69140625f, x))));",
+             "R(exp(ln2·x))": "y = R(expf(__fmul_rn(0.69140625f, x)));",
+             "R(exp2f(x))": "y = R(exp2f(x));"},
+    "log2": {"R(R(log x) · f32(1/ln2))": "y = R(__fmul_rn(R(logf(x)), 1.44632769f));",
+             "R(R(log x) · R(1/ln2))": "y = R(__fmul_rn(R(logf(x)), 1.4453125f));",
+             "R(log x · f32(1/ln2))": "y = R(__fmul_rn(logf(x), 1.44632769f));",
+             "R(R(log x) / ln2) div.full": "y = R(DIV(R(logf(x)), 0.69140625f));//div.full",
+             "R(log2f(x))": "y = R(log2f(x));"},
+    "logistic": {"every step rounded (nimble's)": "y = R(DIV(1.0f, R(1.0f + R(expf(-x)))));//div.full",
+                 "R(1 + exp) only": "y = R(DIV(1.0f, R(1.0f + expf(-x))));//div.full",
+                 "rounded at the end": "y = R(DIV(1.0f, 1.0f + expf(-x)));//div.full"},
 }
 # A form whose name holds --ftz (--prec-sqrt=false) compiles with NVRTC's --ftz=true
 # (--prec-sqrt=false).
@@ -185,6 +204,15 @@ def main() -> None:
             out = cupy.empty_like(xin)
             kernel(((len(xs) + 255) // 256,), (256,), (xin, win, out, np.int32(len(xs))))
             print(f"{name:<10} {'float32':<9} {form:<42}", row(cupy.asnumpy(out), want, xs),
+                  flush=True)
+        x_bf16 = x_dev.astype(jnp.bfloat16)
+        want = np.asarray(call(jax.jit(fn), x_bf16, w_dev.astype(jnp.bfloat16)).astype(jnp.float32))
+        xb = np.asarray(x_bf16.astype(jnp.float32))
+        for form, body in CANDIDATES_BF16.get(name, {}).items():
+            xin = cupy.asarray(xb)
+            out = cupy.empty_like(xin)
+            candidate(body, form)(((len(xb) + 255) // 256,), (256,), (xin, xin, out, np.int32(len(xb))))
+            print(f"{name:<10} {'bfloat16':<9} {form:<42}", row(cupy.asnumpy(out), want, xb),
                   flush=True)
 
 
