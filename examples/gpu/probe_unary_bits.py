@@ -75,7 +75,12 @@ DIVS = {"div.rn": "((a) / (b))", "div.full": "div_full(a, b)", "__fdividef": "__
 CANDIDATES = {
     "erf": {"erff": "y = erff(x);", **{f"xla-poly {d}": _ERF + "//" + d for d in DIVS},
             "xla-poly div.full, result clamped to ±1":
-                _ERF.replace("DIV(p, q)", "fminf(fmaxf(DIV(p, q), -1.0f), 1.0f)") + "//div.full"},
+                _ERF.replace("DIV(p, q)", "fminf(fmaxf(DIV(p, q), -1.0f), 1.0f)") + "//div.full",
+            # XLA's MLIR float-op expansion (its expand_float_ops pass): x clamped to
+            # ±3.7439211627767994 (erf⁻¹(1 − 2⁻²³)), then the same rational form
+            "xla-poly div.full, x clamped to ±3.7439":
+                "x = (x != x) ? x : fminf(fmaxf(x, -3.7439211627767994f), 3.7439211627767994f);"
+                + _ERF.replace("(3.832506856900711f <= ax) ? copysignf(1.0f, x) : ", "") + "//div.full"},
     "tanh": {"tanhf": "y = tanhf(x);",
              **{f"xla-rational {ma} clamp {clamp[:6]} {d}": _TANH.replace("{MA}", ma).replace("{CLAMP}", clamp) + "//" + d
                 for ma in ("MUL_ADD", "fmaf") for clamp in ("7.90531110763549805f", "7.99881172180175781f")
