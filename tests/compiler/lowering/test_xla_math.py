@@ -178,3 +178,19 @@ def test_gpu_decompositions_match_jax_jit_bit_for_bit(name, dtype):
         skip |= border(np.asarray(jax.jit(lax.erfc)(-xs / np.float32(np.sqrt(2)))))
     differ = same_bits(got, want) & ~skip
     assert not differ.any(), (xs[differ][:5], differ.sum())
+
+
+def test_a_float_multiply_is_not_fused_into_the_add_that_reads_it():
+    """XLA's GPU code rounds an HLO multiply before the add that reads it, where NVRTC
+    would make `a * b + c` one fused multiply-add: the kernel of `a * b + c` multiplies
+    with __fmul_rn, and its PTX has a mul.rn and no fma."""
+    from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
+
+    x = np.ones((4, 64), np.float32)
+    plan = nimble.jit(lambda a, b, c: a * b + c, backend="interpret").plan(x, x, x)
+    sources = [t.kernel.source for t in plan.tasks if t.kernel]
+    assert len(sources) == 1 and "__fmul_rn(" in sources[0], sources
+    if available_compiler() is None:
+        pytest.skip("no NVRTC or nvcc")
+    ptx = compile_to_ptx(sources[0], "mul_add.cu", arch="sm_90")
+    assert "mul.rn.f32" in ptx and "fma.rn.f32" not in ptx, ptx
