@@ -6,6 +6,7 @@ the code generator only ever substitutes variable names or literals.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 # NaN-propagating max/min, as XLA's: if either side is NaN the result is NaN.
@@ -14,18 +15,16 @@ _FMIN = "(({a} != {a} || {a} < {b}) ? {a} : {b})"
 
 UNARY_FLOAT = {
     "neg": "(-{a})", "abs": "fabsf({a})", "sign": "({a} > 0.0f ? 1.0f : ({a} < 0.0f ? -1.0f : {a}))",
-    "floor": "floorf({a})", "ceil": "ceilf({a})", "exp": "expf({a})", "exp2": "exp2f({a})",
-    "log": "logf({a})", "log2": "log2f({a})", "log1p": "log1pf({a})", "expm1": "expm1f({a})",
+    "floor": "floorf({a})", "ceil": "ceilf({a})", "exp": "expf({a})",
+    "log": "logf({a})", "log1p": "log1pf({a})", "expm1": "expm1f({a})",
     "sqrt": "sqrtf({a})",
     "rsqrt": "rsqrtf({a})", "cbrt": "cbrtf({a})", "sin": "sinf({a})", "cos": "cosf({a})",
     "tan": "tanf({a})", "asin": "asinf({a})", "acos": "acosf({a})", "atan": "atanf({a})",
     "sinh": "sinhf({a})", "cosh": "coshf({a})", "tanh": "nimble_tanh({a})", "asinh": "asinhf({a})",
-    "acosh": "acoshf({a})", "atanh": "atanhf({a})", "logistic": "nimble_div(1.0f, 1.0f + expf(-{a}))",
+    "acosh": "acoshf({a})", "atanh": "atanhf({a})",
     "erf": "nimble_erf({a})", "erfc": "nimble_erfc({a})", "erf_inv": "nimble_erf_inv({a})", "lgamma": "lgammaf({a})",
     "square": "__fmul_rn({a}, {a})", "is_finite": "isfinite({a})", "copy": "{a}",
-    # jax >= 0.11 emits this for the derivative of tanh. (log2, above: a primitive of its
-    # own in jax 0.11, lax.log2 / jnp.log2; log(x) / log(2) before. exp2 and log2 of
-    # floats: unary_template.)
+    # jax >= 0.11 emits this for the derivative of tanh.
     "one_minus_square": "(1.0f - __fmul_rn({a}, {a}))",
 }
 # erf, erfc, erf_inv, tanh and division as XLA computes them on GPUs (xla_math.py), not as CUDA C does.
@@ -83,7 +82,24 @@ for _table in (BINARY_FLOAT, BINARY_INT, BINARY_UINT, BINARY_BOOL):
 UNARY = {"float": UNARY_FLOAT, "int": UNARY_INT, "uint": UNARY_INT, "bool": UNARY_BOOL}
 BINARY = {"float": BINARY_FLOAT, "int": BINARY_INT, "uint": BINARY_UINT, "bool": BINARY_BOOL}
 
-UNARY_NAMES = frozenset(set(UNARY_FLOAT) | set(UNARY_INT) | set(UNARY_BOOL) | {"round"})
+
+def _expansion(prim: str, dtype) -> str:
+    """JAX's and XLA's expansions of logistic (1 / (1 + exp(−x))), exp2 (exp(ln2 · x)) and
+    log2 (log(x) / ln2, a primitive of its own from jax 0.11), ln2 in the operand's type
+    and each step rounded to it (identity in float32), as XLA's 16-bit steps round.
+    Measured on an H200: float32 0 of 1.1M normal results differ (exp2f and log2f:
+    286,327 and 156,552); bfloat16 exp2, log2 and logistic within one bfloat16 ulp."""
+    from nimblejax.compiler import dtypes
+
+    r = functools.partial(dtypes.round_to, dtype)
+    ln2 = dtypes.literal(math.log(2.0), dtype)
+    return {"logistic": f"nimble_div(1.0f, {r('1.0f + ' + r('expf(-{a})'))})",
+            "exp2": f"expf({r(f'__fmul_rn({ln2}, {{a}})')})",
+            "log2": f"nimble_div({r('logf({a})')}, {ln2})"}[prim]
+
+
+EXPANDED = frozenset({"logistic", "exp2", "log2"})  # floats only: _expansion
+UNARY_NAMES = frozenset(set(UNARY_FLOAT) | set(UNARY_INT) | set(UNARY_BOOL) | EXPANDED | {"round"})
 BINARY_NAMES = frozenset(set(BINARY_FLOAT) | set(BINARY_INT) | set(BINARY_BOOL) | set(COMPARE))
 
 
@@ -141,19 +157,8 @@ def unary_template(prim: str, dtype, params) -> str:
     if prim == "round" and operand_class(dtype) == "float":
         # rounding_method 0: away from zero (roundf); 1: to nearest even (rintf).
         return "rintf({a})" if int(params.get("rounding_method", 0)) == 1 else "roundf({a})"
-    from nimblejax.compiler import dtypes
-
-    if prim == "logistic" and dtypes.is_half(dtype):  # XLA expands it into 16-bit steps
-        e = dtypes.round_to(dtype, "expf(-{a})")
-        return f"nimble_div(1.0f, {dtypes.round_to(dtype, '1.0f + ' + e)})"
-    if prim in ("exp2", "log2") and operand_class(dtype) == "float":
-        # JAX writes them as exp(ln2 · x) and log(x) / ln2, ln2 in the operand's type,
-        # each step rounded to it (measured in float32 on an H200: 0 of 1.1M normal
-        # results differ, 286,327 and 156,552 with libdevice's exp2f and log2f).
-        ln2 = dtypes.literal(math.log(2.0), dtype)
-        if prim == "exp2":
-            return f"expf({dtypes.round_to(dtype, f'__fmul_rn({ln2}, {{a}})')})"
-        return f"nimble_div({dtypes.round_to(dtype, 'logf({a})')}, {ln2})"
+    if prim in EXPANDED and operand_class(dtype) == "float":
+        return _expansion(prim, dtype)
     table = UNARY[operand_class(dtype)]
     if prim not in table:
         raise NotImplementedError(f"{prim} is not supported for {dtype}")
