@@ -12,6 +12,7 @@ import pytest
 from jax import lax
 
 from tests.helpers.graphs import evaluate, names, trace
+import nimblejax as nimble
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize, registry
 from nimblejax.compiler.canonicalize import conv_path as conv_mod
 from nimblejax.compiler.canonicalize.dot import gemm_layout, operand_layouts
@@ -249,11 +250,12 @@ def test_each_rewrite_is_registered_for_its_primitives_in_one_table():
         "stack": ("stacking", True, False), "unstack": ("stacking", True, False),
         "tile": ("stacking", True, False),
         "scatter-sub": ("scatter_sub", True, False),
+        "select_and_scatter_add": ("pool_grad", True, False),
         "dot_general": ("dot", False, True),
         "transpose": ("transposes", False, False),
     }
     # What needs no lowering rule is read from the table.
-    assert REWRITTEN == {"split", "stack", "unstack", "tile", "scatter-sub"}
+    assert REWRITTEN == {"split", "stack", "unstack", "tile", "scatter-sub", "select_and_scatter_add"}
 
 
 def test_a_second_rewrite_for_one_primitive_is_refused():
@@ -285,3 +287,26 @@ def test_input_gradient_of_few_channels_stays_off_cudnn():
     grad_x = jax.grad(lambda x, w: jnp.sum(jnp.tanh(conv(x, w, (2, 2)))))
     new = check(grad_x, [rand(rng, 2, 8, 8, 3), rand(rng, 3, 3, 3, 6)], Options(conv="cudnn"), rtol=1e-4)
     assert "nimble_cudnn_conv_data_grad" not in names(new)
+
+
+@pytest.mark.parametrize("pool", ["max 3x3/2 SAME", "min 2x2/2 VALID", "max 3x3/1 padded, 2-D"])
+def test_a_pool_gradient_is_a_selection_then_a_gather(pool):
+    """select_and_scatter_add → nimble_pool_select (each window's offset) and
+    nimble_pool_scatter (the gather): two kernels that give jax.jit's values bit for bit,
+    ties included (the first best of a window wins), run by the kernel emulator."""
+    from tests.helpers.models import assert_emulated_matches_jax
+
+    window, strides, padding, shape = {
+        "max 3x3/2 SAME": ((1, 3, 3, 1), (1, 2, 2, 1), "SAME", (2, 9, 9, 3)),
+        "min 2x2/2 VALID": ((1, 2, 2, 1), (1, 2, 2, 1), "VALID", (2, 8, 8, 3)),
+        "max 3x3/1 padded, 2-D": ((3, 3), (1, 1), ((1, 1), (0, 2)), (6, 7)),
+    }[pool]
+    reducer, init = (lax.min, jnp.inf) if pool.startswith("min") else (lax.max, -jnp.inf)
+    f = jax.grad(lambda x: jnp.sum(lax.reduce_window(x, init, reducer, window, strides, padding) ** 2))
+    x = jnp.asarray(np.random.default_rng(0).integers(-3, 3, shape), jnp.float32)  # many ties
+    plan = nimble.jit(f, backend="interpret").plan(x)
+    prims = [n.name for n in plan.graph.nodes]
+    assert "select_and_scatter_add" not in prims
+    assert "nimble_pool_select" in prims and "nimble_pool_scatter" in prims
+    np.testing.assert_array_equal(nimble.jit(f, backend="interpret")(x), jax.jit(f)(x))
+    assert_emulated_matches_jax(f, (x,))

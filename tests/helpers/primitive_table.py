@@ -294,6 +294,12 @@ rec("select_and_scatter_add", jax.grad(lambda x: jnp.sum(lax.reduce_window(
     x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME") ** 2)), f32(2, 9, 9, 3))
 rec("select_and_scatter_add", jax.grad(lambda x: jnp.sum(lax.reduce_window(
     x, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") * 3.0)), f32(2, 8, 8, 3), label="2x2")
+# nimble_pool_select and nimble_pool_scatter are nimblejax's own: the max-pool gradient's
+# rewrite (canonicalize/pool_grad.py) emits them; a min pool's gradient selects with `le`.
+rec("nimble_pool_select", jax.grad(lambda x: jnp.sum(lax.reduce_window(
+    x, jnp.inf, lax.min, (1, 3, 3, 1), (1, 2, 2, 1), "SAME") ** 2)), f32(2, 9, 9, 3), label="internal")
+rec("nimble_pool_scatter", jax.grad(lambda x: jnp.sum(lax.reduce_window(
+    x, -jnp.inf, lax.max, (3, 3), (1, 1), ((1, 1), (1, 1))) ** 2)), f32(7, 6), label="internal")
 # nimble_cudnn_conv is emitted by the cuDNN rewrite (where cuDNN is installed, or with
 # NIMBLE_CONV=cudnn; test_conv_paths_match_jax forces both paths).
 rec("nimble_cudnn_conv", lambda x, w: conv(x, w, (2, 2)), f32(1, 7, 6, 2), f32(3, 3, 2, 3), label="internal")

@@ -9,6 +9,8 @@ forms lowering expects, each rewrite registered for its primitives beside it
 - split → one slice per output (slices.py);
 - a transpose that moves only axes of size 1 → a reshape (transposes.py);
 - scatter-sub → a negation and a scatter-add (scatter_sub.py);
+- the max-pool gradient (select_and_scatter_add) → each window's selection, then a
+  gather of the source values (pool_grad.py);
 - stack, unstack, tile → reshapes, slices, broadcasts and a concatenate (stacking.py);
 - independent dots sharing an operand → one dot and free slices of its result
   (merge_dots.py: a pass over the whole graph, not a rewrite of one node), once the
@@ -33,8 +35,8 @@ that nothing reads (the unused outputs of an unstack or a split) are dropped at 
 from __future__ import annotations
 
 # Each rewrite module registers its rewrites on import.
-from nimblejax.compiler.canonicalize import (conv_path, dot, reductions, scatter_sub, slices,  # noqa: F401
-                                             stacking, transposes)
+from nimblejax.compiler.canonicalize import (conv_path, dot, pool_grad, reductions,  # noqa: F401
+                                             scatter_sub, slices, stacking, transposes)
 from nimblejax.compiler.canonicalize.channel_scales import fold_channel_scales
 from nimblejax.compiler.canonicalize.merge_dots import merge_dots
 from nimblejax.compiler.canonicalize.registry import REWRITES, sweep

@@ -61,59 +61,62 @@ def reduce_window(node: Node, post=None) -> Kernel:
     return loop_kernel_with_post("pool", out, [node.name], body, post=post)
 
 
-@register("select_and_scatter_add", kind=RuleKind.KERNEL)
-def select_and_scatter_add(node: Node) -> Kernel:
-    """Max-pool gradient as a gather: each operand element sums the source values of
-    the windows that selected it (the first maximum of the window, as XLA's `ge`
-    select keeps the earliest)."""
-    source, operand = node.inputs
-    out = node.outputs[0]
-    p = dict(node.params)
-    if p["select_prim"].name not in ("ge", "le"):
-        raise NotImplementedError(f"select_and_scatter_add with select_prim={p['select_prim']} "
-                                  f"(from {node.source})")
-    better = ">" if p["select_prim"].name == "ge" else "<"
+def _covering_windows(b: KernelBuilder, idx: Index, p, count) -> tuple[tuple, str, int]:
+    """Open one loop per windowed axis over the windows whose span covers operand element
+    `idx` (w·stride − lo ≤ idx < w·stride − lo + k), in row-major order; returns each
+    axis's window index, idx's row-major offset inside that window and the loops opened."""
     dims, strides, pads = p["window_dimensions"], p["window_strides"], p["padding"]
+    w, offset = [], "0"
+    for d in range(len(dims)):
+        lo = pads[d][0]
+        if (dims[d], strides[d], lo) == (1, 1, 0):  # the window is idx itself along d
+            w.append(idx[d])
+            continue
+        first = f"max(0, ({idx[d]} + {lo} - {dims[d]} + {strides[d]}) / {strides[d]})"
+        last = f"min({count[d] - 1}, ({idx[d]} + {lo}) / {strides[d]})"
+        b.open(f"for (int w{d} = {first}; w{d} <= {last}; ++w{d})")
+        w.append(f"w{d}")
+        offset = f"({offset}) * {dims[d]} + ({idx[d]} + {lo} - w{d} * {strides[d]})"
+    return tuple(w), offset, sum(1 for d in range(len(dims)) if w[d] == f"w{d}")
+
+
+@register("nimble_pool_select", kind=RuleKind.KERNEL)
+def pool_select(node: Node) -> Kernel:
+    """One thread per window: the row-major offset of the element it selects, the first
+    best (canonicalize/pool_grad.py), -1 where the whole window is padding."""
+    operand, out = node.inputs[0], node.outputs[0]
+    p = node.params
+    better = ">" if p["select"] == "ge" else "<"
+    ctype = dtypes.compute_type(operand.dtype)
+    params = dict(p, base_dilation=None, window_dilation=None)
+
+    def body(b: KernelBuilder, idx: Index) -> str:
+        b.emit(f"{ctype} best = 0; int at = -1;")
+        for k, offsets in enumerate(itertools.product(*(range(n) for n in p["window_dimensions"]))):
+            src, conds = _window_positions(b, idx, operand.shape, params, offsets)
+            v = b.load(operand, tuple(src))
+            b.emit(f"if ({' && '.join(conds) or 'true'}) {{ {ctype} v = {v}; "
+                   f"if (at < 0 || v {better} best) {{ best = v; at = {k}; }} }}")
+        return "at"
+
+    return loop_kernel("poolselect", out, ["select_and_scatter_add"], body)
+
+
+@register("nimble_pool_scatter", kind=RuleKind.KERNEL)
+def pool_scatter(node: Node) -> Kernel:
+    """Max-pool gradient as a gather: one thread per operand element sums, window by
+    window, the source values of the covering windows that selected it."""
+    source, selected = node.inputs
+    out = node.outputs[0]
     ctype = dtypes.compute_type(out.dtype)
-    nd = operand.ndim
 
     def body(b: KernelBuilder, idx: Index) -> str:
         b.emit(f"{ctype} total = 0;")
-        # Windows w whose span covers idx: w*stride - lo <= idx < w*stride - lo + k.
-        loops = []
-        for d in range(nd):
-            lo = pads[d][0]
-            first = f"max(0, ({idx[d]} + {lo} - {dims[d]} + {strides[d]}) / {strides[d]})"
-            last = f"min({source.shape[d] - 1}, ({idx[d]} + {lo}) / {strides[d]})"
-            if (dims[d], strides[d], lo) == (1, 1, 0):
-                loops.append(None)
-                continue
-            b.open(f"for (int w{d} = {first}; w{d} <= {last}; ++w{d})")
-            loops.append(d)
-        w = tuple(f"w{d}" if loops[d] is not None else idx[d] for d in range(nd))
-        # Find the window's selected element (first best in row-major window order).
-        b.emit(f"{ctype} best = 0; long long best_at = -1;")
-        for offsets in itertools.product(*(range(k) for k in dims)):
-            src, conds = [], []
-            for d in range(nd):
-                if loops[d] is None:
-                    src.append(idx[d])
-                    continue
-                pos = f"({w[d]} * {strides[d]} + {offsets[d]} - ({pads[d][0]}))"
-                conds.append(f"{pos} >= 0 && {pos} < {operand.shape[d]}")
-                src.append(pos)
-            from nimblejax.compiler.lowering.codegen import linear
-
-            at = linear(tuple(src), operand.shape)
-            v = b.load(operand, tuple(src))
-            cond = " && ".join(conds) or "true"
-            b.emit(f"if ({cond}) {{ {ctype} v = {v}; if (best_at < 0 || v {better} best) "
-                   f"{{ best = v; best_at = {at}; }} }}")
-        me = linear(idx, operand.shape)
-        b.emit(f"if (best_at == {me}) total = {dtypes.round_to(out.dtype, 'total + ' + b.load(source, w))};")
-        for d in loops:
-            if d is not None:
-                b.close()
+        w, offset, loops = _covering_windows(b, idx, node.params, source.shape)
+        b.emit(f"if ({b.load(selected, w)} == {offset}) "
+               f"total = {dtypes.round_to(out.dtype, 'total + ' + b.load(source, w))};")
+        for _ in range(loops):
+            b.close()
         return "total"
 
     return loop_kernel("poolgrad", out, ["select_and_scatter_add"], body)
