@@ -61,23 +61,35 @@ def reduce_window(node: Node, post=None) -> Kernel:
     return loop_kernel_with_post("pool", out, [node.name], body, post=post)
 
 
-def _covering_windows(b: KernelBuilder, idx: Index, p, count) -> tuple[tuple, str, int]:
-    """Open one loop per windowed axis over the windows whose span covers operand element
-    `idx` (w·stride − lo ≤ idx < w·stride − lo + k), in row-major order; returns each
-    axis's window index, idx's row-major offset inside that window and the loops opened."""
+# Elements a thread of the two max-pool gradient kernels computes before it stores any,
+# so that their loads are in flight together (loop_kernel's `unroll`).
+UNROLL = 4
+
+
+def _covering_windows(b: KernelBuilder, idx: Index, p, count) -> list[tuple[tuple, str, str]]:
+    """The windows whose span covers operand element `idx` (w·stride − lo ≤ idx <
+    w·stride − lo + k along each axis), as straight-line candidates in row-major window
+    order (at most ceil(k / stride) an axis): each one's index, the condition that it
+    exists and idx's row-major offset inside it."""
     dims, strides, pads = p["window_dimensions"], p["window_strides"], p["padding"]
-    w, offset = [], "0"
+    axes = []
     for d in range(len(dims)):
-        lo = pads[d][0]
-        if (dims[d], strides[d], lo) == (1, 1, 0):  # the window is idx itself along d
-            w.append(idx[d])
+        k, st, lo = dims[d], strides[d], pads[d][0]
+        if (k, st, lo) == (1, 1, 0):  # the window is idx itself along d
+            axes.append([(idx[d], None, None)])
             continue
-        first = f"max(0, ({idx[d]} + {lo} - {dims[d]} + {strides[d]}) / {strides[d]})"
-        last = f"min({count[d] - 1}, ({idx[d]} + {lo}) / {strides[d]})"
-        b.open(f"for (int w{d} = {first}; w{d} <= {last}; ++w{d})")
-        w.append(f"w{d}")
-        offset = f"({offset}) * {dims[d]} + ({idx[d]} + {lo} - w{d} * {strides[d]})"
-    return tuple(w), offset, sum(1 for d in range(len(dims)) if w[d] == f"w{d}")
+        first = b.tmp("int", f"max(0, ({idx[d]} + {lo} - {k} + {st}) / {st})")
+        last = b.tmp("int", f"min({count[d] - 1}, ({idx[d]} + {lo}) / {st})")
+        axes.append([(f"({first} + {j})", f"{first} + {j} <= {last}",
+                      f"({idx[d]} + {lo} - ({first} + {j}) * {st})") for j in range(-(-k // st))])
+    found = []
+    for combo in itertools.product(*axes):
+        offset = "0"
+        for d, (_, _, off) in enumerate(combo):
+            offset = f"({offset}) * {dims[d]} + {off}" if off is not None else offset
+        conds = [c for _, c, _ in combo if c is not None]
+        found.append((tuple(w for w, _, _ in combo), " && ".join(conds) or "true", offset))
+    return found
 
 
 @register("nimble_pool_select", kind=RuleKind.KERNEL)
@@ -91,15 +103,15 @@ def pool_select(node: Node) -> Kernel:
     params = dict(p, base_dilation=None, window_dilation=None)
 
     def body(b: KernelBuilder, idx: Index) -> str:
-        b.emit(f"{ctype} best = 0; int at = -1;")
+        best, at = b.tmp(ctype, "0"), b.tmp("int", "-1")
         for k, offsets in enumerate(itertools.product(*(range(n) for n in p["window_dimensions"]))):
             src, conds = _window_positions(b, idx, operand.shape, params, offsets)
             v = b.load(operand, tuple(src))
             b.emit(f"if ({' && '.join(conds) or 'true'}) {{ {ctype} v = {v}; "
-                   f"if (at < 0 || v {better} best) {{ best = v; at = {k}; }} }}")
-        return "at"
+                   f"if ({at} < 0 || v {better} {best}) {{ {best} = v; {at} = {k}; }} }}")
+        return at
 
-    return loop_kernel("poolselect", out, ["select_and_scatter_add"], body)
+    return loop_kernel("poolselect", out, ["select_and_scatter_add"], body, unroll=UNROLL)
 
 
 @register("nimble_pool_scatter", kind=RuleKind.KERNEL)
@@ -111,12 +123,10 @@ def pool_scatter(node: Node) -> Kernel:
     ctype = dtypes.compute_type(out.dtype)
 
     def body(b: KernelBuilder, idx: Index) -> str:
-        b.emit(f"{ctype} total = 0;")
-        w, offset, loops = _covering_windows(b, idx, node.params, source.shape)
-        b.emit(f"if ({b.load(selected, w)} == {offset}) "
-               f"total = {dtypes.round_to(out.dtype, 'total + ' + b.load(source, w))};")
-        for _ in range(loops):
-            b.close()
-        return "total"
+        total = b.tmp(ctype, "0")
+        for w, exists, offset in _covering_windows(b, idx, node.params, source.shape):
+            b.emit(f"if ({exists} && {b.load(selected, w)} == {offset}) "
+                   f"{total} = {dtypes.round_to(out.dtype, f'{total} + ' + b.load(source, w))};")
+        return total
 
-    return loop_kernel("poolgrad", out, ["select_and_scatter_add"], body)
+    return loop_kernel("poolgrad", out, ["select_and_scatter_add"], body, unroll=UNROLL)
