@@ -9,8 +9,6 @@ and their GPU time per call, from JAX's profiler (run on the GPU machine).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -19,9 +17,6 @@ from jax import lax
 
 import nimblejax as nimble
 from nimblejax.bench.needs_gpu import require_gpu
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from trace_kernels import kernel_times  # noqa: E402  (this folder's)
 
 
 def conv(x, w, stride: int, pad: int):
@@ -50,6 +45,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=10)
     opts = ap.parse_args()
     require_gpu(__file__)
+    from trace_kernels import kernel_times  # this folder's (a script's folder is on its path)
+
     rng = np.random.default_rng(0)
     n, hw, c, k, r, stride, pad = opts.batch, 224, 3, 64, 7, 2, 3
     x = jnp.asarray(rng.standard_normal((n, hw, hw, c)), jnp.float32)
