@@ -103,6 +103,11 @@ def test_filter_gradient_becomes_one_cudnn_backward_filter_call():
     small = [n for n in trace(grad_w, rand(rng, 1, 9, 9, 4), args[1]).nodes
              if n.name == "conv_general_dilated" and n.inputs[1].shape == (1, 9, 9, 6)]
     assert conv_mod.conv_path(small[0], Options(conv="auto", cudnn=True)) == "gemm"
+    # An image's 3 channels take im2col + GEMM (conv_filter_grad.MIN_CHANNELS), unless forced.
+    rgb = [n for n in trace(grad_w, rand(rng, conv_mod.CUDNN_MIN_BATCH, 9, 9, 3), rand(rng, 3, 3, 3, 6)).nodes
+           if n.name == "conv_general_dilated" and n.inputs[1].shape == (conv_mod.CUDNN_MIN_BATCH, 9, 9, 6)]
+    assert conv_mod.conv_path(rgb[0], Options(conv="auto", cudnn=True)) == "gemm"
+    assert conv_mod.conv_path(rgb[0], Options(conv="cudnn", cudnn=True)) == "cudnn_filter_grad"
     # Stride 2 with "SAME" padding (0, 1): x is padded explicitly by one row and column.
     grad_s2 = jax.grad(lambda x, w: jnp.sum(jnp.tanh(conv(x, w, (2, 2)))), argnums=1)
     new = check(grad_s2, [rand(rng, 2, 8, 8, 4), args[1]], Options(conv="cudnn"), rtol=1e-4)

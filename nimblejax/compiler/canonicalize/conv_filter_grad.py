@@ -32,6 +32,13 @@ filter_grad_p = Primitive("nimble_cudnn_conv_filter_grad")
 
 # The window (the forward filter) cuDNN's backward-filter call is used for, per axis.
 MAX_FILTER = 11
+# Filter gradients of activations with fewer channels (an image's 3) take im2col + GEMM:
+# for them cuDNN's legacy API offers only `wgrad_alg0_engine`. Measured on an H200
+# (examples/gpu/probe_conv_wgrad.py, 536b9e3): ResNet-50's first convolution (7×7,
+# stride 2, 3 channels) at batch 32, 440 µs through cuDNN against 369 through im2col +
+# GEMM (XLA's engine from cuDNN's graph API: 237); padded to 4 or 8 channels cuDNN's
+# call took 624 and 1116.
+MIN_CHANNELS = 4
 
 
 @filter_grad_p.def_abstract_eval
@@ -65,6 +72,12 @@ def eligible(node: Node) -> bool:
     window = [w.shape[d] for d in rhs_spec[2:]]
     filt = [out.shape[d] for d in out_spec[2:]]
     return all(f <= MAX_FILTER for f in filt) and any(k > f for k, f in zip(window, filt))
+
+
+def channels(node: Node) -> int:
+    """The forward activations' channels: this convolution's lhs batch dimension."""
+    lhs_spec, _, _ = conv_specs(node)
+    return node.inputs[0].shape[lhs_spec[0]]
 
 
 def batch(node: Node) -> int:

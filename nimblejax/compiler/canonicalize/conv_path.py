@@ -112,7 +112,7 @@ def _pad(x: np.ndarray, cfg) -> np.ndarray:
 def conv_path(node: Node, options: Options) -> str:
     """'direct' for depthwise-like convolutions (1 input channel per group: a GEMM per
     group would be a batch of tiny matrices); 'cudnn_filter_grad' for filter gradients
-    (conv_filter_grad.py), 'cudnn_data_grad' for strided convolutions' input gradients
+    (conv_filter_grad.py) of at least MIN_CHANNELS channels, 'cudnn_data_grad' for strided convolutions' input gradients
     (conv_data_grad.py) and 'cudnn' for the 2-D convolutions cuDNN's forward API takes,
     where cuDNN is found (options.conv=cudnn|im2col overrides), unless the batch is small
     (CUDNN_MIN_BATCH); else 'gemm' (im2col + cuBLAS)."""
@@ -123,8 +123,10 @@ def conv_path(node: Node, options: Options) -> str:
         return "direct"
     if _is_plain_1x1(node):
         return "gemm"  # already a GEMM, no im2col: measured faster than XLA's cuDNN call
-    if filter_grad.eligible(node):  # the window is the activation map: never im2col'd well
-        return "cudnn_filter_grad" if use_cudnn(options, filter_grad.batch(node)) else "gemm"
+    if filter_grad.eligible(node):  # the window is the activation map: im2col'd well only
+        # for few channels (filter_grad.MIN_CHANNELS: an image's first convolution)
+        few = options.conv == "auto" and filter_grad.channels(node) < filter_grad.MIN_CHANNELS
+        return "cudnn_filter_grad" if use_cudnn(options, filter_grad.batch(node)) and not few else "gemm"
     if data_grad.eligible(node):  # a strided convolution's input gradient (lhs dilation)
         return "cudnn_data_grad" if use_cudnn(options, data_grad.batch(node)) else "gemm"
     if _cudnn_eligible(node) and use_cudnn(options, _batch(node)):

@@ -279,16 +279,24 @@ def post_value(b: KernelBuilder, post, out: Var, idx: Index, value: str) -> str:
 
 
 def loop_kernel_with_post(kind: str, out: Var, ops: Sequence[str], body: Callable[[KernelBuilder, Index], str],
-                          inlined: Mapping[Var, Node] = {}, post=None) -> Kernel:
+                          inlined: Mapping[Var, Node] = {}, post=None, unroll: int = 1) -> Kernel:
     """loop_kernel over `out`'s elements, writing `out`, or with a post group (whose value
     `body` returns through post_value) the post group's output."""
     if post is None:
-        return loop_kernel(kind, out, ops, body, inlined)
+        return loop_kernel(kind, out, ops, body, inlined, unroll)
     inlined = {**inlined, **{n.outputs[0]: n for n in post.nodes}}
-    return loop_kernel(kind, post.output, ops, body, inlined, index_shape=out.shape)
+    return loop_kernel(kind, post.output, ops, body, inlined, unroll, index_shape=out.shape)
 
 
-# Fused kernels of at least this many elements compute UNROLL of them per thread.
+def unroll_for(out: Var) -> int:
+    """How many elements a thread of a gather-like loop kernel over `out` computes before
+    it stores any (loop_kernel's `unroll`): UNROLL from UNROLL_MIN elements on, as the
+    fused elementwise kernels do."""
+    return UNROLL if out.size >= UNROLL_MIN else 1
+
+
+# Fused kernels (and gather-like loop kernels: unroll_for) of at least this many elements
+# compute UNROLL of them per thread.
 UNROLL, UNROLL_MIN = 4, 1 << 16
 
 

@@ -12,7 +12,7 @@ from nimblejax.compiler.ir import Node, Var
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import (Index, KernelBuilder, dilated_source, loop_kernel,
-                                                 loop_kernel_with_post, post_value)
+                                                 loop_kernel_with_post, post_value, unroll_for)
 from nimblejax.compiler.lowering.conv_tiled import tiled_depthwise, tiles
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import ConvCall, Kernel
@@ -48,7 +48,7 @@ def im2col_kernel(node: Node) -> Kernel:
         return b.tmp(dtypes.compute_type(x.dtype),
                      f"({' && '.join(conds) or 'true'}) ? {b.load(x, tuple(src))} : {zero}")
 
-    return loop_kernel("im2col", out, ["im2col"], body)
+    return loop_kernel("im2col", out, ["im2col"], body, unroll=unroll_for(out))
 
 
 # ---- the cuDNN calls --------------------------------------------------------------

@@ -7,7 +7,7 @@ from nimblejax.compiler.ir import Node
 from nimblejax.compiler import dtypes
 from nimblejax.compiler.kinds import RuleKind
 from nimblejax.compiler.lowering.codegen import (Index, KernelBuilder, dilated_source, loop_kernel,
-                                                 loop_kernel_with_post, post_value)
+                                                 loop_kernel_with_post, post_value, unroll_for)
 from nimblejax.compiler.lowering.elementwise import _FMAX, _FMIN
 from nimblejax.compiler.lowering.registry import register
 from nimblejax.compiler.lowering.task import Kernel
@@ -51,19 +51,14 @@ def reduce_window(node: Node, post=None) -> Kernel:
     ctype = dtypes.compute_type(out.dtype)
 
     def body(b: KernelBuilder, idx: Index) -> str:
-        b.emit(f"{ctype} acc = {init(out.dtype)};")
+        acc = b.tmp(ctype, init(out.dtype))
         for offsets in itertools.product(*(range(k) for k in p["window_dimensions"])):
             src, conds = _window_positions(b, idx, x.shape, p, offsets)
-            step = f"acc = {dtypes.round_to(out.dtype, combine.format(a='acc', b=b.load(x, tuple(src))))};"
+            step = f"{acc} = {dtypes.round_to(out.dtype, combine.format(a=acc, b=b.load(x, tuple(src))))};"
             b.emit(f"if ({' && '.join(conds)}) {{ {step} }}" if conds else step)
-        return "acc" if post is None else post_value(b, post, out, idx, "acc")
+        return acc if post is None else post_value(b, post, out, idx, acc)
 
-    return loop_kernel_with_post("pool", out, [node.name], body, post=post)
-
-
-# Elements a thread of the two max-pool gradient kernels computes before it stores any,
-# so that their loads are in flight together (loop_kernel's `unroll`).
-UNROLL = 4
+    return loop_kernel_with_post("pool", out, [node.name], body, post=post, unroll=unroll_for(out))
 
 
 def _covering_windows(b: KernelBuilder, idx: Index, p, count) -> list[tuple[tuple, str, str]]:
@@ -111,7 +106,7 @@ def pool_select(node: Node) -> Kernel:
                    f"if ({at} < 0 || v {better} {best}) {{ {best} = v; {at} = {k}; }} }}")
         return at
 
-    return loop_kernel("poolselect", out, ["select_and_scatter_add"], body, unroll=UNROLL)
+    return loop_kernel("poolselect", out, ["select_and_scatter_add"], body, unroll=unroll_for(out))
 
 
 @register("nimble_pool_scatter", kind=RuleKind.KERNEL)
@@ -129,4 +124,4 @@ def pool_scatter(node: Node) -> Kernel:
                    f"{total} = {dtypes.round_to(out.dtype, f'{total} + ' + b.load(source, w))};")
         return total
 
-    return loop_kernel("poolgrad", out, ["select_and_scatter_add"], body, unroll=UNROLL)
+    return loop_kernel("poolgrad", out, ["select_and_scatter_add"], body, unroll=unroll_for(out))
