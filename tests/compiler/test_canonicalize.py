@@ -103,11 +103,12 @@ def test_filter_gradient_becomes_one_cudnn_backward_filter_call():
     small = [n for n in trace(grad_w, rand(rng, 1, 9, 9, 4), args[1]).nodes
              if n.name == "conv_general_dilated" and n.inputs[1].shape == (1, 9, 9, 6)]
     assert conv_mod.conv_path(small[0], Options(conv="auto", cudnn=True)) == "gemm"
-    # An image's 3 channels take im2col + GEMM (conv_filter_grad.MIN_CHANNELS), unless forced.
+    # An image's 3 channels: one GEMM over the forward's patches (MIN_CHANNELS), unless forced.
     rgb = [n for n in trace(grad_w, rand(rng, conv_mod.CUDNN_MIN_BATCH, 9, 9, 3), rand(rng, 3, 3, 3, 6)).nodes
            if n.name == "conv_general_dilated" and n.inputs[1].shape == (conv_mod.CUDNN_MIN_BATCH, 9, 9, 6)]
-    assert conv_mod.conv_path(rgb[0], Options(conv="auto", cudnn=True)) == "gemm"
+    assert conv_mod.conv_path(rgb[0], Options(conv="auto", cudnn=True)) == "gemm_filter_grad"
     assert conv_mod.conv_path(rgb[0], Options(conv="cudnn", cudnn=True)) == "cudnn_filter_grad"
+    assert conv_mod.conv_path(rgb[0], Options(conv="im2col", cudnn=True)) == "gemm"
     # Stride 2 with "SAME" padding (0, 1): x is padded explicitly by one row and column.
     grad_s2 = jax.grad(lambda x, w: jnp.sum(jnp.tanh(conv(x, w, (2, 2)))), argnums=1)
     new = check(grad_s2, [rand(rng, 2, 8, 8, 4), args[1]], Options(conv="cudnn"), rtol=1e-4)
@@ -315,3 +316,35 @@ def test_a_pool_gradient_is_a_selection_then_a_gather(pool):
     assert "nimble_pool_select" in prims and "nimble_pool_scatter" in prims
     np.testing.assert_array_equal(nimble.jit(f, backend="interpret")(x), jax.jit(f)(x))
     assert_emulated_matches_jax(f, (x,))
+
+
+@pytest.mark.parametrize("case", ["NHWC 7x7/2", "NHWC 3x3 SAME", "NCHW asymmetric", "NHWC dilated",
+                                  "bfloat16"])
+def test_a_filter_gradient_of_few_channels_is_one_gemm_over_the_forward_patches(case):
+    """conv_filter_grad.MIN_CHANNELS: the forward convolution's patches of x, transposed,
+    times dy; in NHWC neither x nor dy is transposed. Values as jax.jit's, and the
+    generated kernels (im2col) on the kernel emulator."""
+    from tests.helpers.models import assert_emulated_matches_jax
+
+    rng = np.random.default_rng(7)
+    dn, strides, padding, dilation, x_shape, w_shape, dtype = {
+        "NHWC 7x7/2": (NHWC, (2, 2), [(3, 3)] * 2, (1, 1), (4, 20, 18, 3), (7, 7, 3, 8), jnp.float32),
+        "NHWC 3x3 SAME": (NHWC, (1, 1), "SAME", (1, 1), (2, 9, 9, 2), (3, 3, 2, 5), jnp.float32),
+        "NCHW asymmetric": (None, (2, 2), [(1, 2), (3, 0)], (1, 1), (3, 3, 15, 14), (5, 3, 4, 3), jnp.float32),
+        "NHWC dilated": (NHWC, (1, 1), "VALID", (2, 2), (2, 12, 11, 1), (3, 3, 1, 4), jnp.float32),
+        "bfloat16": (NHWC, (2, 2), "SAME", (1, 1), (2, 8, 8, 3), (3, 3, 3, 4), jnp.bfloat16),
+    }[case]
+    fwd = lambda x, w: lax.conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation,  # noqa: E731
+                                                dimension_numbers=dn, precision=lax.Precision.HIGHEST)
+    grad_w = jax.grad(lambda x, w: jnp.sum(jnp.tanh(fwd(x, w))).astype(jnp.float32), argnums=1)
+    args = [rand(rng, *x_shape).astype(dtype), rand(rng, *w_shape).astype(dtype)]
+    options = Options(conv="auto", cudnn=True)
+    paths = [conv_mod.conv_path(n, options) for n in trace(grad_w, *args).nodes if n.name == "conv_general_dilated"]
+    assert "gemm_filter_grad" in paths, paths
+    new = check(grad_w, args, options, rtol=2e-2 if dtype == jnp.bfloat16 else 1e-4)
+    assert "nimble_cudnn_conv_filter_grad" not in names(new)
+    if dn is NHWC:  # x is read as the forward wrote it: the forward's own patches (batch < 8) and these
+        ims = [n for n in new.nodes if n.name == "nimble_im2col" and n.inputs[0] is new.inputs[0]]
+        assert len(ims) == 2, ims
+    if dtype == jnp.float32:
+        assert_emulated_matches_jax(grad_w, tuple(args))

@@ -32,12 +32,14 @@ filter_grad_p = Primitive("nimble_cudnn_conv_filter_grad")
 
 # The window (the forward filter) cuDNN's backward-filter call is used for, per axis.
 MAX_FILTER = 11
-# Filter gradients of activations with fewer channels (an image's 3) take im2col + GEMM:
-# for them cuDNN's legacy API offers only `wgrad_alg0_engine`. Measured on an H200
+# Filter gradients of activations with fewer channels (an image's 3) are one GEMM over
+# the forward convolution's patches (conv_path._filter_grad_gemm): for them cuDNN's
+# legacy API offers only `wgrad_alg0_engine`. Measured on an H200
 # (examples/gpu/probe_conv_wgrad.py, 536b9e3): ResNet-50's first convolution (7×7,
-# stride 2, 3 channels) at batch 32, 440 µs through cuDNN against 369 through im2col +
-# GEMM (XLA's engine from cuDNN's graph API: 237); padded to 4 or 8 channels cuDNN's
-# call took 624 and 1116.
+# stride 2, 3 channels) at batch 32, 440 µs through cuDNN against 369 through the
+# filter-gradient convolution's own im2col + GEMM (193 of it the im2col, 81 transposes
+# of x and dy, which the forward's patches do without; XLA's engine from cuDNN's graph
+# API: 237); padded to 4 or 8 channels cuDNN's call took 624 and 1116.
 MIN_CHANNELS = 4
 
 
@@ -74,10 +76,11 @@ def eligible(node: Node) -> bool:
     return all(f <= MAX_FILTER for f in filt) and any(k > f for k, f in zip(window, filt))
 
 
-def channels(node: Node) -> int:
-    """The forward activations' channels: this convolution's lhs batch dimension."""
+def few_channels(node: Node) -> bool:
+    """Fewer than MIN_CHANNELS forward activation channels (this convolution's lhs batch
+    dimension), in one group."""
     lhs_spec, _, _ = conv_specs(node)
-    return node.inputs[0].shape[lhs_spec[0]]
+    return node.inputs[0].shape[lhs_spec[0]] < MIN_CHANNELS and node.params["batch_group_count"] == 1
 
 
 def batch(node: Node) -> int:

@@ -112,7 +112,8 @@ def _pad(x: np.ndarray, cfg) -> np.ndarray:
 def conv_path(node: Node, options: Options) -> str:
     """'direct' for depthwise-like convolutions (1 input channel per group: a GEMM per
     group would be a batch of tiny matrices); 'cudnn_filter_grad' for filter gradients
-    (conv_filter_grad.py) of at least MIN_CHANNELS channels, 'cudnn_data_grad' for strided convolutions' input gradients
+    (conv_filter_grad.py), 'gemm_filter_grad' for those of fewer than MIN_CHANNELS
+    channels (the forward convolution's patches of x times dy: `_filter_grad_gemm`), 'cudnn_data_grad' for strided convolutions' input gradients
     (conv_data_grad.py) and 'cudnn' for the 2-D convolutions cuDNN's forward API takes,
     where cuDNN is found (options.conv=cudnn|im2col overrides), unless the batch is small
     (CUDNN_MIN_BATCH); else 'gemm' (im2col + cuBLAS)."""
@@ -123,10 +124,10 @@ def conv_path(node: Node, options: Options) -> str:
         return "direct"
     if _is_plain_1x1(node):
         return "gemm"  # already a GEMM, no im2col: measured faster than XLA's cuDNN call
-    if filter_grad.eligible(node):  # the window is the activation map: im2col'd well only
-        # for few channels (filter_grad.MIN_CHANNELS: an image's first convolution)
-        few = options.conv == "auto" and filter_grad.channels(node) < filter_grad.MIN_CHANNELS
-        return "cudnn_filter_grad" if use_cudnn(options, filter_grad.batch(node)) and not few else "gemm"
+    if filter_grad.eligible(node):  # the window is the activation map
+        if options.conv == "auto" and filter_grad.few_channels(node):  # an image's first layer
+            return "gemm_filter_grad"
+        return "cudnn_filter_grad" if use_cudnn(options, filter_grad.batch(node)) else "gemm"
     if data_grad.eligible(node):  # a strided convolution's input gradient (lhs dilation)
         return "cudnn_data_grad" if use_cudnn(options, data_grad.batch(node)) else "gemm"
     if _cudnn_eligible(node) and use_cudnn(options, _batch(node)):
@@ -196,6 +197,8 @@ def rewrite_conv(node: Node, options: Options) -> list[Node]:
         fn = lambda a, b: _via_cudnn(a, b, node, out)  # noqa: E731
     elif path == "cudnn_filter_grad":
         fn = lambda a, b: filter_grad.via_cudnn(a, b, node, _math(node))  # noqa: E731
+    elif path == "gemm_filter_grad":
+        fn = lambda a, b: _filter_grad_gemm(a, b, node)  # noqa: E731
     elif path == "cudnn_data_grad":
         fn = lambda a, b: data_grad.via_cudnn(a, b, node, _math(node))  # noqa: E731
     else:
@@ -240,6 +243,32 @@ def _decomposed(x, w, params, out_shape: Sequence[int]):
     for j, d in enumerate(out_spec[2:]):
         perm[d] = 1 + j
     return transpose(y, tuple(perm))
+
+
+def _filter_grad_gemm(x, dy, node: Node):
+    """A filter-gradient convolution (conv_filter_grad.py) as the forward convolution's
+    patches of x, transposed, times dy: dW[(r, s, c), k] = Σ_(n, p, q) patches[(n, p, q),
+    (r, s, c)] · dy[(n, p, q), k], one GEMM over both in the forward's layout (no
+    transposes where the forward ran in NHWC). Its own im2col (`_decomposed`: the window
+    the whole activation map) needs x and dy transposed to the filter-gradient layout."""
+    p = node.params
+    lhs_spec, rhs_spec, out_spec = conv_specs(node)
+    x = transpose(x, (lhs_spec[1], lhs_spec[2], lhs_spec[3], lhs_spec[0]))   # forward N, H, W, C
+    dy = transpose(dy, (rhs_spec[1], rhs_spec[2], rhs_spec[3], rhs_spec[0]))  # forward N, P, Q, K
+    strides, dilation = tuple(p["rhs_dilation"]), tuple(p["window_strides"])
+    filt = tuple(node.outputs[0].shape[d] for d in out_spec[2:])
+    # The forward's padding: its low side as given, its high side what makes dy's size.
+    padding = tuple((lo, (need - 1) * st + (f - 1) * dl + 1 - size - lo) for size, need, (lo, _), st, dl, f
+                    in zip(x.shape[1:3], dy.shape[1:3], p["padding"], strides, dilation, filt))
+    patches = im2col_p.bind(x, kernel=filt, strides=strides, padding=padding, lhs_dilation=(1, 1),
+                            rhs_dilation=dilation, groups=1, mode="feature")  # 1, N·P·Q, R·S·C
+    k = dy.shape[3]
+    dw = lax.dot_general(patches, dy.reshape(1, -1, k), (((1,), (1,)), ((0,), (0,))),
+                         precision=p["precision"], preferred_element_type=p["preferred_element_type"])
+    dw = dw.reshape(*filt, x.shape[3], k)  # R, S, C, K: the node's (spatial, batch, feature)
+    perm = [0] * 4
+    perm[out_spec[0]], perm[out_spec[1]], perm[out_spec[2]], perm[out_spec[3]] = 2, 3, 0, 1
+    return transpose(dw, tuple(perm))
 
 
 # ---- the cuDNN path ----------------------------------------------------------------------
