@@ -1,8 +1,9 @@
 """A filter gradient with few input channels (ResNet-50's first convolution: 3 channels,
-7×7, stride 2), jax.jit's kernels against nimble's, and nimble's with the input's
-channels padded with zeros to 4 or 8 (the gradient sliced back), and nimble's through
-im2col and a GEMM (conv="im2col"): which kernels each runs
-and their GPU time per call, from JAX's profiler (run on the GPU machine).
+7×7, stride 2), jax.jit's kernels against nimble's paths: as planned (one GEMM over the
+forward convolution's patches), cuDNN's backward-filter call (conv="cudnn"), also with
+the input's channels padded with zeros to 4 or 8 (the gradient sliced back), and the
+filter-gradient convolution's own im2col and GEMM (conv="im2col"): which kernels each
+runs and their GPU time per call, from JAX's profiler (run on the GPU machine).
 
     PYTHONPATH=. python3 examples/gpu/probe_conv_wgrad.py [--batch 32] [--calls 10]
 """
@@ -54,9 +55,12 @@ def main() -> None:
     dy = jnp.asarray(rng.standard_normal((n, hw // stride, hw // stride, k)), jnp.float32)
     want = jax.jit(filter_grad(stride, pad, None))(x, w, dy)
     sides = {"jax.jit": jax.jit(filter_grad(stride, pad, None))}
+    sides["nimble as planned"] = nimble.jit(filter_grad(stride, pad, None), backend="cuda")
     for channels in (None, 4, 8):
-        sides[f"nimble, C={channels or c}"] = nimble.jit(filter_grad(stride, pad, channels), backend="cuda")
-    sides["nimble, im2col + GEMM"] = nimble.jit(filter_grad(stride, pad, None), backend="cuda", conv="im2col")
+        sides[f"nimble, cuDNN, C={channels or c}"] = nimble.jit(filter_grad(stride, pad, channels),
+                                                               backend="cuda", conv="cudnn")
+    sides["nimble, its own im2col + GEMM"] = nimble.jit(filter_grad(stride, pad, None), backend="cuda",
+                                                        conv="im2col")
     for name, fn in sides.items():
         got = fn(x, w, dy)
         err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
