@@ -109,6 +109,15 @@ def test_filter_gradient_becomes_one_cudnn_backward_filter_call():
     assert conv_mod.conv_path(rgb[0], Options(conv="auto", cudnn=True)) == "gemm_filter_grad"
     assert conv_mod.conv_path(rgb[0], Options(conv="cudnn", cudnn=True)) == "cudnn_filter_grad"
     assert conv_mod.conv_path(rgb[0], Options(conv="im2col", cudnn=True)) == "gemm"
+    # ... while its patches fit in MAX_PATCH_BYTES: ResNet-50's first layer at batch 32 does
+    # (236 MB), 512² images at batch 64 do not (2.5 GB).
+    first = jax.grad(lambda x, w: jnp.sum(lax.conv_general_dilated(x, w, (2, 2), [(3, 3)] * 2,
+                                                                    dimension_numbers=NHWC)), argnums=1)
+    for n, hw, want in [(32, 224, "gemm_filter_grad"), (64, 512, "cudnn_filter_grad")]:
+        spec = [jax.ShapeDtypeStruct((n, hw, hw, 3), jnp.float32), jax.ShapeDtypeStruct((7, 7, 3, 64), jnp.float32)]
+        (node,) = [m for m in trace(first, *spec).nodes if m.name == "conv_general_dilated"
+                   and m.outputs[0].shape != (n, hw // 2, hw // 2, 64)]
+        assert conv_mod.conv_path(node, Options(conv="auto", cudnn=True)) == want, (n, hw)
     # Stride 2 with "SAME" padding (0, 1): x is padded explicitly by one row and column.
     grad_s2 = jax.grad(lambda x, w: jnp.sum(jnp.tanh(conv(x, w, (2, 2)))), argnums=1)
     new = check(grad_s2, [rand(rng, 2, 8, 8, 4), args[1]], Options(conv="cudnn"), rtol=1e-4)

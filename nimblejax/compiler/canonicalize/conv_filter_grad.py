@@ -41,6 +41,9 @@ MAX_FILTER = 11
 # of x and dy, which the forward's patches do without; XLA's engine from cuDNN's graph
 # API: 237); padded to 4 or 8 channels cuDNN's call took 624 and 1116.
 MIN_CHANNELS = 4
+# ... while those patches (N·P·Q × R·S·C elements, ResNet-50's first layer at batch 32:
+# 236 MB) fit in this many bytes; cuDNN needs no such buffer.
+MAX_PATCH_BYTES = 1 << 30
 
 
 @filter_grad_p.def_abstract_eval
@@ -78,9 +81,14 @@ def eligible(node: Node) -> bool:
 
 def few_channels(node: Node) -> bool:
     """Fewer than MIN_CHANNELS forward activation channels (this convolution's lhs batch
-    dimension), in one group."""
-    lhs_spec, _, _ = conv_specs(node)
-    return node.inputs[0].shape[lhs_spec[0]] < MIN_CHANNELS and node.params["batch_group_count"] == 1
+    dimension), in one group, and the forward's patches within MAX_PATCH_BYTES."""
+    lhs_spec, _, out_spec = conv_specs(node)
+    x, dy = node.inputs
+    out = node.outputs[0]
+    k = out.shape[out_spec[1]]
+    patch_bytes = (dy.size // k) * (out.size // k) * np.dtype(x.dtype).itemsize
+    return (x.shape[lhs_spec[0]] < MIN_CHANNELS and node.params["batch_group_count"] == 1
+            and patch_bytes <= MAX_PATCH_BYTES)
 
 
 def batch(node: Node) -> int:
