@@ -14,6 +14,7 @@ import numpy as np
 
 import nimblejax as nimble
 from nimblejax.compiler import pipeline, printing
+from tests.helpers import on_host
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -126,10 +127,10 @@ def test_debug_3_logs_one_line_per_call(capsys):
         return jnp.tanh(x @ p["w"] + p["b"])
 
     r = np.random.default_rng(0)
-    p = {"w": jnp.asarray(r.normal(size=(8, 8)), jnp.float32), "b": jnp.asarray(r.normal(size=8), jnp.float32)}
+    p = {"w": on_host(r.normal(size=(8, 8)), jnp.float32), "b": on_host(r.normal(size=8), jnp.float32)}
     f = nimble.jit(layer, backend="interpret", debug=3)
     for _ in range(3):
-        f(p, jnp.asarray(r.normal(size=(2, 8)), jnp.float32))
+        f(p, on_host(r.normal(size=(2, 8)), jnp.float32))
     lines = [s for s in capsys.readouterr().err.splitlines() if s.startswith("nimblejax: layer call")]
     assert len(lines) == 3
     assert "path=xla" in lines[0] and "plan cache miss" in lines[0] and "3 passed" in lines[0]

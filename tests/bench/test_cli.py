@@ -16,6 +16,7 @@ from nimblejax.bench import cli, report
 from nimblejax.bench import results as bench_results
 from nimblejax.bench import progress as progress_mod
 from nimblejax.bench.models import MODELS, SUITE, ModelSpec
+from tests.helpers import on_host
 
 NO_GPU_LINE = "No CUDA GPU is visible"
 
@@ -39,8 +40,8 @@ def _fake_spec() -> ModelSpec:
 
     def build(batch, dtype=jnp.float32, rng=None, *, tiny=False):
         rng = rng if rng is not None else np.random.default_rng(0)
-        return fn, ({"w": jnp.asarray(rng.standard_normal((8, 8)), dtype)},
-                    jnp.asarray(rng.standard_normal((batch, 8)), dtype))
+        return fn, ({"w": on_host(rng.standard_normal((8, 8)), dtype)},
+                    on_host(rng.standard_normal((batch, 8)), dtype))
 
     return ModelSpec("fake", build, "uses an unsupported primitive")
 

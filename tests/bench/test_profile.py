@@ -9,6 +9,7 @@ import pytest
 import nimblejax as nimble
 from nimblejax.bench.models import MODELS
 from nimblejax.bench.profile import group, summarize, task_category, task_family, task_times
+from tests.helpers import on_host
 
 
 def test_families_and_categories_of_a_cnn_plan():
@@ -39,8 +40,8 @@ def test_summary_adds_up_rows():
 @pytest.mark.gpu
 def test_task_times_cover_every_task_and_are_positive():
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((64, 256)), jnp.float32)
-    w = jnp.asarray(rng.standard_normal((256, 256)), jnp.float32)
+    x = on_host(rng.standard_normal((64, 256)), jnp.float32)
+    w = on_host(rng.standard_normal((256, 256)), jnp.float32)
     f = nimble.jit(lambda x, w: jnp.tanh(x @ w).sum(axis=1), tc_gemm=False)  # a cuBLAS task
     jax.block_until_ready(f(x, w))
     exe = f.executables()[-1]

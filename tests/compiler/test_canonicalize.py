@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from tests.helpers import on_host
 from tests.helpers.graphs import evaluate, names, trace
 import nimblejax as nimble
 from nimblejax.compiler.canonicalize import REWRITTEN, canonicalize, registry
@@ -35,7 +36,7 @@ def check(fn, args, options=Options(), rtol=1e-5):
 
 
 def rand(rng, *shape):
-    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    return on_host(rng.standard_normal(shape), jnp.float32)
 
 
 def conv(x, w, strides=(1, 1), **kw):
@@ -318,7 +319,7 @@ def test_a_pool_gradient_is_a_selection_then_a_gather(pool):
     }[pool]
     reducer, init = (lax.min, jnp.inf) if pool.startswith("min") else (lax.max, -jnp.inf)
     f = jax.grad(lambda x: jnp.sum(lax.reduce_window(x, init, reducer, window, strides, padding) ** 2))
-    x = jnp.asarray(np.random.default_rng(0).integers(-3, 3, shape), jnp.float32)  # many ties
+    x = on_host(np.random.default_rng(0).integers(-3, 3, shape), jnp.float32)  # many ties
     plan = nimble.jit(f, backend="interpret").plan(x)
     prims = [n.name for n in plan.graph.nodes]
     assert "select_and_scatter_add" not in prims

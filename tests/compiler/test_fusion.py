@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import nimblejax as nimble
+from tests.helpers import on_host
 from tests.helpers.models import (assert_tree_close, gelu_dense, layer_norm, mlp, mlp_args, rand,
                                   softmax)
 
@@ -132,7 +133,7 @@ def test_long_elementwise_chain_is_cut_into_kernels_of_bounded_depth():
             x = jnp.tanh(x * 1.01 + 0.5)
         return x
 
-    x = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, 64), jnp.float32)
+    x = on_host(np.random.default_rng(0).uniform(-1, 1, 64), jnp.float32)
     g = nimble.jit(f, backend="interpret")
     np.testing.assert_allclose(g(x), jax.jit(f)(x), rtol=1e-5, atol=1e-6)
     tasks = g.plan(x).tasks

@@ -17,6 +17,7 @@ import pytest
 from jax import lax
 from jax.extend.core import Primitive
 
+from tests.helpers import on_host
 from tests.helpers import kernel_emulator
 import nimblejax as nimble
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
@@ -90,7 +91,7 @@ def test_eval_jaxpr_is_inlined():
         a, b = call.bind(x, y, call_jaxpr=body)
         return a * b
 
-    x, y = (jnp.asarray(r.standard_normal((4, 3)), jnp.float32) for _ in range(2))
+    x, y = (on_host(r.standard_normal((4, 3)), jnp.float32) for _ in range(2))
     nf = nimble.jit(f, backend="interpret")
     np.testing.assert_allclose(nf(x, y), (jnp.sin(x) * y + 1.0) * (x - y), rtol=1e-6)
     assert "eval_jaxpr" not in {n.name for n in nf.plan(x, y).graph.nodes}
@@ -102,7 +103,7 @@ def test_checkpoint_name_is_an_identity():
     def f(x):
         return jnp.sum(checkpoint_name(jnp.sin(x), "hidden") * x)
 
-    x = jnp.asarray(r.standard_normal(9), jnp.float32)
+    x = on_host(r.standard_normal(9), jnp.float32)
     g = jax.grad(f)
     np.testing.assert_allclose(nimble.jit(f, backend="interpret")(x), jax.jit(f)(x), rtol=1e-6)
     np.testing.assert_allclose(nimble.jit(g, backend="interpret")(x), jax.jit(g)(x), rtol=1e-6)

@@ -16,6 +16,7 @@ import pytest
 
 import nimblejax
 from nimblejax.compiler import support
+from tests.helpers import on_host
 
 ROOT = Path(nimblejax.__file__).resolve().parents[1]
 
@@ -69,7 +70,7 @@ def test_unsupported_primitive_error_gives_the_reason():
 
     import nimblejax as nimble
 
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((3, 3)), jnp.float32)
+    x = on_host(np.random.default_rng(0).standard_normal((3, 3)), jnp.float32)
     with pytest.raises(NotImplementedError) as info:
         nimble.jit(lambda a: jnp.fft.fft(a).real, backend="interpret", fallback="error")(x)
     assert "'fft'" in str(info.value) and support.NOT_SUPPORTED["fft"] in str(info.value)

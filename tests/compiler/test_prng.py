@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import on_host
 from tests.helpers.graphs import evaluate, names, trace
 from nimblejax.compiler import prng
 from nimblejax.compiler.errors import UnsupportedPrimitiveError
@@ -17,7 +18,7 @@ RNG = np.random.default_rng(0)
 
 
 def words(*shape):
-    return jnp.asarray(RNG.integers(0, 2 ** 32, shape, dtype=np.uint64), jnp.uint32)
+    return on_host(RNG.integers(0, 2 ** 32, shape, dtype=np.uint64), jnp.uint32)
 
 
 def a_key():

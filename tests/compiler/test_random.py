@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
+from tests.helpers import on_host
 from tests.helpers.models import assert_tree_close
 from nimblejax.compiler.lowering import RULES
 
@@ -22,7 +23,7 @@ BACKENDS = ["interpret", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 def _keys(seed: int):
     """A raw key and a typed key over random key data (never a small seed)."""
-    data = jnp.asarray(np.random.default_rng(seed).integers(0, 2 ** 32, 2, dtype=np.uint64), jnp.uint32)
+    data = on_host(np.random.default_rng(seed).integers(0, 2 ** 32, 2, dtype=np.uint64), jnp.uint32)
     return {"raw": data, "typed": jax.random.wrap_key_data(data)}
 
 
@@ -208,7 +209,7 @@ def _dropout_model():
             return nn.Dense(4)(x)
 
     model = Block()
-    x = jnp.asarray(np.random.default_rng(8).normal(size=(6, 12)), jnp.float32)
+    x = on_host(np.random.default_rng(8).normal(size=(6, 12)), jnp.float32)
     params = model.init(jax.random.PRNGKey(0), x, train=False)
     return model, params, x
 

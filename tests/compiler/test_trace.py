@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import on_host
 from tests.helpers.graphs import evaluate, names, trace
 from nimblejax.compiler.ir import Literal, Var
 
@@ -17,7 +18,7 @@ RNG = np.random.default_rng(0)
 
 
 def rand(*shape):
-    return jnp.asarray(RNG.standard_normal(shape), jnp.float32)
+    return on_host(RNG.standard_normal(shape), jnp.float32)
 
 
 def assert_matches_jax(fn, *args):

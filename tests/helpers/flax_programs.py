@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from tests.helpers import on_host
+
 
 # ---- models ------------------------------------------------------------------------
 class Inception(nn.Module):
@@ -83,7 +85,7 @@ def _rng(seed: int = 0) -> np.random.Generator:
 
 def inception_inference():
     model = Inception()
-    x = jnp.asarray(_rng().normal(size=(2, 16, 16, 3)), jnp.float32)
+    x = on_host(_rng().normal(size=(2, 16, 16, 3)), jnp.float32)
     variables = model.init(jax.random.PRNGKey(0), x, train=False)
     return (lambda v, x: model.apply(v, x, train=False)), (variables, x)
 
@@ -93,8 +95,8 @@ def inception_sgd_step():
     `split`)."""
     model = Inception()
     r = _rng(1)
-    x = jnp.asarray(r.normal(size=(4, 16, 16, 3)), jnp.float32)
-    labels = jnp.asarray(r.integers(0, 10, (4,)), jnp.int32)
+    x = on_host(r.normal(size=(4, 16, 16, 3)), jnp.float32)
+    labels = on_host(r.integers(0, 10, (4,)), jnp.int32)
     variables = model.init(jax.random.PRNGKey(1), x, train=False)
     opt = optax.sgd(0.05, momentum=0.9)
     state = opt.init(variables["params"])
@@ -132,8 +134,8 @@ def adamw_mlp_step():
     """adamw MLP training step with integer labels (gather in the loss)."""
     model = MLP()
     r = _rng(2)
-    x = jnp.asarray(r.normal(size=(16, 20)), jnp.float32)
-    labels = jnp.asarray(r.integers(0, 10, (16,)), jnp.int32)
+    x = on_host(r.normal(size=(16, 20)), jnp.float32)
+    labels = on_host(r.integers(0, 10, (16,)), jnp.int32)
     params = model.init(jax.random.PRNGKey(2), x)
     opt = optax.adamw(1e-3, weight_decay=1e-2)
     state = opt.init(params)
@@ -143,8 +145,8 @@ def adamw_mlp_step():
 
 def _text_batch(seed: int):
     r = _rng(seed)
-    tokens = jnp.asarray(r.integers(0, 50, (4, 12)), jnp.int32)
-    labels = jnp.asarray(r.integers(0, 3, (4,)), jnp.int32)
+    tokens = on_host(r.integers(0, 50, (4, 12)), jnp.int32)
+    labels = on_host(r.integers(0, 3, (4,)), jnp.int32)
     return tokens, labels
 
 
@@ -170,7 +172,7 @@ def encoder_adam_step():
 def dropout_train():
     """An encoder block in train mode: dropout masks from `rngs=`, a key per call."""
     model = EncoderBlock(dropout=0.25)
-    x = jnp.asarray(_rng(5).normal(size=(2, 8, 32)), jnp.float32)
+    x = on_host(_rng(5).normal(size=(2, 8, 32)), jnp.float32)
     params = model.init(jax.random.PRNGKey(5), x)
 
     def fn(params, x, key):
@@ -181,7 +183,7 @@ def dropout_train():
 
 def causal_attention():
     model = EncoderBlock(causal=True)
-    x = jnp.asarray(_rng(6).normal(size=(2, 10, 32)), jnp.float32)
+    x = on_host(_rng(6).normal(size=(2, 10, 32)), jnp.float32)
     params = model.init(jax.random.PRNGKey(6), x)
     return (lambda p, x: model.apply(p, x)), (params, x)
 
@@ -189,7 +191,7 @@ def causal_attention():
 def top_k_sampling():
     """Sample the next token from the top-k logits of a language-model head."""
     r = _rng(7)
-    logits = jnp.asarray(r.normal(size=(4, 50)), jnp.float32)
+    logits = on_host(r.normal(size=(4, 50)), jnp.float32)
 
     def sample(logits, key, temperature):
         values, index = jax.lax.top_k(logits / temperature, 5)

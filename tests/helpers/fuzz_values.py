@@ -74,7 +74,9 @@ def make_args(specs, seed: int) -> list[np.ndarray]:
     out = []
     for shape, dtype in specs:
         if dtype in FLOATS:
-            a = np.asarray(jnp.asarray(r.uniform(-1.5, 1.5, shape), dtype))
+            # Cast by NumPy: jnp.asarray(x, dtype) compiles an XLA program for each
+            # drawn shape (the same bits: tests/helpers/__init__.py, on_host).
+            a = r.uniform(-1.5, 1.5, shape).astype(jnp.dtype(dtype))
         elif dtype == "int32":
             a = r.integers(-20, 20, shape).astype(np.int32)
         elif dtype == "uint32":

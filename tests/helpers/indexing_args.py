@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import nimblejax as nimble
+from tests.helpers import on_host
 
 VOCAB, DIM, TOKENS, CLASSES = 50, 16, 24, 7
 
@@ -16,8 +17,8 @@ def rng(seed=0):
 
 def embed_args(seed=0, dtype=jnp.float32):
     r = rng(seed)
-    table = jnp.asarray(r.normal(size=(VOCAB, DIM)), dtype)
-    ids = jnp.asarray(r.integers(0, VOCAB, TOKENS), jnp.int32)
+    table = on_host(r.normal(size=(VOCAB, DIM)), dtype)
+    ids = on_host(r.integers(0, VOCAB, TOKENS), jnp.int32)
     return table, ids
 
 

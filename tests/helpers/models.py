@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tests.helpers import on_host
+
 
 def rand(rng: np.random.Generator, *shape, dtype=jnp.float32, scale=1.0):
-    return jnp.asarray(rng.standard_normal(shape) * scale, dtype=dtype)
+    return on_host(rng.standard_normal(shape) * scale, dtype)
 
 
 def mlp(params, x):

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tests.helpers import on_host
+
 
 @dataclass(frozen=True)
 class Record:
@@ -25,23 +27,23 @@ class Record:
 
 
 def f32(*shape, lo=-2.0, hi=2.0):
-    return lambda r: jnp.asarray(r.uniform(lo, hi, shape), jnp.float32)
+    return lambda r: on_host(r.uniform(lo, hi, shape), jnp.float32)
 
 
 def dt(dtype, *shape, lo=-2.0, hi=2.0):
-    return lambda r: jnp.asarray(r.uniform(lo, hi, shape), dtype)
+    return lambda r: on_host(r.uniform(lo, hi, shape), dtype)
 
 
 def i32(*shape, lo=-50, hi=50):
-    return lambda r: jnp.asarray(r.integers(lo, hi, shape), jnp.int32)
+    return lambda r: on_host(r.integers(lo, hi, shape), jnp.int32)
 
 
 def u32(*shape):
-    return lambda r: jnp.asarray(r.integers(0, 2 ** 32 - 1, shape, dtype=np.uint64), jnp.uint32)
+    return lambda r: on_host(r.integers(0, 2 ** 32 - 1, shape, dtype=np.uint64), jnp.uint32)
 
 
 def boolean(*shape):
-    return lambda r: jnp.asarray(r.random(shape) > 0.5)
+    return lambda r: on_host(r.random(shape) > 0.5, bool)
 
 
 def args(*makers):
@@ -333,7 +335,7 @@ for src, dst, make in [("float32", "uint32", f32(5, 6, lo=-1e3, hi=1e3)), ("uint
 def spd(n, batch=()):
     def make(r):
         x = r.standard_normal((*batch, n, n)).astype(np.float32)
-        return jnp.asarray(x @ np.swapaxes(x, -1, -2) + n * np.eye(n, dtype=np.float32))
+        return on_host(x @ np.swapaxes(x, -1, -2) + n * np.eye(n, dtype=np.float32), np.float32)
     return make
 
 
@@ -342,12 +344,13 @@ rec("triangular_solve", lambda a, b: jax.scipy.linalg.solve_triangular(a, b, low
     lambda r: jnp.tril(spd(5)(r)), f32(5, 3))
 rec("lu", lambda a: lax.linalg.lu(a), f32(3, 6, 4))
 rec("lu_pivots_to_permutation", lambda p: lax.linalg.lu_pivots_to_permutation(p, 7),
-    lambda r: jnp.asarray(np.stack([r.integers(i, 7, 2) for i in range(5)], -1), jnp.int32))
+    lambda r: on_host(np.stack([r.integers(i, 7, 2) for i in range(5)], -1), jnp.int32))
 # Comparisons in XLA's total order (jnp.searchsorted's le_to): signed zeros, both NaNs.
 TOTAL = np.array([np.nan, -np.nan, -np.inf, np.inf, -0.0, 0.0, 1.0, -1.0, 2.5], np.float32)
 for name, prim in (("eq_to", lax.eq_to_p), ("le_to", lax.le_to_p), ("lt_to", lax.lt_to_p)):
-    rec(name, lambda x, y, prim=prim: prim.bind(x, y), lambda r: jnp.asarray(np.repeat(TOTAL, 9)),
-        lambda r: jnp.asarray(np.tile(TOTAL, 9)))
+    rec(name, lambda x, y, prim=prim: prim.bind(x, y),
+        lambda r: on_host(np.repeat(TOTAL, 9), np.float32),
+        lambda r: on_host(np.tile(TOTAL, 9), np.float32))
 
 # Records of the indexing, sorting, random-number and special-function rules live beside
 # this file, one module per rule module; importing them appends to RECORDS.

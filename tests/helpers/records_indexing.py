@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tests.helpers import on_host
 from tests.helpers.primitive_table import rec, f32, dt, i32, u32, boolean  # noqa: F401
 
 GD, SD = lax.GatherDimensionNumbers, lax.ScatterDimensionNumbers
@@ -17,7 +18,7 @@ CLIP, FILL, PROMISE = (lax.GatherScatterMode.CLIP, lax.GatherScatterMode.FILL_OR
 
 
 def idx(*shape, lo, hi, dtype=jnp.int32):
-    return lambda r: jnp.asarray(r.integers(lo, hi, shape), dtype)
+    return lambda r: on_host(r.integers(lo, hi, shape), dtype)
 
 
 def every(lo, hi, *shape):
@@ -26,17 +27,17 @@ def every(lo, hi, *shape):
     def make(r):
         n = int(np.prod(shape))
         vals = np.concatenate([r.permutation(np.arange(lo, hi)), r.integers(lo, hi, max(0, n - (hi - lo)))])
-        return jnp.asarray(r.permutation(vals[:n]).reshape(shape), jnp.int32)
+        return on_host(r.permutation(vals[:n]).reshape(shape), jnp.int32)
     return make
 
 
 def perm(n, k):
     """k distinct indices below n (scatter overwrite: no duplicates, so any order wins)."""
-    return lambda r: jnp.asarray(r.permutation(n)[:k], jnp.int32)
+    return lambda r: on_host(r.permutation(n)[:k], jnp.int32)
 
 
 def near_one(*shape, dtype=jnp.float32):
-    return lambda r: jnp.asarray(r.uniform(0.8, 1.25, shape), dtype)
+    return lambda r: on_host(r.uniform(0.8, 1.25, shape), dtype)
 
 
 # ---- gather ----------------------------------------------------------------------------

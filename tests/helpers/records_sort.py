@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tests.helpers import on_host
 from tests.helpers.primitive_table import rec, f32, dt, i32, u32, boolean  # noqa: F401
 
 SPECIALS = np.array([np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)
@@ -19,12 +20,12 @@ def special(dtype, *shape, lo=-2.0, hi=2.0):
         x = np.where(r.random(shape) < 0.3, np.round(x), x)  # ties
         picks = r.random(shape) < 0.25
         x = np.where(picks, SPECIALS[r.integers(0, len(SPECIALS), shape)], x)
-        return jnp.asarray(x, dtype)
+        return on_host(x, dtype)
     return make
 
 
 def ints(dtype, *shape, lo=-50, hi=50):
-    return lambda r: jnp.asarray(r.integers(lo, hi, shape), dtype)
+    return lambda r: on_host(r.integers(lo, hi, shape), dtype)
 
 
 # ---- sort --------------------------------------------------------------------------
@@ -82,8 +83,8 @@ rec("cumlogsumexp", lambda x: lax.cumlogsumexp(x, axis=1), f32(3, 20))
 rec("cumlogsumexp", lambda x: lax.cumlogsumexp(x, axis=0, reverse=True), f32(9, 4), label="reverse")
 # -inf terms after a finite first one (the outputs stay finite, so the comparison is tight).
 rec("cumlogsumexp", lambda x: lax.cumlogsumexp(x, axis=1),
-    lambda r: jnp.asarray(np.where((r.random((4, 12)) < 0.3) & (np.arange(12) > 0), -np.inf,
-                                   r.normal(size=(4, 12))), jnp.float32), label="neg-inf")
+    lambda r: on_host(np.where((r.random((4, 12)) < 0.3) & (np.arange(12) > 0), -np.inf,
+                               r.normal(size=(4, 12))), jnp.float32), label="neg-inf")
 rec("cumlogsumexp", lambda x: lax.cumlogsumexp(x, axis=1), dt(jnp.bfloat16, 3, 16), label="bf16")
 rec("cumsum", lambda x: jnp.cumsum(x, axis=1), i32(3, 20), label="i32")
 rec("cumsum", lambda x: lax.cumsum(x, axis=1, reverse=True), i32(3, 20), label="i32-reverse")

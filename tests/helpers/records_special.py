@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tests.helpers import on_host
 from tests.helpers.primitive_table import RECORDS, rec, f32, dt, i32, u32, boolean  # noqa: F401
 
 _FIRST = len(RECORDS)  # this module's records are RECORDS[_FIRST:]
@@ -19,13 +20,13 @@ INTS = {"i8": jnp.int8, "i16": jnp.int16, "i32": jnp.int32, "u8": jnp.uint8,
 
 
 def normal(dtype, *shape, scale=3.0):
-    return lambda r: jnp.asarray(r.normal(0.0, scale, shape), dtype)
+    return lambda r: on_host(r.normal(0.0, scale, shape), dtype)
 
 
 def full_range(dtype, *shape):
     """Every bit pattern of an integer type equally likely."""
     info = np.iinfo(dtype)
-    return lambda r: jnp.asarray(r.integers(info.min, info.max, shape, endpoint=True,
+    return lambda r: on_host(r.integers(info.min, info.max, shape, endpoint=True,
                                             dtype=np.int64), dtype)
 
 
@@ -33,7 +34,7 @@ def non_integers(*shape):
     """Positive and negative non-integers (digamma has poles at 0, -1, -2, ...)."""
     def make(r):
         x = r.uniform(-4.0, 6.0, shape)
-        return jnp.asarray(np.where(np.abs(x - np.round(x)) < 0.05, x + 0.25, x), jnp.float32)
+        return on_host(np.where(np.abs(x - np.round(x)) < 0.05, x + 0.25, x), jnp.float32)
     return make
 
 
@@ -57,7 +58,7 @@ rec("zeta", lambda x, q: lax.zeta(x * x + 1.5, q) * 2.0, f32(40, lo=-3.0, hi=3.0
 for m in range(4):  # polygamma(0, x) is digamma
     rec("polygamma", lambda x, m=m: lax.polygamma(jnp.full_like(x, m), x), non_integers(5, 8),
         label=f"m{m}")
-rec("polygamma", lambda m, x: lax.polygamma(m, x) + 1.0, lambda r: jnp.asarray(
+rec("polygamma", lambda m, x: lax.polygamma(m, x) + 1.0, lambda r: on_host(
     r.integers(0, 4, 40), jnp.float32), f32(40, lo=0.1, hi=12.0), label="m-operand")
 rec("polygamma", jax.grad(lambda x: lax.digamma(x).sum()), f32(6, 7, lo=0.2, hi=5.0),
     label="digamma-grad")  # digamma's derivative is polygamma(1, x)
@@ -84,7 +85,7 @@ for label, dtype in INTS.items():
     rec("population_count", lax.population_count, full_range(dtype, 40), label=label)
     rec("clz", lax.clz, full_range(dtype, 40), label=label)
     bits = 8 * np.dtype(dtype).itemsize
-    shift = lambda r, d=dtype, n=bits: jnp.asarray(r.integers(0, n + 3, 40), d)  # noqa: E731
+    shift = lambda r, d=dtype, n=bits: on_host(r.integers(0, n + 3, 40), d)  # noqa: E731
     rec("shift_right_logical", lax.shift_right_logical, full_range(dtype, 40), shift, label=label)
     rec("shift_right_arithmetic", lax.shift_right_arithmetic, full_range(dtype, 40), shift,
         label=label)
@@ -94,7 +95,7 @@ for label, dtype in INTS.items():
         label=f"wrap-{label}")
 for label in ("i8", "i16", "i32"):
     dtype = INTS[label]
-    small = lambda r, d=dtype: jnp.asarray(r.choice([-1, 1, 2, -3, 7], 40), d)  # noqa: E731
+    small = lambda r, d=dtype: on_host(r.choice([-1, 1, 2, -3, 7], 40), d)  # noqa: E731
     rec("div", lax.div, full_range(dtype, 40), small, label=f"by-minus-one-{label}")
     rec("rem", lax.rem, full_range(dtype, 40), small, label=f"by-minus-one-{label}")
     rec("neg", lambda x: -x < 0, full_range(dtype, 40), label=f"wrap-{label}")

@@ -6,6 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from tests.helpers import on_host
+
 NHWC = ("NHWC", "HWIO", "NHWC")
 
 
@@ -23,7 +25,7 @@ def batch_norm(x, g, b, eps=1e-5):
 
 def _w(rng, *shape):
     fan_in = int(np.prod(shape[:-1]))
-    return jnp.asarray(rng.standard_normal(shape) * np.sqrt(2.0 / fan_in), jnp.float32)
+    return on_host(rng.standard_normal(shape) * np.sqrt(2.0 / fan_in), jnp.float32)
 
 
 def _bn(c):
@@ -84,7 +86,7 @@ def make_train_step(apply, lr=0.05, momentum=0.9):
 
 
 def batch(rng, n, size=32, classes=10):
-    x = jnp.asarray(rng.standard_normal((n, size, size, 3)), jnp.float32)
+    x = on_host(rng.standard_normal((n, size, size, 3)), jnp.float32)
     labels = jax.nn.one_hot(rng.integers(0, classes, n), classes)
     return x, labels
 

@@ -9,6 +9,7 @@ import pytest
 
 import nimblejax as nimble
 from nimblejax.runtime import launch
+from tests.helpers import on_host
 
 pytestmark = pytest.mark.gpu
 
@@ -21,8 +22,8 @@ def test_side_stream_gemms_choose_with_the_full_workspace_and_get_what_they_need
     from nimblejax.runtime.ffi_runner import FfiRunner
 
     r = np.random.default_rng(0)
-    x = jnp.asarray(r.normal(size=(128, 512)), jnp.float32)
-    ws = [jnp.asarray(r.normal(size=(512, 2048)) / 23.0, jnp.float32) for _ in range(3)]
+    x = on_host(r.normal(size=(128, 512)), jnp.float32)
+    ws = [on_host(r.normal(size=(512, 2048)) / 23.0, jnp.float32) for _ in range(3)]
     f = nimble.jit(three_projections)
     got, want = f(x, *ws), jax.jit(three_projections)(x, *ws)
     for g, w in zip(got, want):

@@ -8,6 +8,7 @@ import numpy as np
 
 import nimblejax as nimble
 from nimblejax.runtime import inplace
+from tests.helpers import on_host
 
 
 def plan_of(f, *shapes, **jit_kwargs):
@@ -94,7 +95,7 @@ def test_interpreter_and_analysis_agree_on_values():
     what jax.jit does (a smoke check that analysis does not change the plan)."""
     f = lambda x, y: (jnp.tanh(x) * y, jnp.sum(x, axis=1))  # noqa: E731
     r = np.random.default_rng(0)
-    x, y = (jnp.asarray(r.normal(size=(16, 8)), jnp.float32) for _ in range(2))
+    x, y = (on_host(r.normal(size=(16, 8)), jnp.float32) for _ in range(2))
     got = nimble.jit(f, backend="interpret")(x, y)
     for g, w in zip(got, jax.jit(f)(x, y)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)

@@ -8,6 +8,7 @@ import numpy as np
 
 import nimblejax as nimble
 from nimblejax.runtime.runner import assemble
+from tests.helpers import on_host
 
 
 C = jnp.asarray([0, 1, 2], jnp.int32)  # a constant of the function
@@ -46,7 +47,7 @@ def test_assemble_takes_buffers_inputs_and_values_where_the_slots_say():
 
 def test_every_output_kind_matches_jax_through_the_interpreter():
     r = np.random.default_rng(0)
-    x, y = (jnp.asarray(r.normal(size=4), jnp.float32) for _ in range(2))
+    x, y = (on_host(r.normal(size=4), jnp.float32) for _ in range(2))
     got = nimble.jit(fn, backend="interpret")(x, y)
     want = jax.jit(fn)(x, y)
     for g, w in zip(got, want):

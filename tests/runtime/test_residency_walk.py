@@ -15,6 +15,7 @@ import pytest
 import nimblejax as nimble
 from nimblejax.runtime import residency
 from nimblejax.runtime.residency import HELD, PASSED, Record
+from tests.helpers import on_host
 
 needs_cc = pytest.mark.skipif((shutil.which("cc") or shutil.which("gcc")) is None,
                               reason="no C compiler (cc or gcc) on PATH")
@@ -128,10 +129,10 @@ def model(params, x, scale=1.0):
 
 
 def model_args(r):
-    params = {"w2": jnp.asarray(r.normal(size=(8, 3)), jnp.float32),
-              "w1": jnp.asarray(r.normal(size=(4, 8)), jnp.float32),
-              "b": [jnp.asarray(r.normal(size=(8,)), jnp.float32)]}
-    return params, [jnp.asarray(r.normal(size=(5, 4)), jnp.float32) for _ in range(4)]
+    params = {"w2": on_host(r.normal(size=(8, 3)), jnp.float32),
+              "w1": on_host(r.normal(size=(4, 8)), jnp.float32),
+              "b": [on_host(r.normal(size=(8,)), jnp.float32)]}
+    return params, [on_host(r.normal(size=(5, 4)), jnp.float32) for _ in range(4)]
 
 
 def check(got, want):

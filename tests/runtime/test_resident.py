@@ -15,6 +15,7 @@ import pytest
 
 import nimblejax as nimble
 from nimblejax.runtime import residency
+from tests.helpers import on_host
 
 
 @pytest.fixture(autouse=True, params=["c", "python"])
@@ -32,13 +33,13 @@ def layer(p, x):
 
 def params(seed: int) -> dict:
     r = np.random.default_rng(seed)
-    return {"w": jnp.asarray(r.normal(size=(16, 16)), jnp.float32),
-            "b": jnp.asarray(r.normal(size=16), jnp.float32),
-            "s": jnp.asarray(r.normal(size=16), jnp.float32)}
+    return {"w": on_host(r.normal(size=(16, 16)), jnp.float32),
+            "b": on_host(r.normal(size=16), jnp.float32),
+            "s": on_host(r.normal(size=16), jnp.float32)}
 
 
 def fresh_x(r) -> jax.Array:
-    return jnp.asarray(r.normal(size=(4, 16)), jnp.float32)
+    return on_host(r.normal(size=(4, 16)), jnp.float32)
 
 
 P, H = -1, -2  # a leaf passed to JAX, a leaf held in the arena (runner.PASSED, HELD)
@@ -140,7 +141,7 @@ def test_a_new_signature_passes_everything_then_resides_again():
     f, r, p = nimble.jit(layer, backend="interpret"), np.random.default_rng(0), params(5)
     f(p, fresh_x(r))
     for rows in (4, 7, 7, 4, 4):
-        x = jnp.asarray(r.normal(size=(rows, 16)), jnp.float32)
+        x = on_host(r.normal(size=(rows, 16)), jnp.float32)
         close(f(p, x), layer(p, x))
     assert f.cache_size == 2
 

@@ -11,6 +11,7 @@ import pytest
 import nimblejax as nimble
 from nimblejax.runtime import runner
 from nimblejax.runtime.interpret_runner import InterpretRunner
+from tests.helpers import on_host
 
 
 def _f(x, w):
@@ -19,8 +20,8 @@ def _f(x, w):
 
 def _args(seed: int, n: int = 8):
     r = np.random.default_rng(seed)
-    return (jnp.asarray(r.standard_normal((n, 16)), jnp.float32),
-            jnp.asarray(r.standard_normal((16, 4)), jnp.float32))
+    return (on_host(r.standard_normal((n, 16)), jnp.float32),
+            on_host(r.standard_normal((16, 4)), jnp.float32))
 
 
 def test_the_direct_path_keeps_one_entry_per_call_spec_with_its_runner():

@@ -14,6 +14,7 @@ import nimblejax as nimble
 from nimblejax.compiler import fusion_horizontal as fh
 from nimblejax.compiler.kinds import GroupKind
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
+from tests.helpers import on_host
 from tests.helpers import kernel_emulator as emu
 from tests.helpers.models import assert_tree_close, rand
 
@@ -36,7 +37,7 @@ def int_step(xs, k):
 
 
 def int_args():
-    xs = [jnp.asarray(r.integers(-1000, 1000, size=int(s)), jnp.int32) for s in (5, 17, 64, 300)]
+    xs = [on_host(r.integers(-1000, 1000, size=int(s)), jnp.int32) for s in (5, 17, 64, 300)]
     return xs, jnp.int32(7)
 
 

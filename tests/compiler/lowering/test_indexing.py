@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import on_host
 from tests.helpers import kernel_emulator
 import nimblejax as nimble
 from tests.helpers.indexing_args import CLASSES, DIM, TOKENS, VOCAB, embed_args, kernel_tasks
@@ -25,7 +26,7 @@ def test_embedding_lookup_fuses_into_its_consumer():
 
 def test_scatter_is_one_task_of_two_launches():
     table, ids = embed_args()
-    upd = jnp.asarray(_rng(1).normal(size=(TOKENS, DIM)), jnp.float32)
+    upd = on_host(_rng(1).normal(size=(TOKENS, DIM)), jnp.float32)
     tasks = kernel_tasks(lambda t, i, u: t.at[i].add(u), table, ids, upd)
     (scatter,) = [t for t in tasks if "scatter" in t.kernel.name]
     first, second = scatter.kernel.launches
@@ -34,7 +35,7 @@ def test_scatter_is_one_task_of_two_launches():
 
 
 def test_half_min_uses_a_16_bit_compare_and_swap():
-    x = jnp.asarray(_rng().normal(size=(9,)), jnp.bfloat16)
+    x = on_host(_rng().normal(size=(9,)), jnp.bfloat16)
     tasks = kernel_tasks(lambda x, i, u: x.at[i].min(u), x, jnp.arange(4) * 2, x[:4])
     src = [t for t in tasks if "scatter" in t.kernel.name][0].kernel.source
     assert "unsigned short" in src and "atomicCAS" in src
@@ -49,9 +50,9 @@ def test_grad_of_gather_interpret(dtype):
 
 
 def test_scatter_modes_with_out_of_range_indices_interpret():
-    x = jnp.asarray(_rng().normal(size=(12, 5)), jnp.float32)
-    i = jnp.asarray(_rng(2).integers(-20, 20, 30), jnp.int32)
-    u = jnp.asarray(_rng(3).normal(size=(30, 5)), jnp.float32)
+    x = on_host(_rng().normal(size=(12, 5)), jnp.float32)
+    i = on_host(_rng(2).integers(-20, 20, 30), jnp.int32)
+    u = on_host(_rng(3).normal(size=(30, 5)), jnp.float32)
 
     def fn(x, i, u):
         return (x.at[i].add(u, mode="drop"), x.at[i].add(u, mode="clip"),
@@ -75,8 +76,8 @@ def _train_step():
 
     model, tx = Model(), optax.adam(1e-2)
     r = _rng(4)
-    ids = jnp.asarray(r.integers(0, VOCAB, (6, 5)), jnp.int32)
-    labels = jnp.asarray(r.integers(0, CLASSES, 6), jnp.int32)
+    ids = on_host(r.integers(0, VOCAB, (6, 5)), jnp.int32)
+    labels = on_host(r.integers(0, CLASSES, 6), jnp.int32)
     params = model.init(jax.random.PRNGKey(0), ids)
     opt_state = tx.init(params)
 
@@ -117,9 +118,9 @@ def test_embedding_cross_entropy_adam_step_gpu():
 def test_large_embedding_lookup_and_backward_gpu(dtype):
     """32000 x 512 table, 4096 tokens with many repeats (atomic adds collide)."""
     r = _rng(5)
-    table = jnp.asarray(r.normal(size=(32000, 512)), dtype)
-    ids = jnp.asarray(r.integers(0, 300, 4096), jnp.int32)
-    g = jnp.asarray(r.normal(size=(4096, 512)), dtype)
+    table = on_host(r.normal(size=(32000, 512)), dtype)
+    ids = on_host(r.integers(0, 300, 4096), jnp.int32)
+    g = on_host(r.normal(size=(4096, 512)), dtype)
     fwd = lambda t, i: t[i] * 2  # noqa: E731
     bwd = lambda t, i, g: jnp.zeros_like(t).at[i].add(g)  # noqa: E731
     assert_tree_close(nimble.jit(fwd, backend="cuda")(table, ids), jax.jit(fwd)(table, ids))
@@ -147,9 +148,9 @@ def test_scatter_family_with_collisions_gpu(dtype, op):
         if dtype == jnp.uint8:  # subtract wraps, as XLA's does
             x, u = np.abs(x), np.abs(u) / 20
     x, u = jnp.asarray(x, dtype), jnp.asarray(u, dtype)
-    i = jnp.asarray(r.integers(-8, 72, 2000), jnp.int32)  # some out of range: dropped
+    i = on_host(r.integers(-8, 72, 2000), jnp.int32)  # some out of range: dropped
     if op == "set":
-        i, u = jnp.asarray(r.permutation(64)[:40], jnp.int32), u[:40]
+        i, u = on_host(r.permutation(64)[:40], jnp.int32), u[:40]
     fn = lambda x, i, u: getattr(x.at[i], op)(u, mode="drop")  # noqa: E731
     got = np.asarray(nimble.jit(fn, backend="cuda")(x, i, u)).astype(np.float64)
     want = np.asarray(jax.jit(fn)(x, i, u)).astype(np.float64)

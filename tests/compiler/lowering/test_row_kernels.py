@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import on_host
 from tests.helpers import kernel_emulator as emu
 import nimblejax as nimble
 from tests.helpers.models import assert_tree_close, layer_norm, rand
@@ -232,7 +233,7 @@ def test_cross_entropy_is_one_row_kernel_after_its_label_gather():
     import optax
 
     f = optax.softmax_cross_entropy_with_integer_labels
-    args = (rand(r, 16, 40), jnp.asarray(r.integers(0, 40, 16), jnp.int32))
+    args = (rand(r, 16, 40), on_host(r.integers(0, 40, 16), jnp.int32))
     plan = plan_of(f, *args)
     assert [k.startswith("nimble_row_logsumexp") for k in kernel_names(plan)][-1]
     check_numbers(f, *args)
@@ -258,7 +259,7 @@ def test_emulated_integer_and_bool_rows_are_exact():
     def f(x):
         centred = x - jnp.min(x, -1, keepdims=True) + jnp.sum(x, -1, keepdims=True)
         return centred, jnp.any(x > 5, -1, keepdims=True) & (x < 0)
-    x = jnp.asarray(r.integers(-9, 9, (12, 33)), jnp.int32)
+    x = on_host(r.integers(-9, 9, (12, 33)), jnp.int32)
     plan = plan_of(f, x)
     assert sum(g.kind == "row" for g in plan.groups) == 2
     outs, emulated = emu.run(plan, [np.asarray(x)])

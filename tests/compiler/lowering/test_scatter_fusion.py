@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.helpers import on_host
 from tests.helpers import kernel_emulator
 import nimblejax as nimble
 from tests.helpers.indexing_args import DIM, TOKENS, VOCAB, embed_args, kernel_tasks
@@ -61,9 +62,9 @@ def test_grad_of_a_lookup_has_no_zero_fill_kernel():
 
 
 def test_an_operand_transposed_along_its_rows_keeps_its_tiled_kernel():
-    x = jnp.asarray(_rng().normal(size=(DIM, VOCAB)), jnp.float32)
+    x = on_host(_rng().normal(size=(DIM, VOCAB)), jnp.float32)
     _, ids = embed_args()
-    g = jnp.asarray(_rng(1).normal(size=(TOKENS, DIM)), jnp.float32)
+    g = on_host(_rng(1).normal(size=(TOKENS, DIM)), jnp.float32)
     fn = lambda x, i, g: (x.T * 2.0).at[i].add(g)  # noqa: E731
     tasks = kernel_tasks(fn, x, ids, g)
     assert len(tasks) == 2 and any("scatter" in t.name for t in tasks)
@@ -79,15 +80,15 @@ def _ids(r, unique=False):
     """Ids over [-V, V) (negatives count from the end): N with duplicates, or V - 5
     distinct rows."""
     if unique:
-        return jnp.asarray(r.permutation(V)[:V - 5] - V * r.integers(0, 2, V - 5), jnp.int32)
-    return jnp.asarray(r.integers(-V, V, N), jnp.int32)
+        return on_host(r.permutation(V)[:V - 5] - V * r.integers(0, 2, V - 5), jnp.int32)
+    return on_host(r.integers(-V, V, N), jnp.int32)
 
 
 def _vals(r, dtype, shape, near_one=False):
     if jnp.issubdtype(dtype, jnp.integer):
         lo, hi = (-2, 3) if near_one else (-40, 40)
-        return jnp.asarray(r.integers(lo, hi, shape), dtype)
-    return jnp.asarray(r.uniform(0.9, 1.1, shape) if near_one else r.uniform(-3, 3, shape), dtype)
+        return on_host(r.integers(lo, hi, shape), dtype)
+    return on_host(r.uniform(0.9, 1.1, shape) if near_one else r.uniform(-3, 3, shape), dtype)
 
 
 def _args_maker(dtype, unique=False, near_one=False):
@@ -258,7 +259,7 @@ def _gemm_then_scatters(a, w, i, u):
 
 def _in_place_args(seed=10, dtype=jnp.float32):
     r = _rng(seed)
-    return (jnp.asarray(r.normal(size=(V, 16)), dtype), jnp.asarray(r.normal(size=(16, D)), dtype),
+    return (on_host(r.normal(size=(V, 16)), dtype), on_host(r.normal(size=(16, D)), dtype),
             _ids(r), _vals(r, dtype, (N, D)))
 
 

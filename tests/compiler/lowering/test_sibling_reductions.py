@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
+from tests.helpers import on_host
 from tests.helpers import kernel_emulator as emu
 from tests.helpers.libraries import assert_kernels_compile
 from tests.helpers.models import assert_tree_close, rand
@@ -42,8 +43,8 @@ CASES = {
     "bn_small": (bn_backward, nhwc(2, 5, 5, 8)),
     "bn_split": (bn_backward, nhwc(8, 16, 16, 32)),  # long columns: split in two stages
     "three_sums": (three_sums, lambda: (rand(r, 100, 24), rand(r, 100, 24))),  # unsplit (split.MIN_COLUMN)
-    "int_sums": (int_sums, lambda: (jnp.asarray(r.integers(-50, 50, (6, 7, 9)), jnp.int32),
-                                    jnp.asarray(r.integers(-50, 50, (6, 7, 9)), jnp.int32))),
+    "int_sums": (int_sums, lambda: (on_host(r.integers(-50, 50, (6, 7, 9)), jnp.int32),
+                                    on_host(r.integers(-50, 50, (6, 7, 9)), jnp.int32))),
 }
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from tests.helpers import on_host
 from tests.helpers import kernel_emulator
 import nimblejax as nimble
 from tests.helpers.models import assert_tree_close
@@ -34,8 +35,8 @@ def top_k_sample(logits, noise, temperature=0.7, k=8):
 
 
 def sample_args(rng, batch=4, vocab=1000):
-    logits = jnp.asarray(rng.normal(size=(batch, vocab)) * 3, jnp.float32)
-    noise = jnp.asarray(rng.uniform(0.01, 0.99, size=(batch, 8)), jnp.float32)
+    logits = on_host(rng.normal(size=(batch, vocab)) * 3, jnp.float32)
+    noise = on_host(rng.uniform(0.01, 0.99, size=(batch, 8)), jnp.float32)
     return logits, noise
 
 
@@ -61,7 +62,7 @@ def inception_step(params, x, y):
 
 
 def inception_args(rng):
-    w = lambda *s: jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32)  # noqa: E731
+    w = lambda *s: on_host(rng.normal(size=s) * 0.3, jnp.float32)  # noqa: E731
     params = {"b1": w(1, 1, 4, 3), "b3a": w(1, 1, 4, 2), "b3b": w(3, 3, 2, 5),
               "bp": w(1, 1, 4, 2), "head": w(10, 6)}
     return params, w(1, 6, 6, 4), w(1, 6)
@@ -118,8 +119,8 @@ def test_long_rows_take_the_rank_kernel(n, kernel):
 
 def test_sort_of_many_operands_and_keys_matches_jax():
     rng = np.random.default_rng(3)
-    keys = [jnp.asarray(rng.integers(0, 3, (3, 300)), jnp.int32) for _ in range(3)]
-    pay = [jnp.asarray(rng.normal(size=(3, 300)), jnp.float32), jnp.asarray(rng.random((3, 300)) > .5)]
+    keys = [on_host(rng.integers(0, 3, (3, 300)), jnp.int32) for _ in range(3)]
+    pay = [on_host(rng.normal(size=(3, 300)), jnp.float32), jnp.asarray(rng.random((3, 300)) > .5)]
     fn = lambda *ops: lax.sort(ops, dimension=1, num_keys=3, is_stable=True)  # noqa: E731
     got = nimble.jit(fn, backend="interpret")(*keys, *pay)
     for g, w in zip(got, jax.jit(fn)(*keys, *pay)):
@@ -133,7 +134,7 @@ EMULATED = ["sort", "sort-rows-of-1", "sort-row-5000-rank", "sort-nan-inf-zeros"
             "top_k-u8", "top_k-long-k", "top_k-axis0"]
 # A long row with a small k: blocks stop early once their queries rank below k.
 EARLY_EXIT = Record("top_k", lambda x: lax.top_k(x, 3), lambda r: (
-    jnp.asarray(r.normal(size=(1, 13000)), jnp.float32),), label="early-exit")
+    on_host(r.normal(size=(1, 13000)), jnp.float32),), label="early-exit")
 
 
 SCAN_AND_ARG = ("argmax", "argmin", "cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp", "pad",
@@ -216,7 +217,7 @@ def test_gpu_sort_records_bitwise(record):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(3, 1), (5, 1023), (2, 4096), (2, 4097), (3, 20000), (1, 200000)])
 def test_gpu_argsort_and_sort_random_rows(shape):
-    x = jnp.asarray(np.random.default_rng(5).integers(-1000, 1000, shape), jnp.float32)
+    x = on_host(np.random.default_rng(5).integers(-1000, 1000, shape), jnp.float32)
     fn = lambda x: (jnp.sort(x), jnp.argsort(x, stable=True))  # noqa: E731
     got, want = nimble.jit(fn, backend="cuda")(x), jax.jit(fn)(x)
     for g, w in zip(got, want):
@@ -247,10 +248,10 @@ def test_gpu_inception_training_step():
 @pytest.mark.gpu
 def test_gpu_cumlogsumexp_and_argmax_dtypes():
     rng = np.random.default_rng(2)
-    x = jnp.asarray(rng.normal(size=(5, 300)), jnp.float32)
+    x = on_host(rng.normal(size=(5, 300)), jnp.float32)
     for fn in (lambda x: lax.cumlogsumexp(x, axis=1), lambda x: lax.cumlogsumexp(x, axis=0, reverse=True)):
         assert_tree_close(nimble.jit(fn, backend="cuda")(x), jax.jit(fn)(x))
     for dtype in (jnp.float16, jnp.bfloat16, jnp.int8, jnp.uint8, jnp.int16, jnp.uint32, jnp.bool_):
-        y = jnp.asarray(rng.integers(0, 5, (6, 77)), dtype)
+        y = on_host(rng.integers(0, 5, (6, 77)), dtype)
         for fn in (lambda y: jnp.argmax(y, axis=1), lambda y: jnp.argmin(y, axis=0)):
             np.testing.assert_array_equal(nimble.jit(fn, backend="cuda")(y), jax.jit(fn)(y))

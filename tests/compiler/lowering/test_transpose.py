@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
+from tests.helpers import on_host
 from tests.helpers.models import rand
 from nimblejax.compiler.lowering.transpose import batched_2d
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
@@ -61,7 +62,7 @@ def make_args(shapes, dtype, seed=0):
     if dtype == jnp.bool_:
         return [jnp.asarray(rng.standard_normal(s) > 0) for s in shapes]
     if jnp.issubdtype(dtype, jnp.integer):
-        return [jnp.asarray(rng.integers(-100, 100, s), dtype) for s in shapes]
+        return [on_host(rng.integers(-100, 100, s), dtype) for s in shapes]
     return [rand(rng, *s, dtype=dtype) for s in shapes]
 
 
