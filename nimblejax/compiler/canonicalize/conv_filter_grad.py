@@ -97,23 +97,35 @@ def batch(node: Node) -> int:
     return node.inputs[0].shape[lhs_spec[1]]
 
 
+def forward_terms(x, dy, node: Node):
+    """x and dy in the forward convolution's roles and layouts (x: N, H, W, C, its lhs
+    feature, spatial and batch dimensions; dy: N, P, Q, K), the forward's strides (this
+    convolution's rhs dilation), dilation (its window strides) and filter size (its
+    output's spatial size), and per axis the padding (lo, hi) that gives dy's size exactly."""
+    p = node.params
+    lhs_spec, rhs_spec, out_spec = conv_specs(node)
+    x = transpose(x, (lhs_spec[1], lhs_spec[2], lhs_spec[3], lhs_spec[0]))
+    dy = transpose(dy, (rhs_spec[1], rhs_spec[2], rhs_spec[3], rhs_spec[0]))
+    strides, dilation = tuple(p["rhs_dilation"]), tuple(p["window_strides"])
+    filt = tuple(node.outputs[0].shape[d] for d in out_spec[2:])
+    padding = tuple((lo, (need - 1) * st + (f - 1) * dl + 1 - size - lo) for size, need, (lo, _), st, dl, f
+                    in zip(x.shape[1:3], dy.shape[1:3], p["padding"], strides, dilation, filt))
+    return x, dy, strides, dilation, filt, padding
+
+
 def via_cudnn(x, dy, node: Node, math: str):
     """The node's value as [transposes to NHWC, pad, nimble_cudnn_conv_filter_grad,
     transpose back] (traced by the caller into graph nodes)."""
     p = node.params
-    lhs_spec, rhs_spec, out_spec = conv_specs(node)
+    _, _, out_spec = conv_specs(node)
     out = node.outputs[0]
-    # Forward roles: x is (N=lhs feature, H, W, C=lhs batch); dy is (N, P, Q, K).
-    x = transpose(x, (lhs_spec[1], lhs_spec[2], lhs_spec[3], lhs_spec[0]))
-    dy = transpose(dy, (rhs_spec[1], rhs_spec[2], rhs_spec[3], rhs_spec[0]))
-    strides, dilation = tuple(p["rhs_dilation"]), tuple(p["window_strides"])
-    filt = tuple(out.shape[d] for d in out_spec[2:])
+    x, dy, strides, dilation, filt, exact = forward_terms(x, dy, node)
+    # cuDNN pads symmetrically (lo on both sides): where that does not give dy's size, x
+    # is padded (or cropped) to the exact window and cuDNN pads nothing.
     pads = []
-    for j in range(2):
-        size, lo, need = x.shape[1 + j], p["padding"][j][0], dy.shape[1 + j]
-        symmetric = (size + 2 * lo - dilation[j] * (filt[j] - 1) - 1) // strides[j] + 1
-        pads.append((lo, None) if symmetric == need else
-                    (0, (lo, (need - 1) * strides[j] + (filt[j] - 1) * dilation[j] + 1 - size - lo)))
+    for j, (lo, hi) in enumerate(exact):
+        symmetric = (x.shape[1 + j] + 2 * lo - dilation[j] * (filt[j] - 1) - 1) // strides[j] + 1
+        pads.append((lo, None) if symmetric == dy.shape[1 + j] else (0, (lo, hi)))
     if any(extra is not None for _, extra in pads):
         x = _pad_exactly(x, [extra or (0, 0) for _, extra in pads])
     # The forward convolution's groups are this one's batch groups: group g of x's

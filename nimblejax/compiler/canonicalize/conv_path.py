@@ -252,14 +252,8 @@ def _filter_grad_gemm(x, dy, node: Node):
     transposes where the forward ran in NHWC). Its own im2col (`_decomposed`: the window
     the whole activation map) needs x and dy transposed to the filter-gradient layout."""
     p = node.params
-    lhs_spec, rhs_spec, out_spec = conv_specs(node)
-    x = transpose(x, (lhs_spec[1], lhs_spec[2], lhs_spec[3], lhs_spec[0]))   # forward N, H, W, C
-    dy = transpose(dy, (rhs_spec[1], rhs_spec[2], rhs_spec[3], rhs_spec[0]))  # forward N, P, Q, K
-    strides, dilation = tuple(p["rhs_dilation"]), tuple(p["window_strides"])
-    filt = tuple(node.outputs[0].shape[d] for d in out_spec[2:])
-    # The forward's padding: its low side as given, its high side what makes dy's size.
-    padding = tuple((lo, (need - 1) * st + (f - 1) * dl + 1 - size - lo) for size, need, (lo, _), st, dl, f
-                    in zip(x.shape[1:3], dy.shape[1:3], p["padding"], strides, dilation, filt))
+    _, _, out_spec = conv_specs(node)
+    x, dy, strides, dilation, filt, padding = filter_grad.forward_terms(x, dy, node)
     patches = im2col_p.bind(x, kernel=filt, strides=strides, padding=padding, lhs_dilation=(1, 1),
                             rhs_dilation=dilation, groups=1, mode="feature")  # 1, N·P·Q, R·S·C
     k = dy.shape[3]

@@ -34,20 +34,15 @@ def windows(shape, dims, strides, padding) -> tuple[int, ...]:
     return tuple((n + lo + hi - k) // s + 1 for n, k, s, (lo, hi) in zip(shape, dims, strides, padding))
 
 
-def _positions(size: int, count: int, stride: int, lo: int, offset: int):
-    """Operand positions of one window offset along one axis, and which are inside."""
-    pos = np.arange(count) * stride + offset - lo
-    return np.clip(pos, 0, size - 1), (pos >= 0) & (pos < size)
-
-
-def _gather(x, dims, strides, padding, offsets, count):
-    """x at window offset `offsets` of every window, and where that is not padding."""
-    idx, ok = zip(*(_positions(n, c, s, lo, o) for n, c, s, (lo, _), o in
-                    zip(x.shape, count, strides, padding, offsets)))
-    inside = np.ones(count, bool)
-    for d, valid in enumerate(ok):
-        inside &= valid.reshape([-1 if e == d else 1 for e in range(len(count))])
-    return x[np.ix_(*idx)], inside
+def _at_offset(shape, count, strides, padding, offsets) -> tuple[tuple, np.ndarray]:
+    """Where window offset `offsets` of every window falls in an operand of `shape`: its
+    open-mesh index (np.ix_, clipped into range) and whether that is inside (not padding)."""
+    idx, inside = [], np.ones(count, bool)
+    for d, (n, c, s, (lo, _), o) in enumerate(zip(shape, count, strides, padding, offsets)):
+        pos = np.arange(c) * s + o - lo
+        idx.append(np.clip(pos, 0, n - 1))
+        inside &= ((pos >= 0) & (pos < n)).reshape([-1 if e == d else 1 for e in range(len(count))])
+    return np.ix_(*idx), inside
 
 
 @select_p.def_abstract_eval
@@ -62,7 +57,8 @@ def _select_impl(x, *, window_dimensions, window_strides, padding, select):
     best = np.zeros(count, x.dtype)
     at = np.full(count, -1, np.int32)
     for k, offsets in enumerate(np.ndindex(*window_dimensions)):
-        v, inside = _gather(x, window_dimensions, window_strides, padding, offsets, count)
+        where, inside = _at_offset(x.shape, count, window_strides, padding, offsets)
+        v = x[where]
         better = v > best if select == "ge" else v < best
         take = inside & ((at < 0) | better)
         best, at = np.where(take, v, best), np.where(take, np.int32(k), at)
@@ -82,18 +78,13 @@ def _scatter_impl(source, selected, *, operand_shape, window_dimensions, window_
     out = np.zeros(operand_shape, source.dtype)
     count = source.shape
     all_offsets = list(np.ndindex(*window_dimensions))
+    wide = np.promote_types(out.dtype, np.float32)  # the kernel's compute type
     for k in reversed(range(len(all_offsets))):
-        idx, ok = zip(*(_positions(n, c, s, lo, o) for n, c, s, (lo, _), o in
-                        zip(operand_shape, count, window_strides, padding, all_offsets[k])))
-        inside = np.ones(count, bool)
-        for d, valid in enumerate(ok):
-            inside &= valid.reshape([-1 if e == d else 1 for e in range(len(count))])
+        where, inside = _at_offset(operand_shape, count, window_strides, padding, all_offsets[k])
         take = inside & (selected == k)
         # distinct windows reach distinct elements at one offset (strides are ≥ 1)
-        cur = out[np.ix_(*idx)]
-        wide = np.promote_types(out.dtype, np.float32)  # the kernel's compute type
-        summed = (cur.astype(wide) + source.astype(wide)).astype(out.dtype)
-        out[tuple(i[take] for i in np.broadcast_arrays(*np.ix_(*idx)))] = summed[take]
+        summed = (out[where].astype(wide) + source.astype(wide)).astype(out.dtype)
+        out[tuple(i[take] for i in np.broadcast_arrays(*where))] = summed[take]
     return out
 
 

@@ -96,9 +96,8 @@ def _expansion(prim: str, dtype) -> str:
     from nimblejax.compiler import dtypes
 
     r = functools.partial(dtypes.round_to, dtype)
-    ln2 = np.asarray(math.log(2.0)).astype(dtype)
-    inv_ln2 = dtypes.literal(1.0 / float(ln2), dtype)
-    ln2 = dtypes.literal(ln2, dtype)
+    ln2_value = np.asarray(math.log(2.0)).astype(dtype)
+    ln2, inv_ln2 = dtypes.literal(ln2_value, dtype), dtypes.literal(1.0 / float(ln2_value), dtype)
     return {"logistic": f"nimble_div(1.0f, {r('1.0f + ' + r('expf(-{a})'))})",
             "exp2": f"expf({r(f'__fmul_rn({ln2}, {{a}})')})",
             "log2": f"__fmul_rn({r('logf({a})')}, {inv_ln2})"}[prim]
