@@ -2,6 +2,10 @@
 where a model's GPU time differs, kernel family by family (run on the GPU machine).
 
     PYTHONPATH=. python3 examples/gpu/trace_kernels.py --models bert --batch 1
+    PYTHONPATH=. python3 examples/gpu/trace_kernels.py --train --models resnet50 --batch 32
+
+With `--train`, a training step of `nimblejax.bench.train` (value_and_grad of the
+cross-entropy, then SGD) instead of the model's forward pass.
 
 Both sides run `--calls` calls inside one `jax.profiler.trace`; a kernel's time is its
 total over the traced calls divided by their number. Kernels are grouped by name with
@@ -63,6 +67,15 @@ def table(times: dict[str, list[float]], calls: int) -> dict[str, tuple[int, flo
     return {k: (n / calls, us / calls) for k, (n, us) in fam.items()}
 
 
+def train_step(name: str, batch: int):
+    """bench.train's step of a model and its arguments (params, x, labels)."""
+    from nimblejax.bench.data_parallel import build
+    from nimblejax.bench.train import make_step
+
+    apply, params, x, labels = build(name, batch, np.random.default_rng(0))
+    return make_step(apply), (params, x, labels)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="bert")
@@ -72,6 +85,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--no-split-k", action="store_true",
                     help="nimble's autotuner times only cuBLASLt candidates without K splits")
+    ap.add_argument("--train", action="store_true", help="a training step (bench.train's) of each model")
     ap.add_argument("--constants", action="store_true",
                     help="close over the parameters (constants of the program) instead of passing them")
     opts = ap.parse_args()
@@ -82,13 +96,17 @@ def main() -> None:
         drop_split_k()
     for batch in [int(b) for b in opts.batch.split(",")]:
         for name in opts.models.split(","):
-            fn, args = MODELS[name].build(batch, dtype=opts.dtype, rng=np.random.default_rng(0))
+            if opts.train:
+                fn, args = train_step(name, batch)
+            else:
+                fn, args = MODELS[name].build(batch, dtype=opts.dtype, rng=np.random.default_rng(0))
             if opts.constants:
                 params, x = args
                 fn, args = (lambda f, p: lambda x: f(p, x))(fn, params), (x,)
             sides = {"jax.jit": jax.jit(fn), "nimble": nimble.jit(fn, backend="cuda")}
             tables = {k: table(kernel_times(f, args, opts.calls), opts.calls) for k, f in sides.items()}
-            fresh = [tuple(jax.numpy.asarray(a) + 0 if i == len(args) - 1 else a
+            last = 1 if opts.train else len(args) - 1  # the input that is fresh each call
+            fresh = [tuple(jax.numpy.asarray(a) + 0 if i == last else a
                            for i, a in enumerate(args)) for _ in range(3)]
             ju = min(timing.throughput_us(sides["jax.jit"], a, calls=50) for a in fresh)
             print(f"\n{name} batch {batch}{' (parameters constant)' if opts.constants else ''}: "

@@ -329,13 +329,15 @@ def test_a_pool_gradient_is_a_selection_then_a_gather(pool):
 
 
 @pytest.mark.parametrize("case", ["NHWC 7x7/2", "NHWC 3x3 SAME", "NCHW asymmetric", "NHWC dilated",
-                                  "bfloat16"])
-def test_a_filter_gradient_of_few_channels_is_one_gemm_over_the_forward_patches(case):
-    """conv_filter_grad.MIN_CHANNELS: the forward convolution's patches of x, transposed,
-    times dy; in NHWC neither x nor dy is transposed. Values as jax.jit's, and the
+                                  "bfloat16", "NHWC 1x1", "NCHW 1x1"])
+def test_a_filter_gradient_of_few_channels_is_one_gemm_over_the_forward_patches(case, monkeypatch):
+    """conv_filter_grad.MIN_CHANNELS and 1×1 filters of stride 1: the forward
+    convolution's patches of x, transposed, times dy; in NHWC neither x nor dy is
+    transposed. Values as jax.jit's, and the
     generated kernels (im2col) on the kernel emulator."""
     from tests.helpers.models import assert_emulated_matches_jax
 
+    monkeypatch.setattr(conv_mod.filter_grad, "POINTWISE_GEMM", True)  # off by default (its comment)
     rng = np.random.default_rng(7)
     dn, strides, padding, dilation, x_shape, w_shape, dtype = {
         "NHWC 7x7/2": (NHWC, (2, 2), [(3, 3)] * 2, (1, 1), (4, 20, 18, 3), (7, 7, 3, 8), jnp.float32),
@@ -343,6 +345,9 @@ def test_a_filter_gradient_of_few_channels_is_one_gemm_over_the_forward_patches(
         "NCHW asymmetric": (None, (2, 2), [(1, 2), (3, 0)], (1, 1), (3, 3, 15, 14), (5, 3, 4, 3), jnp.float32),
         "NHWC dilated": (NHWC, (1, 1), "VALID", (2, 2), (2, 12, 11, 1), (3, 3, 1, 4), jnp.float32),
         "bfloat16": (NHWC, (2, 2), "SAME", (1, 1), (2, 8, 8, 3), (3, 3, 3, 4), jnp.bfloat16),
+        # a 1×1 filter of stride 1 (conv_filter_grad.pointwise), channels of any number: x is the patches
+        "NHWC 1x1": (NHWC, (1, 1), "VALID", (1, 1), (2, 6, 5, 16), (1, 1, 16, 8), jnp.float32),
+        "NCHW 1x1": (None, (1, 1), "SAME", (1, 1), (2, 12, 6, 5), (7, 12, 1, 1), jnp.float32),
     }[case]
     fwd = lambda x, w: lax.conv_general_dilated(x, w, strides, padding, rhs_dilation=dilation,  # noqa: E731
                                                 dimension_numbers=dn, precision=lax.Precision.HIGHEST)
@@ -353,8 +358,12 @@ def test_a_filter_gradient_of_few_channels_is_one_gemm_over_the_forward_patches(
     assert "gemm_filter_grad" in paths, paths
     new = check(grad_w, args, options, rtol=2e-2 if dtype == jnp.bfloat16 else 1e-4)
     assert "nimble_cudnn_conv_filter_grad" not in names(new)
-    if dn is NHWC:  # x is read as the forward wrote it: the forward's own patches (batch < 8) and these
+    if "1x1" in case:  # no gather at all: the forward is a GEMM over x, its filter gradient too
+        assert "nimble_im2col" not in names(new) and names(new).count("dot_general") >= 2
+    elif dn is NHWC:  # x is read as the forward wrote it: the forward's own patches (batch < 8) and these
         ims = [n for n in new.nodes if n.name == "nimble_im2col" and n.inputs[0] is new.inputs[0]]
         assert len(ims) == 2, ims
+        # the gradient's patches are stored (R·S·C, N·P·Q): rows N·P·Q long keep the GEMM aligned
+        assert sorted(bool(n.params.get("transposed")) for n in ims) == [False, True], ims
     if dtype == jnp.float32:
         assert_emulated_matches_jax(grad_w, tuple(args))

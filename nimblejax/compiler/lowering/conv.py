@@ -21,18 +21,19 @@ from nimblejax.compiler.lowering.task import ConvCall, Kernel
 @register("nimble_im2col", kind=RuleKind.KERNEL)
 def im2col_kernel(node: Node) -> Kernel:
     """One thread per patch element; zeros where the window falls on padding or on the
-    holes of lhs dilation."""
+    holes of lhs dilation. Transposed (each group's matrix stored patch size × patches),
+    consecutive threads take consecutive patches of one window offset."""
     x, out = node.inputs[0], node.outputs[0]
     p = node.params
     n, *spatial, c = x.shape
     groups, mode = p["groups"], p["mode"]
     _, out_sp = im2col_shape(x.shape, p["kernel"], p["strides"], p["padding"], p["lhs_dilation"],
-                              p["rhs_dilation"], groups, mode)
+                             p["rhs_dilation"], groups, mode)
     nb = n // groups if mode == "batch" else n
     cg = c // groups if mode == "feature" else c
     
     def body(b: KernelBuilder, idx: Index) -> str:
-        g, m, k = idx
+        g, m, k = (idx[0], idx[2], idx[1]) if p.get("transposed") else idx
         mi = b.index_vars(m, [nb] + list(out_sp))
         ki = b.index_vars(k, list(p["kernel"]) + [cg])
         batch = mi[0] if mode == "feature" else f"({g} * {nb} + {mi[0]})"
