@@ -367,3 +367,19 @@ def test_a_filter_gradient_of_few_channels_is_one_gemm_over_the_forward_patches(
         assert sorted(bool(n.params.get("transposed")) for n in ims) == [False, True], ims
     if dtype == jnp.float32:
         assert_emulated_matches_jax(grad_w, tuple(args))
+
+
+def test_a_convolutions_two_gradients_share_their_rewritten_operands():
+    """Both gradients of an NCHW convolution (cuDNN's data and filter gradients) transpose
+    the same dy to NHWC: canonicalize merges such repeats (trace.common_subexpressions),
+    so the canonicalized graph computes no value twice."""
+    from nimblejax.compiler.trace import _cse_key
+
+    rng = np.random.default_rng(3)
+    fwd = lambda x, w: lax.conv_general_dilated(x, w, (2, 2), "SAME")  # noqa: E731  NCHW, OIHW
+    f = jax.grad(lambda x, w: jnp.sum(jnp.tanh(fwd(x, w))), argnums=(0, 1))
+    args = [rand(rng, 8, 8, 9, 9), rand(rng, 16, 8, 3, 3)]
+    new = check(f, args, Options(conv="cudnn", cudnn=True), rtol=1e-4)
+    assert {"nimble_cudnn_conv_filter_grad", "nimble_cudnn_conv_data_grad"} <= set(names(new))
+    keys = [k for n in new.nodes if (k := _cse_key(n)) is not None]
+    assert len(keys) == len(set(keys)), "a value computed twice"

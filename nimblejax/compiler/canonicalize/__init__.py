@@ -49,12 +49,15 @@ REWRITTEN = frozenset(name for name, rule in REWRITES.items() if rule.replaces)
 
 
 def canonicalize(graph: Graph, options: Options) -> Graph:
+    """The rewrites in two sweeps around merge_dots, then common subexpressions merged
+    (a convolution's two gradients each transpose or reshape the same value), then the
+    channel scales folded into their GEMMs."""
     first = sweep(graph.nodes, options, after_merge=False)
     merged = merge_dots(Graph(graph.inputs, graph.outputs, tuple(first), graph.consts))
     merged = dot.fold_operand_transposes(merged)
     merged = strength_reduce_small_dots(merged)
     last = sweep(merged.nodes, options, after_merge=True)
-    from nimblejax.compiler.trace import drop_dead_code
+    from nimblejax.compiler.trace import common_subexpressions, drop_dead_code
 
     last = Graph(graph.inputs, graph.outputs, tuple(last), merged.consts)
-    return drop_dead_code(fold_channel_scales(drop_dead_code(last), options))
+    return drop_dead_code(fold_channel_scales(drop_dead_code(common_subexpressions(last)), options))

@@ -46,12 +46,11 @@ MIN_CHANNELS = 4
 MAX_PATCH_BYTES = 1 << 30
 # 1×1 filters of stride 1 (`pointwise`) as one GEMM over x and dy as they are, as XLA
 # computes them: off. Measured on an H200 (train steps at batch 32, the switch flipped
-# in one process, two runs each, 2026-11-28): MobileNetV2 5052 µs of GPU time against
-# 5306 through cuDNN (looped 1.09-1.13× jax.jit against 0.98-1.00×), but ResNet-50 9949
-# against 9048. Its 33
-# GEMMs take what cuDNN's calls took (1471 against 1380 µs serial), and fusion then
-# materializes each GEMM operand dz·scale once per GEMM that reads it (66 such kernels,
-# 1510 µs), where cuDNN's call read the one buffer the ReLU-backward kernel wrote.
+# in one process, two runs each, 2026-11-28, with common subexpressions merged after
+# canonicalization): MobileNetV2 4745 µs of GPU time against 4898 through cuDNN (the
+# same plan measured 5545 in another process: compare within one process only), but
+# ResNet-50 9193-9210 against 9043-9049 (its 1×1 GEMMs take what cuDNN's calls took, and
+# dz·scale, which they read, becomes a kernel of its own: 34 of them).
 POINTWISE_GEMM = False
 
 
