@@ -101,7 +101,7 @@ class FfiRunner(Runner):
         used: dict[int, int] = {}  # node -> position in the list handed over
         sites, n_params, kept_in, kept_out = [], [], set(), set()
         for kind, index, buf in targets:
-            found = [(node, s.param, len(s.task.kernel.params)) for s in ip.sites[buf]
+            found = [(node, s.param, s.task.kernel.n_args) for s in ip.sites[buf]
                      for key in _launch_keys(exe, s.task) for node in nodes.get(key, ())]
             launches = sum(len(s.task.kernel.launches) for s in ip.sites[buf])
             if len(found) < launches:
@@ -196,11 +196,11 @@ def _func_ptr(exe, name: str) -> int:
 def _kernel_nodes(library, exe) -> dict:
     """(CUfunction, arguments) -> the captured graph's kernel nodes launched so. Two
     tasks with equal keys do the same work on the same buffers and are patched alike."""
-    n_params = {_func_ptr(exe, k.name): len(t.kernel.params)
+    n_params = {_func_ptr(exe, k.name): k.n_args
                 for t in exe.plan.tasks if t.kernel is not None for k in t.kernel.launches}
     found: dict = {}
     for node, func in library.kernel_nodes(exe.raw_graph):
-        if func in n_params:  # one of ours: its arguments are n 8-byte pointers
+        if func in n_params:  # one of ours: its arguments are n 8 bytes each (pointers, scalars)
             found.setdefault((func, library.kernel_node_params(node, n_params[func])), []).append(node)
     return found
 

@@ -88,7 +88,8 @@ class Launchers:
         """The device addresses a task runs on (kernel params, or a library call's operands:
         None for a GEMM epilogue operand it does not have)."""
         if task.kind is TaskKind.KERNEL:
-            return tuple(np.uint64(self.address(v)) for v in task.kernel.params)
+            return (tuple(np.uint64(self.address(v)) for v in task.kernel.params)
+                    + tuple(np.int64(s) for s in task.kernel.scalars))
         if task.control is not None:  # runtime/conditional.py holds its addresses
             return ()
         call = task.gemm if task.kind is TaskKind.GEMM else task.conv

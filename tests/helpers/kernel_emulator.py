@@ -323,7 +323,8 @@ def _emulatable(kernel) -> bool:
 
 
 def _launcher(kernel) -> str:
-    args = ", ".join(f"({dtypes.storage_type(v.dtype)}*)a[{i}]" for i, v in enumerate(kernel.params))
+    args = [f"({dtypes.storage_type(v.dtype)}*)a[{i}]" for i, v in enumerate(kernel.params)]
+    args = ", ".join(args + [f"(long long)(intptr_t)a[{len(args) + i}]" for i in range(len(kernel.scalars))])
     (gx, gy, gz), (bx, by, _) = kernel.grid, kernel.block
     head = (f'extern "C" void launch_{kernel.name}(void** a) {{\n'
             f"  gridDim = {{{gx}u, {gy}u, {gz}u}}; blockDim = {{{bx}u, {by}u, 1u}};\n"
@@ -419,6 +420,8 @@ def build(kernels, arch: int | None = None) -> ctypes.CDLL:
 
 
 def _launch(lib, kernel, ptrs) -> None:
+    """`ptrs`: one per param; the kernel's scalars follow them as its last arguments."""
+    ptrs = list(ptrs) + list(kernel.scalars)
     args = (ctypes.c_void_p * len(ptrs))(*ptrs)
     for k in kernel.launches:  # a scatter's copy first, then the scatter
         getattr(lib, f"launch_{k.name}")(args)

@@ -25,8 +25,12 @@ Index = tuple[str, ...]
 class KernelBuilder:
     """Collects parameters and SSA lines of one kernel body."""
 
-    def __init__(self, inlined: Mapping[Var, Node] = {}) -> None:
+    def __init__(self, inlined: Mapping[Var, Node] = {}, hoist: bool = False) -> None:
         self.inlined = dict(inlined)
+        # With `hoist`, a slice that picks one index of an axis (an unrolled loop's step t)
+        # reads it from a kernel argument: (slice output, axis) -> (C name, value).
+        self.hoist = hoist
+        self.scalars: dict[tuple, tuple[str, int]] = {}
         self.inputs: dict[Var, str] = {}
         self.outputs: dict[Var, str] = {}
         self.lines: list[str] = []
@@ -48,6 +52,24 @@ class KernelBuilder:
         if var not in self.outputs:
             self.outputs[var] = f"out{len(self.outputs)}"
         return self.outputs[var]
+
+    def picked_index(self, node: Node, axis: int, value: int) -> str:
+        """The C text of slice `node`'s start on an axis it keeps one index of: the
+        literal, or with `hoist` a `long long` argument, so that kernels differing only
+        in that index (the steps of an unrolled loop) share one source."""
+        key = (node.outputs[0], axis)
+        if not self.hoist or node.inputs[0].shape[axis] == 1:
+            return str(value)
+        if key not in self.scalars:
+            self.scalars[key] = (f"s{len(self.scalars)}", value)
+        return self.scalars[key][0]
+
+    def scalar_values(self) -> tuple[int, ...]:
+        return tuple(v for _, v in self.scalars.values())
+
+    def scalar_params(self) -> list[str]:
+        """The scalars' parameter declarations, after the inputs'."""
+        return [f"const long long {n}" for n, _ in self.scalars.values()]
 
     def emit(self, line: str) -> None:
         self.lines.append("  " * self.depth + line)
@@ -131,7 +153,7 @@ class KernelBuilder:
 
     def signature(self, name: str) -> str:
         args = [f"{dtypes.storage_type(v.dtype)}* __restrict__ {n}" for v, n in self.outputs.items()]
-        return f'extern "C" __global__ void {name}({", ".join(args + self.input_params())})'
+        return f'extern "C" __global__ void {name}({", ".join(args + self.input_params() + self.scalar_params())})'
 
     def text(self, prelude: str = "") -> str:
         """The kernel's text without PRELUDE, named NAME."""
@@ -142,7 +164,7 @@ class KernelBuilder:
         text = self.text(prelude)
         name = kernel_name(kind, self.ops, result.dtype, text)
         source = with_prelude(text.replace("NAME", name, 1))
-        return Kernel(name, source, (grid, 1, 1), (block, 1, 1), self.params())
+        return Kernel(name, source, (grid, 1, 1), (block, 1, 1), self.params(), scalars=self.scalar_values())
 
 
 def with_prelude(source: str) -> str:
@@ -227,7 +249,7 @@ def loop_kernel(kind: str, out: Var, ops: Sequence[str], body: Callable[[KernelB
     leaves an H200 at half its memory bandwidth); a plain loop finishes the tail.
     `index_shape`: the shape body's index is over, where `out` is a reshape of it (the
     same elements in the same order); out's own by default."""
-    b = KernelBuilder(inlined)
+    b = KernelBuilder(inlined, hoist=True)
     b.ops = list(ops)
     return b.finish(kind, out, loop_body(b, out, body, unroll, index_shape), BLOCK)
 

@@ -49,8 +49,9 @@ class GatePost:
     results: tuple[tuple[str, ...], ...]  # per slot: each output's C name
     outputs: tuple[Var, ...]         # what the kernel writes (instead of the GEMM's result)
     inputs: tuple[Var, ...]          # the other buffers read, the kernel's last params
-    params: tuple[str, ...]          # their declarations (KernelBuilder.input_params)
+    params: tuple[str, ...]          # their declarations, then the scalars' (KernelBuilder)
     ops: tuple[str, ...]
+    scalars: tuple[int, ...] = ()    # the kernel's scalar arguments (KernelBuilder.hoist)
 
     @property
     def aligned(self) -> bool:
@@ -77,9 +78,14 @@ class _Builder(KernelBuilder):
     `gate{k}_{s}`, s the slot being built."""
 
     def __init__(self, inlined, gemm_out: Var, gates: int, width: int) -> None:
-        super().__init__(inlined)
+        super().__init__(inlined, hoist=True)
         self.gemm_out, self.gates, self.width = gemm_out, gates, width
         self.slot = 0
+
+    def picked_index(self, node, axis: int, value: int) -> str:
+        if node.inputs[0] is self.gemm_out:  # a gate slice: read as gate{k}_{s} below
+            return str(value)
+        return super().picked_index(node, axis, value)
 
     def load(self, var: Var, idx) -> str:
         if var is not self.gemm_out:
@@ -113,8 +119,8 @@ def gate_code(post, gemm_out: Var, gates: int, tile, m: int) -> GatePost:
         lines.append(late)
         results.append(names)
     return GatePost(gates, width, u, tile.bn + (u - tile.bn) % 32, tuple(prologue), tuple(lines),
-                    tuple(results), tuple(post.outputs), tuple(b.inputs), tuple(b.input_params()),
-                    tuple(b.ops))
+                    tuple(results), tuple(post.outputs), tuple(b.inputs),
+                    tuple(b.input_params() + b.scalar_params()), tuple(b.ops), b.scalar_values())
 
 
 _DECLARATION = re.compile(r"(?:const )?[A-Za-z_][\w ]*? (v\d+) = [^;{}]*;")

@@ -125,7 +125,8 @@ def small_m_matmul(out: Var, a: Var, b: Var, m: int, n: int, k: int, trans_a: bo
     name = f"nimble_gemm_small_m{m}_{short_dtype(a.dtype)}{then}_{digest}"
     source = with_prelude(body.replace("NAME", name, 1))
     params = (gates.outputs + (a, b) + gates.inputs) if gates else (out, a, b)
-    return Kernel(name, source, (-(-n // cols), 1, 1), (THREADS, 1, 1), params)
+    return Kernel(name, source, (-(-n // cols), 1, 1), (THREADS, 1, 1), params,
+                  scalars=gates.scalars if gates else ())
 
 
 def _source(m: int, n: int, k: int, trans_a: bool, cols: int, chunks: int, length: int,

@@ -262,7 +262,7 @@ def tc_matmul(call: GemmCall, tile: Optional[Tile] = None, post: PostCode | Gate
     params = outputs + (call.a, call.b) + ((call.bias,) if call.epilogue.bias else ()) \
         + ((call.residual,) if call.epilogue.residual else ()) + (post.inputs if post else ())
     return Kernel(name, with_prelude(PTX_HELPERS + body.replace("NAME", name, 1)), grid,
-                  (tile.threads, 1, 1), params)
+                  (tile.threads, 1, 1), params, scalars=gates.scalars if gates else ())
 
 
 def _shape_label(call: GemmCall) -> str:

@@ -239,7 +239,8 @@ def transpose(b: KernelBuilder, node: Node, idx: Index) -> str:
 def slice_(b: KernelBuilder, node: Node, idx: Index) -> str:
     starts = node.params["start_indices"]
     strides = node.params.get("strides") or (1,) * len(starts)
-    src = tuple(_affine(i, int(s), int(st)) for i, s, st in zip(idx, starts, strides))
+    src = tuple(b.picked_index(node, d, int(s)) if i == "0" else _affine(i, int(s), int(st))
+                for d, (i, s, st) in enumerate(zip(idx, starts, strides)))
     return b.value(node.inputs[0], src)
 
 

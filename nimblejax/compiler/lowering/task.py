@@ -10,7 +10,9 @@ from nimblejax.compiler.kinds import TaskKind
 
 @dataclass(frozen=True)
 class Kernel:
-    """A generated CUDA C kernel. Its pointer arguments are `params`, in order.
+    """A generated CUDA C kernel. Its pointer arguments are `params`, in order, then its
+    `scalars` as `long long` arguments (KernelBuilder.hoist: an unrolled loop's step reads
+    its slice at an offset passed in, so every step is one source, compiled once).
 
     `pre`: kernels launched before this one on the same stream, with the same `params`
     (a scatter first computes or copies its operand into its output: a grid-wide step)."""
@@ -21,9 +23,15 @@ class Kernel:
     block: tuple[int, int, int]
     params: tuple[Var, ...]
     pre: tuple["Kernel", ...] = ()
+    scalars: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        assert all(k.params == self.params for k in self.pre), self.name
+        assert all(k.params == self.params and k.scalars == self.scalars for k in self.pre), self.name
+
+    @property
+    def n_args(self) -> int:
+        """Its 8-byte launch arguments: the pointers, then the scalars."""
+        return len(self.params) + len(self.scalars)
 
     @property
     def launches(self) -> tuple["Kernel", ...]:

@@ -82,6 +82,11 @@ def test_at_small_batch_each_step_is_one_small_m_kernel(batch):
     assert [len(t.outputs) for t in tasks] == [2] * (lstm.FULL.steps - 1) + [1]
     for before, after in zip(tasks, tasks[1:]):
         assert set(before.outputs) <= set(after.inputs)
+    # The steps differ only in the time step of x's projection they read, a scalar
+    # argument (KernelBuilder.hoist): one source, compiled once (the last writes no c).
+    assert len({t.kernel.source for t in tasks[:-1]}) == 1
+    assert sorted(t.kernel.scalars for t in tasks) == [(step,) for step in range(lstm.FULL.steps)], \
+        [t.kernel.scalars for t in tasks]
 
 
 @needs_cxx
