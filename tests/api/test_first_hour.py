@@ -350,6 +350,7 @@ def test_documented_commands_and_links_exist(doc):
         assert (path.parent / link).exists(), f"{doc}: link {link}"
 
 
+@pytest.mark.long
 def test_the_transformer_benchmark_runs_its_rows_on_the_cpu():
     """examples/gpu/benchmark_transformers.py on the CPU interpreter at its tiny sizes: a
     row per program, nimble's values those of jax.jit."""

@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import networkx as nx
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "nimblejax"
@@ -168,6 +169,7 @@ _IMPORT_EACH = textwrap.dedent("""\
     """)
 
 
+@pytest.mark.long
 def test_every_module_imports_on_its_own(tmp_path):
     names = list(modules())
     assert "nimblejax" in names and "nimblejax.compiler.control" in names and "nimblejax.runtime.libs.loader" in names

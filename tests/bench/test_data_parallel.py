@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from nimblejax.bench import data_parallel
 
 
+@pytest.mark.long
 def test_rows_time_both_steps_with_and_without_pmean(tmp_path, capsys):
     out = tmp_path / "dp.json"
     assert data_parallel.main(["--models", "mlp", "--per-device-batch", "2", "--devices", "1",

@@ -45,6 +45,7 @@ def ode_args(seed: int, n: int = 6):
     return y0, (0.3 * r.standard_normal((n, n)) + np.eye(n)).astype(np.float32)
 
 
+@pytest.mark.long
 def test_tsit5_constant_step_matches_jax_jit():
     y0, k = ode_args(0)
     f = nimble.jit(tsit5, backend="interpret")
@@ -71,6 +72,7 @@ def test_tsit5_pid_controller_matches_jax_jit():
     assert {"unvmap_any", "unvmap_max"} <= inlined(report)
 
 
+@pytest.mark.long
 def test_gradient_through_the_pid_solve_matches_jax_jit():
     """diffrax differentiates a solve by default (RecursiveCheckpointAdjoint): its
     backward pass scatters literal updates (x.at[i].add(1.0)) into the checkpoints."""

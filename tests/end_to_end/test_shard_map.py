@@ -27,6 +27,7 @@ def run_check(backend: str, env: dict, timeout: float = 300) -> str:
     return done.stdout
 
 
+@pytest.mark.long
 def test_two_host_devices_interpret():
     """Includes the data-parallel step at realistic sizes (MLP 256→512→512→10, 64 rows
     per device), which once hung: the host callbacks of both devices waited for JAX's

@@ -24,6 +24,7 @@ def suite_kernels() -> dict[str, str]:
     return kernels
 
 
+@pytest.mark.long
 def test_all_generated_kernels_compile():
     kernels = suite_kernels()
     assert len(kernels) > 100
