@@ -95,7 +95,10 @@ def pytest_xdist_make_scheduler(config, log):
     finished 224 s after the other (777 s run, test times logged per worker)."""
     if config.getvalue("dist") != "load" or _dist_chosen(config):
         return None
-    from xdist.scheduler import WorkStealingScheduling
+    try:
+        from xdist.scheduler import WorkStealingScheduling  # pytest-xdist >= 3.2
+    except ImportError:
+        return None
 
     return WorkStealingScheduling(config, log)
 
