@@ -253,8 +253,7 @@ def rev(b: KernelBuilder, node: Node, idx: Index) -> str:
 
 
 def _affine(i: str, start: int, stride: int) -> str:
-    if i == "0":
-        return str(start)
+    """start + i·stride, i an index name (slice_ gives an index of "0" to picked_index)."""
     term = i if stride == 1 else f"{i} * {stride}"
     return term if start == 0 else f"({start} + {term})"
 
