@@ -20,6 +20,7 @@ settings never share a stale plan.
 | horizontal   | NIMBLE_HORIZONTAL    | True / False (0 turns off)  | the plan      |
 | fallback     | NIMBLE_FALLBACK      | "xla" / "error"             | unsupported   |
 | loops        | NIMBLE_LOOPS         | "graph" / "unroll"          | the plan      |
+| segments     | NIMBLE_SEGMENTS      | graphs a call runs as (1)   | runtime       |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
@@ -58,6 +59,13 @@ of their own (compiler/loops.py); "unroll" unrolls scans and counter loops and t
 cond into a select where it can, and leaves the rest to co-execution (XLA runs it). The CPU interpreter runs them; on the
 GPU they need CUDA conditional nodes (runtime/conditional.py).
 
+`segments`: inside a JAX program (the XLA call path: a shard_map's per-device step, a
+call inside the caller's jax.jit), n > 1 cuts the plan into up to n graphs launched one
+after another as separate custom calls, each handing back the outputs it has finished
+(compiler/segments.py says where the cuts fall), so that XLA can start on those, an
+all-reduce of the last layers' gradients, while the rest computes. Operands and results
+are then copied, not re-pointed; a call from Python runs one graph.
+
 Whether a convolution goes to cuDNN is decided in one place from `conv`, `cudnn` and the
 convolution: `use_cudnn` in compiler/canonicalize/conv_path.py.
 
@@ -82,7 +90,8 @@ LOOPS = ("unroll", "graph")
 _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
         "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
         "residency": "NIMBLE_RESIDENCY", "small_gemm": "NIMBLE_SMALL_GEMM",
-        "tc_gemm": "NIMBLE_TC_GEMM", "horizontal": "NIMBLE_HORIZONTAL", "fallback": "NIMBLE_FALLBACK", "loops": "NIMBLE_LOOPS"}
+        "tc_gemm": "NIMBLE_TC_GEMM", "horizontal": "NIMBLE_HORIZONTAL", "fallback": "NIMBLE_FALLBACK", "loops": "NIMBLE_LOOPS",
+        "segments": "NIMBLE_SEGMENTS"}
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,7 @@ class Options:
     horizontal: bool = True
     fallback: str = "xla"
     loops: str = "graph"
+    segments: int = 1
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
@@ -114,6 +124,9 @@ class Options:
                                              or isinstance(self.max_streams, bool)
                                              or self.max_streams < 1):
             raise ValueError(f"max_streams must be a positive int or None, got {self.max_streams!r}")
+        if not isinstance(self.segments, int) or isinstance(self.segments, bool) or self.segments < 1:
+            raise ValueError(f"segments must be a positive int, got {self.segments!r} "
+                             f"(environment variable {_ENV['segments']} or nimble.jit(..., segments=...))")
 
     @property
     def verify(self) -> bool:
@@ -160,6 +173,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "horizontal": _flag(env.get(_ENV["horizontal"], "1")),
         "fallback": env.get(_ENV["fallback"], "xla"),
         "loops": env.get(_ENV["loops"], "graph"),
+        "segments": _int_or_none(env.get(_ENV["segments"], ""), "segments") or 1,
     }
     if base is not None:
         default = Options()

@@ -3,7 +3,7 @@ body of `jax.shard_map`, JAX's own collectives (NCCL on GPUs) between devices.
 
     PYTHONPATH=. python3 -m nimblejax.bench.data_parallel [--models mlp,resnet50]
         [--per-device-batch 32] [--devices 1,2] [--calls 30] [--rounds 5]
-        [--backend cuda] [--json out.json] [--floor]
+        [--backend cuda] [--json out.json] [--floor] [--segments N]
 
 For each model and device count n, one SGD step over a global batch of n x per-device
 batch: per-device loss and gradients (nimble.jit or jax.jit), `lax.pmean` of them over
@@ -17,7 +17,10 @@ device count to n, and each step's µs with what its pmean costs (the step less 
 without it), so that a missed scaling or speed target shows where the time goes; with
 --floor, also the same step with no model, its update `p - lr * p` (JAX's dispatch of a
 step over that parameter tree on n devices), in the same rounds. The
-JSON keeps every round's µs and how far the two steps' updates differ.
+JSON keeps every round's µs and how far the two steps' updates differ. With
+--segments N, also nimble's step with its plan cut into up to N graphs (nimble.jit's
+`segments`: XLA all-reduces the gradients the first graphs hand back while the later
+ones compute), timed in the same rounds.
 """
 from __future__ import annotations
 
@@ -94,7 +97,7 @@ def rel_err(got, want) -> float:
 
 
 def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
-            backend: str = "cuda", rounds: int = 5, floor: bool = False) -> dict:
+            backend: str = "cuda", rounds: int = 5, floor: bool = False, segments: int = 1) -> dict:
     """One row: jax.jit's and nimble's step, and each without its pmean, all four built
     and warmed up first, then looped in alternating rounds in this process (the host is
     shared, so drift hits all four alike); medians over the rounds. With `floor`, a fifth
@@ -114,6 +117,8 @@ def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
     batches = [(jax.device_put(x + 0.01 * i, data), jax.device_put(labels, data)) for i in range(4)]
     start = jax.device_put(params, NamedSharding(mesh, P()))
     grads = {"jax": jax.value_and_grad(loss), "nimble": nimble.jit(jax.value_and_grad(loss), backend=backend)}
+    if segments > 1:
+        grads["segmented"] = nimble.jit(jax.value_and_grad(loss), backend=backend, segments=segments)
     variants = [(f"{name}_{variant}_us", grad_fn, reduce) for name, grad_fn in grads.items()
                 for variant, reduce in (("step", True), ("local", False))]
     if floor:
@@ -127,8 +132,8 @@ def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
     row = dict(model=model, devices=n_devices, per_device_batch=per_device, calls=calls, rounds=rounds)
     # Same start, same batches: after the warm-up both steps must have moved the params
     # alike (a step that reduced twice would show as an error of about 1 - 1/n).
-    moved = {k: jax.tree_util.tree_map(jnp.subtract, loops[k][1][0], start) for k in ("jax_step_us", "nimble_step_us")}
-    row["max_rel_err"] = rel_err(moved["nimble_step_us"], moved["jax_step_us"])
+    moved = {k: jax.tree_util.tree_map(jnp.subtract, loops[k][1][0], start) for k in loops if k.endswith("step_us")}
+    row["max_rel_err"] = max(rel_err(moved[k], moved["jax_step_us"]) for k in moved if k != "jax_step_us")
     times: dict = {key: [] for key in loops}
     order = list(loops)
     for r in range(rounds):
@@ -141,6 +146,9 @@ def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
         row[f"{name}_collective_us"] = row[f"{name}_step_us"] - row[f"{name}_local_us"]
         row[f"{name}_samples_per_s"] = batch / (row[f"{name}_step_us"] * 1e-6)
     row["speedup"] = row["jax_step_us"] / row["nimble_step_us"]
+    if segments > 1:
+        row["segments"] = segments
+        row["segmented_speedup"] = row["jax_step_us"] / row["segmented_step_us"]
     row["rounds_us"] = times  # every round's µs/call, to judge the noise
     return row
 
@@ -169,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--floor", action="store_true",
                     help="also time each row's dispatch floor (a step with no model: the update p - lr * p)")
+    ap.add_argument("--segments", type=int, default=1,
+                    help="also time nimble's step with its plan cut into up to N graphs (nimble.jit's segments)")
     opts = ap.parse_args(argv)
     total = len(jax.devices())
     counts = [int(c) for c in opts.devices.split(",")] if opts.devices else sorted({1, total})
@@ -183,13 +193,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"| {model} | {n} | (only {total} device(s)) | | | | | | |")
                 continue
             row = measure(model, n, opts.per_device_batch, opts.calls, opts.backend, opts.rounds,
-                          opts.floor)
-            for name in ("jax", "nimble"):
+                          opts.floor, opts.segments)
+            for name in ("jax", "nimble") + (("segmented",) if opts.segments > 1 else ()):
                 base.setdefault(name, row[f"{name}_samples_per_s"])
                 row[f"{name}_scaling"] = row[f"{name}_samples_per_s"] / base[name]
             rows.append(row)
             print(table_row(row) + (f"  (dispatch floor {row['floor_us']:.0f} µs)" if opts.floor else ""),
                   flush=True)
+            if opts.segments > 1:
+                print(f"  (nimble in up to {opts.segments} segments: step {row['segmented_step_us']:.0f} µs, "
+                      f"of which pmean {row['segmented_collective_us']:.0f}; {row['segmented_speedup']:.2f}x "
+                      f"jax.jit's; scaling {row['segmented_scaling']:.2f}x)", flush=True)
             if row["max_rel_err"] > 0.05:  # loose: TF32 matmuls on GPUs differ by ~1e-3
                 print(f"  ({model} on {n}: jax.jit's and nimble's updates differ by "
                       f"{row['max_rel_err']:.2g} relative; not the same step)")

@@ -21,13 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
-from nimblejax.compiler.kinds import TaskKind
-
-# The cost model of estimate_us: rough figures of a current data-center GPU. Only the
-# picture's proportions depend on them; nothing is decided from them.
-LAUNCH_US = 2.0  # fixed cost of one task inside a CUDA graph
-BYTES_PER_US = 2.0e6  # memory bandwidth, 2 TB/s
-FLOPS_PER_US = {"tf32": 300e6, "f32": 50e6, "f32_from_half": 600e6, "half": 600e6}
+from nimblejax.compiler.costs import estimate_us
 
 
 @dataclass(frozen=True)
@@ -41,22 +35,6 @@ class Slot:
     start: float
     end: float
     category: str
-
-
-def estimate_us(task) -> float:
-    """A rough GPU time of one task: a launch cost, plus the longer of moving its bytes
-    and doing its arithmetic (GEMMs and convolutions)."""
-    moved = sum(v.nbytes for v in task.inputs) + sum(v.nbytes for v in task.outputs)
-    us = moved / BYTES_PER_US
-    if task.kind is TaskKind.GEMM and task.gemm is not None:
-        g = task.gemm
-        us = max(us, 2.0 * g.batch * g.m * g.n * g.k / FLOPS_PER_US.get(g.compute, 50e6))
-    elif task.kind is TaskKind.CUDNN and task.conv is not None:
-        c = task.conv
-        n, oh, ow, k = c.y_shape
-        _, r, s, cg = c.w_shape
-        us = max(us, 2.0 * n * oh * ow * k * r * s * cg / FLOPS_PER_US.get(c.math, 50e6))
-    return LAUNCH_US + us
 
 
 TaskTimes = Union[Sequence[float], Mapping]

@@ -136,9 +136,13 @@ def nimble_gpu_us(nimble_fn, calls: int = 200) -> Optional[float]:
     with cupy.cuda.Device(exe.device):
         s0 = exe.streams[0]
         if exe.raw_exec:  # captured for the XLA FFI handler, which points it at XLA's
-            # buffers: back at the arena alone first
+            # buffers: back at the arena alone first; a segmented plan's graphs in a row
             exe.rest()
-            return cuda_event_us(lambda: cupy.cuda.runtime.graphLaunch(exe.raw_exec, s0.ptr), s0, calls)
+
+            def launch():
+                for raw in exe.raw_execs:
+                    cupy.cuda.runtime.graphLaunch(raw, s0.ptr)
+            return cuda_event_us(launch, s0, calls)
         if exe.graph is not None:
             return cuda_event_us(lambda: exe.graph.launch(s0), s0, calls)
         return cuda_event_us(exe.launch_tasks, s0, max(20, calls // 10))

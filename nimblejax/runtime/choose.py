@@ -25,7 +25,7 @@ def make_runner(plan: Plan, *, backend: str, direct: bool, options: Options, out
         return DirectRunner(plan, output=output, eager=options.eager, gemm=options.gemm, donate=donated)
     from nimblejax.runtime.ffi_runner import FfiRunner
 
-    return FfiRunner(plan, library, options.gemm, donated)
+    return FfiRunner(plan, library, options.gemm, donated, options.segments)
 
 
 def runner_maker(backend: str, options: Options, library: Any = None) -> Callable:

@@ -5,6 +5,13 @@ Operands and results that only generated kernels touch are read and written in p
 the handler re-points their kernel nodes to XLA's buffers each call (runtime/inplace.py
 decides which). The others are copied into and out of the plan's arena by the graph's
 first and last nodes, copy kernels whose tables the handler sets each call.
+
+A segmented plan (`segments` > 1, compiler/segments.py) is captured as one graph per
+segment over the one arena, each registered with the handler and emitted as its own
+custom call: the first takes every operand, each later one the previous one's first
+result (which orders them in XLA's program), and each returns the outputs it finished,
+so that XLA may start on those (an all-reduce) while the next segment runs. Its operands
+and results are copied, none re-pointed.
 """
 from __future__ import annotations
 
@@ -15,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nimblejax.compiler.plan import Plan
+from nimblejax.compiler.segments import plan_segments
 from nimblejax.runtime import inplace as inplace_mod
 from nimblejax.runtime.ffi import TARGET
 from nimblejax.runtime.runner import PASSED, Runner, assemble
@@ -25,7 +33,7 @@ class FfiRunner(Runner):
     GPU it runs on (each device of a shard_map launches its own copy: own arena, own
     graph, on XLA's stream of that device)."""
 
-    def __init__(self, plan: Plan, library, gemm: str, donated: frozenset) -> None:
+    def __init__(self, plan: Plan, library, gemm: str, donated: frozenset, segments: int = 1) -> None:
         self.plan, self.library, self.gemm = plan, library, gemm
         self.id = 0
         self.exes: dict = {}  # device ordinal -> DeviceGraph
@@ -33,8 +41,14 @@ class FfiRunner(Runner):
         self.donated = donated
         self.buffers = list(plan.output_buffers)
         self.out_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.buffers]
-        self.aliases = _aliases(plan.graph.inputs, self.buffers, donated)
-        self.inplace = inplace_mod.analyze(plan, donated)
+        # Segments: their output buffer indices, and the handler's id of each (the first
+        # is self.id); one segment of all outputs when the plan is not cut.
+        self.segments = plan_segments(plan, segments)
+        self.segment_ids: list = []
+        self.first_buffers = [self.buffers[j] for j in self.segments[0].outputs]
+        self.aliases = _aliases(plan.graph.inputs, self.first_buffers, donated)
+        segmented = len(self.segments) > 1
+        self.inplace = inplace_mod.NONE if segmented else inplace_mod.analyze(plan, donated)
         # Per device, what the handler really re-points (a node not found is copied).
         self.inplace_on: dict = {}
 
@@ -56,30 +70,38 @@ class FfiRunner(Runner):
 
         from nimblejax.runtime.graph import DeviceGraph
 
-        plan, library = self.plan, self.library
+        plan, library, segments = self.plan, self.library, self.segments
         with cupy.cuda.Device(ordinal):
             copy_fn = _copy_function(library, ordinal)
             exe = DeviceGraph(plan, gemm=self.gemm, capture="raw",
-                              bracket=lambda stream, which: library.capture_copy_node(copy_fn, stream, which))
+                              bracket=lambda stream, which: library.capture_copy_node(copy_fn, stream, which),
+                              segments=[seg.tasks for seg in segments] if len(segments) > 1 else None)
             in_dst = [exe.slot(v) for v in plan.graph.inputs]
             in_bytes = [v.nbytes if exe.slot(v) else 0 for v in plan.graph.inputs]
-            out_src = [exe.base + plan.offset(a) for a in self.buffers]
-            self.id = library.register(exe.raw_exec, copy_fn, in_dst, in_bytes,
-                                       out_src, [a.nbytes for a in self.buffers],
-                                       plan_id=self.id, device=ordinal)
-            self._set_copy_nodes(exe, ordinal)
+            ids = []
+            for k, seg in enumerate(segments):  # a later segment's one operand is not copied
+                outs = [self.buffers[j] for j in seg.outputs]
+                ids.append(library.register(exe.raw_execs[k], copy_fn, in_dst if k == 0 else [0],
+                                            in_bytes if k == 0 else [0],
+                                            [exe.base + plan.offset(a) for a in outs], [a.nbytes for a in outs],
+                                            plan_id=self.segment_ids[k] if self.segment_ids else 0,
+                                            device=ordinal))
+                self._set_copy_nodes(ids[k], exe.raw_graphs[k], ordinal)
+            if len(ids) > 1:
+                library.set_segments(ids, ordinal)
+            self.id, self.segment_ids = ids[0], ids
             self.inplace_on[ordinal] = self._set_inplace(exe, ordinal)
-            exe.rest = lambda plan_id=self.id: library.rest(plan_id, ordinal)
+            exe.rest = lambda: [library.rest(plan_id, ordinal) for plan_id in ids]
         self.exes[ordinal] = exe
         for sources, view in self.views.items():
             self._register_view(sources, view, ordinal)
 
-    def _set_copy_nodes(self, exe, ordinal: int) -> None:
+    def _set_copy_nodes(self, plan_id: int, graph: int, ordinal: int) -> None:
         """The copies in and out run as the graph's first and last nodes, whose tables
         the handler sets each call (without the graph node entry points, copy kernels
         are launched beside the graph and the two nodes copy nothing)."""
         try:
-            self.library.set_copy_nodes(self.id, ordinal, exe.raw_graph)
+            self.library.set_copy_nodes(plan_id, ordinal, graph)
         except RuntimeError as e:
             warnings.warn(f"nimblejax: {e}; copies are launched beside the graph", RuntimeWarning, stacklevel=3)
 
@@ -158,24 +180,32 @@ class FfiRunner(Runner):
         positions = [i for i, src in enumerate(sources) if src == PASSED]
         donated = frozenset(k for k, i in enumerate(positions) if i in self.donated)
         inputs = [self.plan.graph.inputs[i] for i in positions]
-        return self._emit(self._view(sources), positions, _aliases(inputs, self.buffers, donated), xs)
+        return self._emit(self._view(sources), positions, _aliases(inputs, self.first_buffers, donated), xs)
 
     def emit(self, *xs):
         return self._emit(self.id, range(len(xs)), self.aliases, xs)
 
     def _emit(self, plan_id: int, positions, aliases: dict, xs) -> list:
-        """The custom call of registration `plan_id`, whose operands `xs` are the plan's
-        inputs at `positions` (a plan input returned as it is is always among them)."""
-        made = jax.ffi.ffi_call(TARGET, self.out_specs,
-                                input_output_aliases=aliases)(*xs, plan=np.int64(plan_id))
-        made = list(made) if isinstance(made, (list, tuple)) else [made]
+        """The custom calls of registration `plan_id` (and of the later segments), whose
+        operands `xs` are the plan's inputs at `positions` (a plan input returned as it
+        is is always among them)."""
+        made: list = [None] * len(self.buffers)
+        operands = xs
+        for k, seg in enumerate(self.segments):
+            specs = [self.out_specs[j] for j in seg.outputs]
+            outs = jax.ffi.ffi_call(TARGET, specs, input_output_aliases=aliases if k == 0 else {})(
+                *operands, plan=np.int64(plan_id if k == 0 else self.segment_ids[k]))
+            outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+            for j, out in zip(seg.outputs, outs):
+                made[j] = out
+            operands = outs[:1]  # the next segment runs after this one
         operand = dict(zip(positions, xs))
         return assemble(self.plan, made, operand.__getitem__, jnp.asarray)
 
     def close(self) -> None:
-        if self.id:
-            self.library.unregister(self.id)
-            self.id = 0
+        for plan_id in self.segment_ids:
+            self.library.unregister(plan_id)
+        self.id, self.segment_ids = 0, []
         for exe in self.exes.values():
             exe.close()
         self.exes.clear()

@@ -25,10 +25,12 @@ class DeviceGraph:
     cudaGraphExec handle (`raw_exec`) for the FFI handler to launch; `capture="none"`:
     no graph, `launch` launches the tasks one by one (eager). `bracket(stream, which)`,
     with a raw capture, enqueues work before the tasks (which 0) and after them (1): the
-    FFI handler's copy nodes."""
+    FFI handler's copy nodes. `segments` (raw capture): lists of tasks in launch order
+    (compiler/segments.py), one graph each, `raw_graphs[k]` / `raw_execs[k]`, over
+    the one arena; `raw_graph` / `raw_exec` are the first."""
 
     def __init__(self, plan: Plan, gemm: str = "lt", capture: str = "cupy",
-                 bracket: Optional[Callable] = None) -> None:
+                 bracket: Optional[Callable] = None, segments: Optional[list] = None) -> None:
         import cupy
 
         if capture not in CAPTURES:
@@ -47,11 +49,16 @@ class DeviceGraph:
         self._upload_consts()
         self.graph = None
         self.raw_graph = self.raw_exec = 0
+        self.raw_graphs: list = []
+        self.raw_execs: list = []
         # Called before Python launches raw_exec itself (to time it): points the graph
         # back at the arena alone (set by the FFI runner, whose handler re-points it).
         self.rest = lambda: None
         if capture == "raw":
-            self._capture_raw(bracket)
+            self._warm_up()
+            for tasks in segments or [None]:
+                self._capture_raw(bracket, tasks)
+            self.raw_graph, self.raw_exec = self.raw_graphs[0], self.raw_execs[0]
         elif capture == "cupy":
             self._capture()
 
@@ -75,10 +82,11 @@ class DeviceGraph:
         """One task on its planned stream (the profiler times tasks one at a time)."""
         self.launchers.launch(task, self.plan.schedule.stream[task])
 
-    def launch_tasks(self) -> None:
-        """Every task on its stream, in launch order; fork from and join into stream 0."""
-        self.launchers.launch_all(self.events)
-        self.stats["task_launches"] += len(self.plan.schedule.order)
+    def launch_tasks(self, tasks=None) -> None:
+        """Every task (or `tasks`, a segment) on its stream, in launch order; fork from
+        and join into stream 0."""
+        self.launchers.launch_all(self.events, tasks)
+        self.stats["task_launches"] += len(self.plan.schedule.order if tasks is None else tasks)
 
     def launch(self) -> None:
         """One run of the plan on stream 0: the graph, or the tasks one by one (eager)."""
@@ -107,21 +115,21 @@ class DeviceGraph:
             graph = s0.end_capture()  # ends capture even on error, so s0 stays usable
         self.graph = graph
 
-    def _capture_raw(self, bracket=None) -> None:
+    def _capture_raw(self, bracket=None, tasks=None) -> None:
+        """One raw graph of the tasks (or of a segment's): the copy nodes around them."""
         rt = self.cupy.cuda.runtime
         s0 = self.streams[0]
-        self._warm_up()
         rt.streamBeginCapture(s0.ptr)
         try:
             if bracket is not None:
                 bracket(s0.ptr, 0)
-            self.launch_tasks()
+            self.launch_tasks(tasks)
             if bracket is not None:
                 bracket(s0.ptr, 1)
         finally:
             graph = rt.streamEndCapture(s0.ptr)
-        self.raw_graph = graph
-        self.raw_exec = rt.graphInstantiate(graph)
+        self.raw_graphs.append(graph)
+        self.raw_execs.append(rt.graphInstantiate(graph))
 
     def close(self) -> None:
         """Give back the library handles (their device memory is not CuPy's) and a raw
@@ -129,10 +137,11 @@ class DeviceGraph:
         launchers = getattr(self, "launchers", None)
         if launchers is not None:
             launchers.close()
-        if getattr(self, "raw_exec", 0):
-            self.cupy.cuda.runtime.graphExecDestroy(self.raw_exec)
-            self.cupy.cuda.runtime.graphDestroy(self.raw_graph)
-            self.raw_exec = self.raw_graph = 0
+        for graph, exe in zip(getattr(self, "raw_graphs", ()), getattr(self, "raw_execs", ())):
+            self.cupy.cuda.runtime.graphExecDestroy(exe)
+            self.cupy.cuda.runtime.graphDestroy(graph)
+        self.raw_graphs, self.raw_execs = [], []
+        self.raw_exec = self.raw_graph = 0
 
     def __del__(self) -> None:
         try:

@@ -61,21 +61,26 @@ class Launchers:
             self.control = ControlLaunchers(
                 control, self.address, lambda sub, streams, base: Launchers(sub, streams, base, gemm))
 
-    def launch_all(self, events: dict) -> None:
+    def launch_all(self, events: dict, tasks=None) -> None:
         """Every task on its stream, in launch order, waiting on and recording the
         schedule's events (`events`: one per sync source); the other streams fork from
-        and join into streams[0]. Captured, the events become the graph's edges."""
+        and join into streams[0]. Captured, the events become the graph's edges.
+        `tasks`: only these, in launch order (a segment, compiler/segments.py): an event
+        of a task outside them is not waited on (an earlier segment ran to its end)."""
         import cupy
 
         sched, streams = self.plan.schedule, self.streams
+        order = sched.order if tasks is None else tasks
+        inside = None if tasks is None else frozenset(tasks)
         fork = cupy.cuda.Event(disable_timing=True)
         fork.record(streams[0])
         for s in streams[1:]:
             s.wait_event(fork)
-        for task in sched.order:
+        for task in order:
             s = sched.stream[task]
             for u in sched.waits(task):
-                streams[s].wait_event(events[u])
+                if inside is None or u in inside:
+                    streams[s].wait_event(events[u])
             self.launch(task, s)
             if task in events:
                 events[task].record(streams[s])

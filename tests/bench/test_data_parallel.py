@@ -14,7 +14,7 @@ def test_rows_time_both_steps_with_and_without_pmean(tmp_path, capsys):
     out = tmp_path / "dp.json"
     assert data_parallel.main(["--models", "mlp", "--per-device-batch", "2", "--devices", "1",
                                "--calls", "1", "--rounds", "2", "--backend", "interpret",
-                               "--json", str(out), "--floor"]) == 0
+                               "--json", str(out), "--floor", "--segments", "2"]) == 0
     printed = capsys.readouterr().out
     assert "jax.jit scaling" in printed and "nimble step µs (of which pmean)" in printed
     (row,) = json.loads(out.read_text())["rows"]
@@ -25,3 +25,4 @@ def test_rows_time_both_steps_with_and_without_pmean(tmp_path, capsys):
         assert len(row["rounds_us"][f"{name}_step_us"]) == 2
     assert row["max_rel_err"] < 1e-3  # the same step: jax.jit's gradients reduced once
     assert row["floor_us"] > 0 and "dispatch floor" in printed
+    assert row["segmented_step_us"] > 0 and "in up to 2 segments" in printed

@@ -44,4 +44,4 @@ def test_two_host_devices_interpret():
 @pytest.mark.gpu
 def test_gpus_cuda():
     out = run_check("cuda", {}, timeout=600)
-    assert "ALL OK" in out
+    assert "ALL OK" in out and "64 rows per device, 3 segments" in out

@@ -198,6 +198,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nimble_ffi_capture_copy_node.restype = ctypes.c_int
     lib.nimble_ffi_set_copy_nodes.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
     lib.nimble_ffi_set_copy_nodes.restype = ctypes.c_int
+    lib.nimble_ffi_set_segments.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), ctypes.c_int]
+    lib.nimble_ffi_set_segments.restype = ctypes.c_int
     lib.nimble_ffi_rest.argtypes = [ctypes.c_longlong, ctypes.c_int]
     lib.nimble_ffi_rest.restype = ctypes.c_int
     lib.nimble_ffi_stats.argtypes = [ctypes.c_longlong, ctypes.c_int, _u64_p]
@@ -356,6 +358,15 @@ class FfiLibrary:
         if found < 0:
             raise RuntimeError(f"nimblejax: finding the graph's copy nodes failed: {self.last_error()}")
         return found
+
+    def set_segments(self, plan_ids: Sequence[int], device: int = 0) -> None:
+        """Make the registered plans ``plan_ids`` on ``device`` the segments of one plan
+        (compiler/segments.py): the handler refuses a call of segment k unless segment
+        k - 1 of the same call (or, for k = 0, the last segment of the previous call) was
+        the last one called."""
+        ids = (ctypes.c_longlong * len(plan_ids))(*map(int, plan_ids))
+        if self._lib.nimble_ffi_set_segments(len(plan_ids), ids, int(device)) != 0:
+            raise RuntimeError(f"nimblejax: marking a plan's segments failed: {self.last_error()}")
 
     def rest(self, plan_id: int, device: int = 0) -> None:
         """Point plan ``plan_id``'s graph exec on ``device`` back at its arena alone (no

@@ -28,6 +28,11 @@ constexpr unsigned kEventDisableTiming = 2;  // CU_EVENT_DISABLE_TIMING
 // One plan's arena and captured graph on one device. The arena addresses are
 // baked into graph, which is why calls of one arena are serialized (mutex on the
 // host, event on the GPU), whichever registration (operand set) they come from.
+struct SegmentOrder {
+  std::mutex mu;
+  int next = 0, count = 1;
+};
+
 struct Arena {
   CUgraphExec graph = nullptr;
   CUfunction copy_fn = nullptr;
@@ -42,6 +47,10 @@ struct Arena {
   // setting kernel nodes, launching copy kernels and launching the graph; copies made
   // by the graph's copy nodes, and how often those nodes were set.
   unsigned long long stats[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
+  // A segmented plan (compiler/segments.py): its segments' arenas share one order,
+  // the segment due next; this arena's graph is segment `segment` of order->count.
+  std::shared_ptr<SegmentOrder> order;
+  int segment = 0;
   std::mutex mu;
   ~Arena() {
     // Safe with work pending: the driver releases the event once it is done.
@@ -154,6 +163,21 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
                                    DriverError("cuStreamWaitEvent", rc));
   }
   // Operands and results re-pointed in place need no copy; the rest are copied.
+  if (arena.order) {  // segments one call after another, never two calls interleaved
+    std::lock_guard<std::mutex> turn(arena.order->mu);
+    if (arena.order->next != arena.segment) {
+      int due = arena.order->next;
+      arena.order->next = 0;
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "nimblejax: segment " + std::to_string(arena.segment) + " of plan " +
+                            std::to_string(plan_id) + " was called where segment " +
+                            std::to_string(due) + " was due: two calls of one segmented "
+                            "function interleave in this XLA program (their segments share "
+                            "one arena); call it with segments=1 there, or make the second "
+                            "call read a result of the first");
+    }
+    arena.order->next = (arena.segment + 1) % arena.order->count;
+  }
   nimble_patch::Patches& patches = arena.patches;
   CopyList& in = scratch.in;
   CopyList& out = scratch.out;
@@ -325,6 +349,26 @@ NIMBLE_EXPORT long long nimble_ffi_register_view(
   plan->fed_index.assign(fed_index, fed_index + n_fed);
   plan->fed_out.assign(fed_out, fed_out + n_fed);
   return AddPlan(view_id, device, std::move(plan));
+}
+
+// Makes plans ids[0..count) on `device` the segments of one plan, called in that order
+// (each call's segments one after another): 0, or -1 if one is not registered.
+NIMBLE_EXPORT int nimble_ffi_set_segments(int count, const long long* ids, int device) {
+  if (count < 1 || ids == nullptr) return -1;
+  auto order = std::make_shared<SegmentOrder>();
+  order->count = count;
+  for (int k = 0; k < count; ++k) {
+    std::shared_ptr<Plan> plan = FindPlan(ids[k], device);
+    if (!plan) {
+      t_last_error = "nimble_ffi_set_segments: plan " + std::to_string(ids[k]) +
+                     " is not registered for device " + std::to_string(device);
+      return -1;
+    }
+    std::lock_guard<std::mutex> lock(plan->arena->mu);
+    plan->arena->order = order;
+    plan->arena->segment = k;
+  }
+  return 0;
 }
 
 #include "node_exports.h"  // the exported calls about the graph's nodes
