@@ -25,7 +25,11 @@ from nimblejax.compiler.lowering.task import Kernel
 # 1.1M inputs, sqrt.approx.f32 on none. Division, erf and tanh: compiler/lowering/xla_math.py.
 OPTIONS = ("--std=c++17", "--prec-sqrt=false")
 MAX_THREADS = 8  # NVRTC scales to about this many on the GPU machine's 16 cores
-MIN_KERNELS_PER_MODULE = 4  # fewer: the header parse costs more than the thread saves
+MIN_KERNELS_PER_MODULE = 4  # fewer: the header parse costs more than the thread saves,
+MIN_MODULE_BYTES = 4096  # unless they are this much source: NVRTC parses the headers in
+# about 0.04 s, and compiles a kernel of 8 KB (an LSTM step's gates) in about 0.3 s
+# (CI's CPU, to SASS): the suite's LSTM at batch 1, 4 kernels of 23 KB, 0.81 s as one
+# module, 0.33 s for the largest alone
 _modules: dict[str, object] = {}  # source → cupy.RawModule, shared by every plan
 
 
@@ -43,10 +47,11 @@ def threads() -> int:
 
 
 def module_split(sources: list[str], threads: int) -> list[list[str]]:
-    """`sources` dealt into at most `threads` modules of at least MIN_KERNELS_PER_MODULE
-    kernels each (one module where there are few), largest first so that the modules
-    come out about equal in size."""
-    count = max(1, min(threads, len(sources) // MIN_KERNELS_PER_MODULE))
+    """`sources` dealt into at most `threads` modules, each of at least
+    MIN_KERNELS_PER_MODULE kernels or MIN_MODULE_BYTES of source (one module where
+    there is little), largest first so that the modules come out about equal in size."""
+    enough = max(len(sources) // MIN_KERNELS_PER_MODULE, sum(map(len, sources)) // MIN_MODULE_BYTES)
+    count = max(1, min(threads, len(sources), enough))
     modules: list[list[str]] = [[] for _ in range(count)]
     sizes = [0] * count
     for src in sorted(sources, key=len, reverse=True):

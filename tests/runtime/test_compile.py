@@ -95,6 +95,16 @@ def test_module_split_deals_every_source_once_into_even_modules():
     assert compile_mod.module_split(sources[:3], 8) == [sorted(sources[:3], key=len, reverse=True)]
 
 
+def test_a_few_large_kernels_compile_side_by_side():
+    """An LSTM step's gate kernels (about 8 KB of source each): one module each, where a
+    module of four took as long as its kernels one after another."""
+    large = [f"k{i}" + "x" * 8000 for i in range(3)] + ["small"]
+    modules = compile_mod.module_split(large, 8)
+    assert len(modules) == 4 and sorted(s for m in modules for s in m) == sorted(large)
+    assert len(compile_mod.module_split(large, 2)) == 2
+    assert len(compile_mod.module_split(["a" * 3000, "b" * 2000], 8)) == 1  # 5 KB: one module
+
+
 def test_many_new_kernels_build_several_modules_on_threads(fake_cupy, monkeypatch):
     monkeypatch.setattr(compile_mod, "threads", lambda: 3)
     ks = [kernel(f"k{i}") for i in range(12)]
