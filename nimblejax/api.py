@@ -251,7 +251,14 @@ class NimbleFunction(XlaPath):
         return backend
 
     def _plan_flat(self, flat_fun: Callable, specs) -> Plan:
-        return compile_function(flat_fun, specs, self.options)[0]
+        """The XLA path's planner. On the GPU its kernels start compiling at once, while
+        JAX traces and compiles the rest of the call (runtime/compile.py)."""
+        plan = compile_function(flat_fun, specs, self.options)[0]
+        if self._resolved_backend == "cuda":
+            from nimblejax.runtime.compile import start_compiling
+
+            start_compiling(k for t in plan.tasks if t.kernel is not None for k in t.kernel.launches)
+        return plan
 
     def _make_runner(self) -> Callable:
         return choose.runner_maker(self._resolved_backend, self.options, getattr(self, "_library", None))

@@ -37,21 +37,22 @@ class Launchers:
     (cuBLASLt, algorithms measured per task) or "cublas"."""
 
     def __init__(self, plan: Plan, streams: list, base: int, gemm: str = "lt") -> None:
-        from nimblejax.runtime.compile import compile_kernels
+        from nimblejax.runtime.compile import compile_kernels, start_compiling
 
         self.plan, self.streams, self.base = plan, streams, base
         self.stream_of = plan.schedule.stream
         self.use_lt = gemm != "cublas"
         if not self.use_lt:
             _no_epilogues([t for t in plan.tasks if t.kind is TaskKind.GEMM])
-        self.functions = compile_kernels(k for t in plan.tasks if t.kind is TaskKind.KERNEL
-                                         for k in t.kernel.launches)
+        kernels = [k for t in plan.tasks if t.kind is TaskKind.KERNEL for k in t.kernel.launches]
+        start_compiling(kernels)  # NVRTC in the background while the libraries get ready
         self.args = {t: self._addresses(t) for t in plan.tasks}
         # Library handles allocate outside CuPy's pool: when the device looks full, give
         # CuPy's cached free blocks back and try once more.
         self.handles, self.workspaces = retry_after_freeing(self._gemm_workspaces)
         self.convs, self.cudnn_handles, self.cudnn_workspaces = retry_after_freeing(self._cudnn_convs)
         self.lt_handle, self.lt = self._lt_gemms()
+        self.functions = compile_kernels(kernels)
         # WHILE / SWITCH tasks (compiler/loops.py): CUDA conditional nodes.
         control = [t for t in plan.tasks if t.control is not None]
         self.control = None

@@ -60,6 +60,7 @@ def fake_cupy(monkeypatch):
         compiler=types.SimpleNamespace(CompileException=CompileException), Device=FakeDevice))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(compile_mod, "_modules", {})
+    monkeypatch.setattr(compile_mod, "_pending", {})
     FakeModule.built = []
     return cupy
 
@@ -103,6 +104,16 @@ def test_a_few_large_kernels_compile_side_by_side():
     assert len(modules) == 4 and sorted(s for m in modules for s in m) == sorted(large)
     assert len(compile_mod.module_split(large, 2)) == 2
     assert len(compile_mod.module_split(["a" * 3000, "b" * 2000], 8)) == 1  # 5 KB: one module
+
+
+def test_compiling_starts_in_the_background_and_is_waited_for(fake_cupy):
+    ks = [kernel("a"), kernel("b")]
+    compile_mod.start_compiling(ks)
+    assert set(compile_mod._pending) == {k.source for k in ks}
+    compile_mod.start_compiling(ks)  # already under way: not submitted twice
+    funcs = compile_mod.compile_kernels(ks)
+    assert FakeModule.built == [["a", "b"]] and set(funcs) == {"a", "b"}
+    assert not compile_mod._pending
 
 
 def test_many_new_kernels_build_several_modules_on_threads(fake_cupy, monkeypatch):
