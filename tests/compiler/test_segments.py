@@ -10,14 +10,7 @@ import pytest
 
 import nimblejax as nimble
 from nimblejax.compiler.segments import plan_segments
-from tests.helpers.train_models import resnet_apply, resnet_init
-
-
-def mlp_loss(params, x):
-    h = x
-    for w, b in params:
-        h = jnp.tanh(h @ w + b)
-    return jnp.mean(h ** 2)
+from tests.helpers.train_models import resnet_apply, resnet_init, tanh_mlp_loss as mlp_loss
 
 
 def _mlp_plan(layers=6, width=64):

@@ -92,3 +92,11 @@ def batch(rng, n, size=32, classes=10):
 
 
 TRAIN_MODELS = {"resnet": (resnet_init, resnet_apply), "mobilenet_v2": (mobilenet_init, mobilenet_apply)}
+
+
+def tanh_mlp_loss(params, x):
+    """Mean square of a tanh MLP's output: `params` a list of (w, b)."""
+    h = x
+    for w, b in params:
+        h = jnp.tanh(h @ w + b)
+    return jnp.mean(h ** 2)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
+from tests.helpers.train_models import tanh_mlp_loss as loss
 
 pytestmark = pytest.mark.gpu
 r = np.random.default_rng(0)
@@ -16,13 +17,6 @@ r = np.random.default_rng(0)
 
 def rand(*shape):
     return jnp.asarray(r.normal(size=shape), jnp.float32)
-
-
-def loss(params, x):
-    h = x
-    for w, b in params:
-        h = jnp.tanh(h @ w + b)
-    return jnp.mean(h ** 2)
 
 
 def params(layers=6, width=128):
