@@ -8,6 +8,8 @@ against jax.jit under the CPU interpreter and with the kernels run on the CPU
 jax.jit."""
 from __future__ import annotations
 
+import zlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,9 +20,16 @@ from nimblejax.compiler import fusion_rows
 from nimblejax.options import Options
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 from tests.helpers import kernel_emulator as emu
-from tests.helpers.models import assert_cuda_matches_jax_twice, assert_tree_close, layer_norm, rand
+from tests.helpers.models import assert_tree_close, layer_norm, rand
 
 r = np.random.default_rng(31)
+
+
+@pytest.fixture(autouse=True)
+def _seeded(request):
+    """Each test draws the same numbers whichever order xdist runs the tests in."""
+    global r
+    r = np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
 
 
 def plan_of(fn, *args, **options):
@@ -35,16 +44,25 @@ def kernel_names(plan) -> list[str]:
     return [t.name for t in plan.tasks if t.kind == "kernel"]
 
 
+def op_by_op(fn, *args):
+    """jax's values op by op, the reference here: XLA's fusions keep a bf16 sum in f32
+    (excess precision), so one element of `x + (y + bias)` can land a bf16 step away
+    from the value rounded after each op, which jax's semantics, the interpreter and
+    nimble's row kernels compute."""
+    with jax.disable_jit():
+        return fn(*args)
+
+
 def check_numbers(fn, *args, **options) -> None:
     got = nimble.jit(fn, backend="interpret", options=Options(**options))(*args)
-    assert_tree_close(got, jax.jit(fn)(*args))
+    assert_tree_close(got, op_by_op(fn, *args))
 
 
 def check_emulated(fn, *args) -> None:
-    """The row kernels themselves, compiled for and run on the CPU, against jax.jit."""
+    """The row kernels themselves, compiled for and run on the CPU, against jax."""
     outs, emulated = emu.run(plan_of(fn, *args), [np.asarray(a) for a in args])
     assert emulated >= 1
-    for got, want in zip(outs, jax.tree_util.tree_leaves(jax.jit(fn)(*args))):
+    for got, want in zip(outs, jax.tree_util.tree_leaves(op_by_op(fn, *args))):
         assert_tree_close(jnp.asarray(got), want)
 
 
@@ -410,8 +428,11 @@ def test_row_prologue_kernels_compile():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_on_gpu_match_jax(name):
     fn, make = CASES[name]
-    assert_cuda_matches_jax_twice(fn, make(), lambda plan: any(
-        t.name.startswith("nimble_row_") for t in plan.tasks))
+    args = make()
+    f = nimble.jit(fn, backend="cuda")
+    assert any(t.name.startswith("nimble_row_") for t in f.plan(*args).tasks)
+    for _ in range(2):  # the second call replays the graph
+        assert_tree_close(f(*args), op_by_op(fn, *args))
 
 
 @pytest.mark.gpu
