@@ -72,12 +72,40 @@ if not gpu_available() and not os.environ.get(_CACHE_VAR):
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 
+# With NIMBLEJAX_TEST_RSS set, the summary gives each process's peak resident size
+# (pytest -n's workers report theirs to the first process).
+RSS_REPORT = "NIMBLEJAX_TEST_RSS"
+_peaks: dict[str, int] = {}
+
+
 def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get(RSS_REPORT):
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10  # KiB on Linux
+        workeroutput = getattr(session.config, "workeroutput", None)
+        if workeroutput is not None:
+            workeroutput["peak_rss"] = peak
+        else:
+            _peaks["main"] = peak
     # The process that made the folder removes it (pytest -n's workers inherit it).
     if os.environ.get(_OWN_CACHE) == str(os.getpid()):
         import shutil
 
         shutil.rmtree(os.environ.get(_CACHE_VAR, ""), ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    peak = getattr(node, "workeroutput", {}).get("peak_rss")
+    if peak is not None:
+        _peaks[node.gateway.id] = peak
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _peaks:
+        terminalreporter.write_line("peak resident size: " + ", ".join(
+            f"{name} {peak / 2**30:.2f} GB" for name, peak in sorted(_peaks.items())))
 
 
 def _dist_chosen(config) -> bool:
