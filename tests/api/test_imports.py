@@ -98,30 +98,35 @@ def test_the_cycle_check_sees_imports_inside_functions_and_type_only_ones(tmp_pa
 
 
 # One interpreter loads the third-party libraries once, then forks one child per
-# module: each child starts with no nimblejax module loaded and imports only its own
-# (a fresh `python -c "import <module>"` each would cost the jax import 70 times).
-# Which other modules the package loads (jax's submodules, fractions, statistics, ...) a
-# first child finds out, importing every module; the parent loads them too, so that
-# each child's time goes to nimblejax's own modules.
+# module: each starts in the state a fresh interpreter would be in just before that
+# module's own code runs (a fresh `python -c "import <module>"` each would cost the jax
+# import 70 times). Which other modules the package loads (jax's submodules, fractions,
+# statistics, ...) a first child finds out, importing every module; the parent loads
+# them too, so that each child's time goes to nimblejax's own modules.
 # Importing `nimblejax.a.b` runs nimblejax/__init__.py to its end first: a module that
 # `import nimblejax` loads is imported by its child exactly as `import nimblejax` is
-# (89 of 146 modules), so the one child of "nimblejax" stands for them; the first child
-# finds them (only where `import nimblejax` succeeded there), each other module keeps
-# its own child (146 -> 58 children: 50 -> 21 s of the test on 2 busy cores).
+# (89 of 146 modules), so the one child of "nimblejax", started with no nimblejax module
+# loaded, stands for them. Every other module's child starts from the parent after its
+# own `import nimblejax`, the state `import nimblejax.a.b` reaches before nimblejax.a
+# runs, and checks that it holds exactly the modules `import nimblejax` loads (58
+# children each importing nimblejax again: 21 s of the test on 2 busy cores).
 _IMPORT_EACH = textwrap.dedent("""\
     import importlib, os, sys, traceback
     import jax, jax.numpy, networkx, numpy  # third-party: shared by every child
     running = {}  # pid -> (module, file for its traceback)
     logs = sys.argv[1]  # the test's tmp_path: pytest removes it
 
+    def ours():
+        return {m for m in sys.modules if m.split(".")[0] == "nimblejax"}
+
     read, write = os.pipe()
     if os.fork() == 0:
         os.close(read)
         try:
             import nimblejax
-            by_package = [m for m in sys.modules if m.split(".")[0] == "nimblejax"]
+            by_package = ours()
         except BaseException:
-            by_package = []
+            by_package = set()
         for name in sys.argv[2:]:
             try:
                 importlib.import_module(name)
@@ -134,7 +139,7 @@ _IMPORT_EACH = textwrap.dedent("""\
     os.close(write)
     with os.fdopen(read) as found:
         others, by_package = found.read().split("\\n")
-    others, by_package = others.split(), set(by_package.split()) - {"nimblejax"}
+    others, by_package = others.split(), set(by_package.split())
     os.wait()
     for name in others:
         try:
@@ -148,7 +153,7 @@ _IMPORT_EACH = textwrap.dedent("""\
         if status:
             print(f"--- import {name} failed:\\n{open(log).read()}", flush=True)
 
-    for name in [n for n in sys.argv[2:] if n not in by_package]:
+    def child(name, loaded):
         if len(running) >= (os.cpu_count() or 1):
             reap()
         log = os.path.join(logs, name)
@@ -156,7 +161,7 @@ _IMPORT_EACH = textwrap.dedent("""\
         if pid == 0:
             code = 0
             try:
-                assert not [m for m in sys.modules if m.split(".")[0] == "nimblejax"]
+                assert ours() == loaded, sorted(ours() ^ loaded)
                 importlib.import_module(name)
             except BaseException:
                 with open(log, "w") as f:
@@ -164,6 +169,12 @@ _IMPORT_EACH = textwrap.dedent("""\
                 code = 1
             os._exit(code)
         running[pid] = (name, log)
+
+    child("nimblejax", set())  # from nothing: it stands for every module in by_package
+    if by_package:  # else the child above reports why `import nimblejax` failed
+        import nimblejax
+        for name in [n for n in sys.argv[2:] if n not in by_package]:
+            child(name, by_package)
     while running:
         reap()
     """)
