@@ -3,8 +3,8 @@ by jax.jit must agree.
 
 - CI (`test_fuzz_interpret`): the interpret backend plans each program, race-verifies
   the plan (NIMBLE_DEBUG=1, conftest) and runs it in random stream interleavings over a
-  NaN-filled arena; every kernel of the plan is compiled with NVRTC where a compiler is
-  available (skipped otherwise); and where a C++ compiler is, the plan's loop kernels
+  NaN-filled arena; every kernel of the plans is compiled with NVRTC where a compiler
+  is available (skipped otherwise), many programs' kernels to a unit (KernelBatch); and where a C++ compiler is, the plan's loop kernels
   themselves run on the CPU (tests/helpers/kernel_emulator.py; GEMMs and large cooperative
   launches go through JAX there).
   Deterministic (derandomized) and bounded: FUZZ_CI_EXAMPLES programs, about 1.5 minutes
@@ -29,7 +29,7 @@ from tests.helpers import kernel_emulator
 import nimblejax as nimble
 from tests.helpers.fuzz_programs import programs
 from tests.helpers.fuzz_values import Program
-from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
+from nimblejax.testing.nvrtc_check import KernelCompileError, available_compiler, compile_to_ptx
 
 FUZZ_CI_EXAMPLES = 150
 GPU_EXAMPLES = int(os.environ.get("NIMBLE_FUZZ_EXAMPLES", "300"))
@@ -61,8 +61,10 @@ def assert_same(got, want, tf32: bool = False, halves: bool = False) -> None:
                                    err_msg=f"output {i}", **tol)
 
 
-def check_program(p: Program, backend: str, compile_kernels: bool = False,
+def check_program(p: Program, backend: str, kernels: "KernelBatch | None" = None,
                   emulate: bool = False) -> None:
+    """`p` by nimble against jax.jit; its plan's kernels added to `kernels` (compiled
+    later, with other programs') and, with `emulate`, run on the CPU."""
     f = p.function()
     args = p.args()
     with warnings.catch_warnings():
@@ -71,12 +73,10 @@ def check_program(p: Program, backend: str, compile_kernels: bool = False,
         nf = nimble.jit(f, backend=backend, max_streams=p.max_streams)
         for _ in range(2):  # a second call: another interleaving, and the cached plan
             assert_same(nf(*args), want, p.tf32, p.halves)
-        if compile_kernels or emulate:
+        if kernels is not None or emulate:
             plan = nf.plan(*args)
-        if compile_kernels:
-            kernels = {t.kernel.name: t.kernel.source for t in plan.tasks if t.kernel}
-            if kernels:
-                compile_to_ptx("\n".join(kernels.values()), "fuzz.cu", arch="sm_90", fast=True)
+        if kernels is not None:
+            kernels.add(p, {t.kernel.name: t.kernel.source for t in plan.tasks if t.kernel})
         if emulate:  # the kernels themselves, run on the CPU (tests/helpers/kernel_emulator.py)
             outs, _ = kernel_emulator.run(plan, args)
             want_leaves = jax.tree_util.tree_leaves(want)
@@ -84,16 +84,62 @@ def check_program(p: Program, backend: str, compile_kernels: bool = False,
                         [np.asarray(w) for w in want_leaves], p.tf32, p.halves)
 
 
+class KernelBatch:
+    """The kernels of many programs, compiled by NVRTC in few units: each call costs
+    about 80 ms before its first kernel (the headers), about as much as a program's
+    kernels themselves (150 programs: 18 s one by one). A unit that fails is compiled
+    again program by program, and the error names the program whose kernels fail."""
+
+    def __init__(self, per_unit: int = 40) -> None:
+        self.per_unit = per_unit
+        self.programs: list[tuple[Program, dict]] = []
+
+    def add(self, p: Program, kernels: dict) -> None:
+        if kernels:
+            self.programs.append((p, kernels))
+        if len(self.programs) >= self.per_unit:
+            self.compile()
+
+    def compile(self) -> None:
+        units, sources = [], {}
+        for _, kernels in self.programs:  # a name met again with another source: a new unit
+            if any(sources.get(name, src) != src for name, src in kernels.items()):
+                units.append(sources)
+                sources = {}
+            sources.update(kernels)
+        units.append(sources)
+        try:
+            for unit in units:
+                if unit:
+                    compile_to_ptx("\n".join(unit.values()), "fuzz.cu", arch="sm_90", fast=True)
+        except KernelCompileError:
+            for p, kernels in self.programs:
+                try:
+                    compile_to_ptx("\n".join(kernels.values()), "fuzz.cu", arch="sm_90", fast=True)
+                except KernelCompileError as e:
+                    raise AssertionError(f"the kernels of this program do not compile:{p!r}") from e
+            raise
+        finally:
+            self.programs = []
+
+
 HAVE_NVRTC = available_compiler() is not None
 HAVE_CXX = kernel_emulator.compiler() is not None
 
 
 @pytest.mark.long
-@settings(max_examples=FUZZ_CI_EXAMPLES, derandomize=True, deadline=None,
-          suppress_health_check=HEALTH, database=None)
-@given(programs())
-def test_fuzz_interpret(p: Program):
-    check_program(p, "interpret", compile_kernels=HAVE_NVRTC, emulate=HAVE_CXX)
+def test_fuzz_interpret():
+    kernels = KernelBatch() if HAVE_NVRTC else None
+
+    @settings(max_examples=FUZZ_CI_EXAMPLES, derandomize=True, deadline=None,
+              suppress_health_check=HEALTH, database=None)
+    @given(programs())
+    def run(p: Program):
+        check_program(p, "interpret", kernels, emulate=HAVE_CXX)
+
+    run()
+    if kernels is not None:
+        kernels.compile()
 
 
 def _gpu_settings(fn):
