@@ -29,6 +29,7 @@ from jax import lax
 from tests.helpers import on_host
 from tests.helpers import kernel_emulator
 import nimblejax as nimble
+from nimblejax.options import Options
 
 lax_test_util = pytest.importorskip("jax._src.internal_test_util.lax_test_util")
 jtu = pytest.importorskip("jax._src.test_util")
@@ -85,12 +86,17 @@ def _close(got, want, case: Case) -> bool:
                             equal_nan=True))
 
 
-def run_peer_suite(backend: str) -> dict[str, list[str]]:
+def run_peer_suite(backend: str, kernels: "dict[str, str] | None" = None) -> dict[str, list[str]]:
+    """Each case by nimble against jax.jit; the kernels of the plans that ran go into
+    `kernels` (name -> source), where given. The interpreter is called on the Python
+    path: the XLA call path would compile a program per case around its callback."""
     report: dict[str, list[str]] = {"passed": [], "wrong": [], "complex": [], "unsupported": []}
     ran = []  # (case, args, nimble's result)
+    path = "python" if backend == "interpret" else "auto"
     for seed, case in enumerate(peer_cases()):
         args = _args(case, seed)
-        f = nimble.jit(case.fn, backend=backend, fallback="error")  # nimble's own rules
+        f = nimble.jit(case.fn, backend=backend, fallback="error",  # nimble's own rules
+                       options=Options(call_path=path))
         if _is_complex(case, args):
             with pytest.raises(NotImplementedError, match='backend="jax"'):
                 f(*args)
@@ -100,6 +106,9 @@ def run_peer_suite(backend: str) -> dict[str, list[str]]:
             ran.append((case, args, f(*args)))
         except NotImplementedError as e:
             report["unsupported"].append(f"{case.id}: {e}")
+            continue
+        if kernels is not None:
+            kernels.update((t.kernel.name, t.kernel.source) for t in f.plan(*args).tasks if t.kernel)
     for (case, _, got), want in zip(ran, _references([(c.fn, a) for c, a, _ in ran])):
         report["passed" if _close(got, want, case) else "wrong"].append(case.id)
     return report
@@ -126,31 +135,23 @@ def _check(report: dict[str, list[str]]) -> None:
 
 @pytest.mark.long
 def test_lax_peer_suite_interpret():
-    _check(run_peer_suite("interpret"))
+    """The suite under the interpreter; every kernel its cases' plans generate compiles
+    for sm_90 (where NVRTC or nvcc is here)."""
+    from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
+
+    kernels: dict[str, str] = {}
+    _check(run_peer_suite("interpret", kernels))
+    if available_compiler() is None:
+        return
+    assert len(kernels) > 200
+    ptx = compile_to_ptx("\n".join(kernels.values()), "nimble_lax_peer.cu", arch="sm_90", fast=True)
+    missing = [name for name in kernels if f".entry {name}(" not in ptx]
+    assert not missing, missing
 
 
 @pytest.mark.gpu
 def test_lax_peer_suite_gpu():
     _check(run_peer_suite("cuda"))
-
-
-def test_lax_peer_kernels_compile():
-    """Every kernel the peer suite's supported cases generate compiles for sm_90."""
-    from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
-
-    if available_compiler() is None:
-        pytest.skip("no NVRTC or nvcc")
-    kernels: dict[str, str] = {}
-    for seed, case in enumerate(peer_cases()):
-        args = _args(case, seed)
-        if _is_complex(case, args):
-            continue
-        plan = nimble.jit(case.fn, backend="interpret").plan(*args)
-        kernels.update((t.kernel.name, t.kernel.source) for t in plan.tasks if t.kernel)
-    assert len(kernels) > 200
-    ptx = compile_to_ptx("\n".join(kernels.values()), "nimble_lax_peer.cu", arch="sm_90", fast=True)
-    missing = [name for name in kernels if f".entry {name}(" not in ptx]
-    assert not missing, missing
 
 
 # ---- the special functions' C blocks on the host ------------------------------------
