@@ -43,7 +43,7 @@ class Net(nn.Module):
 def main() -> None:
     model = Net()
     images = jax.random.normal(jax.random.key(3), (4, 16, 16, 3))
-    variables = model.init(jax.random.key(4), images)
+    variables = jax.jit(model.init)(jax.random.key(4), images)
 
     predict = nimble.jit(model.apply, backend=BACKEND)
     logits = predict(variables, images)

@@ -26,7 +26,7 @@ from nimblejax.compiler.ir import Literal, Var
 from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.pipeline import Plan
 from nimblejax.compiler.streams import Schedule
-from nimblejax.runtime import interpret_layout
+from nimblejax.runtime import interpret_exact, interpret_layout
 from nimblejax.runtime.runner import assemble
 
 NAN_BYTE = 0xFF  # 0xFFFFFFFF is a NaN in float32 and -1 in int32
@@ -146,8 +146,9 @@ MIN_BUCKET = 256
 
 
 def evaluate(eqn, vals: list):
-    """`eqn`'s results on `vals`: a move of data by NumPy (interpret_layout.py), else
-    evaluated with JAX on the CPU; an elementwise equation whose operands have its
+    """`eqn`'s results on `vals`: a move of data or an exactly rounded arithmetic
+    operation by NumPy (interpret_layout.py, interpret_exact.py), else evaluated with
+    JAX on the CPU; an elementwise equation whose operands have its
     output's shape, or are scalars, on flat, padded copies of the former (each element's
     value is computed from the same operands, wherever it sits)."""
     out = eqn.outputs[0] if len(eqn.outputs) == 1 else None
@@ -157,6 +158,9 @@ def evaluate(eqn, vals: list):
     moved = interpret_layout.evaluate(eqn.primitive.name, vals, eqn.params)
     if moved is not None and moved.shape == shape and moved.dtype == out.dtype:
         return moved
+    exact = interpret_exact.evaluate(eqn.primitive.name, vals, eqn.params, out)
+    if exact is not None:
+        return exact
     if (eqn.primitive.name not in SAME_INDEX or out.size < 2
             or any(np.shape(v) not in (shape, ()) for v in vals)
             or not any(np.shape(v) == shape for v in vals)):
