@@ -42,7 +42,7 @@ def shift_amounts(dtype) -> np.ndarray:
     return np.concatenate([np.array(edges), rest]).astype(dtype)
 
 
-BINARY = ["add", "add_any", "sub", "mul", "div", "eq", "ne", "lt", "le", "gt", "ge",
+BINARY = ["add", "add_any", "sub", "mul", "div", "max", "min", "eq", "ne", "lt", "le", "gt", "ge",
           "and", "or", "xor", "shift_left", "shift_right_logical", "shift_right_arithmetic"]
 UNARY = ["neg", "square", "not"]
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int32, np.uint32, np.int64, np.bool_]
@@ -89,11 +89,35 @@ def test_scalars_and_select(dtype):
     assert got.shape == () and bits_of(got) == bits_of(lax.mul(s, s))
 
 
+CASTS = [np.float16, np.float32, np.float64, ml_dtypes.bfloat16, np.int8, np.int32, np.uint32,
+         np.int64, np.bool_]
+CONVERSIONS = [(np.dtype(a), np.dtype(b)) for a in CASTS for b in CASTS
+               if interpret_exact._convert(np.zeros(1, a), {"new_dtype": np.dtype(b)}) is not None]
+
+
+@pytest.mark.parametrize("source, target", CONVERSIONS, ids=[f"{a.name}-{b.name}" for a, b in CONVERSIONS])
+def test_conversions_give_xlas_bytes(source, target):
+    if source.name == "bfloat16":
+        x = values(np.float32).astype(source)
+    else:
+        x = values(source)
+    params = {"new_dtype": target, "weak_type": False, "sharding": None}
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", 8 in (source.itemsize, target.itemsize))
+    try:
+        want = np.asarray(jax.jit(lambda a: lax.convert_element_type_p.bind(a, **params))(x))
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+    got = interpret_exact.evaluate("convert_element_type", [x], params, Var(want.shape, want.dtype))
+    assert got is not None and bits_of(got) == bits_of(want), (source, target)
+
+
 def test_what_is_left_to_jax():
     x = values(np.float32)
     out = Var(x.shape, x.dtype)
     assert interpret_exact.evaluate("exp", [x], {}, out) is None  # not exactly rounded
-    assert interpret_exact.evaluate("max", [x, x], {}, out) is None  # a zero's sign
+    to_int = {"new_dtype": np.dtype(np.int32), "weak_type": False, "sharding": None}
+    assert interpret_exact.evaluate("convert_element_type", [x], to_int, Var(x.shape, np.int32)) is None
     b = x.astype(ml_dtypes.bfloat16)
     assert interpret_exact.evaluate("add", [b, b], {}, Var(b.shape, b.dtype)) is None
     assert interpret_exact.evaluate("add", [x, 2.0], {}, out) is None  # a Python number
