@@ -11,6 +11,7 @@ from jax import lax
 
 import nimblejax as nimble
 from nimblejax.compiler import control
+from tests.helpers import jit_init
 
 BACKENDS = ["interpret", pytest.param("cuda", marks=pytest.mark.gpu)]
 # Interpreter: the same JAX ops on the CPU. cuda: TF32-like dots on both sides, and
@@ -344,7 +345,7 @@ def test_flax_rnn_gru_forward(backend):
     model = nn.RNN(nn.GRUCell(features=16))
     rng = np.random.default_rng(12)
     xs = rand(rng, 2, 10, 6)  # batch, time, features
-    params = model.init(jax.random.PRNGKey(0), xs)
+    params = jit_init(model, jax.random.PRNGKey(0), xs)
     params = jax.tree_util.tree_map(lambda p: np.asarray(p), params)
     check(lambda p, x: model.apply(p, x), (params, xs), backend)
 

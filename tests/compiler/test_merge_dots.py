@@ -14,6 +14,7 @@ from jax import lax
 import nimblejax as nimble
 from nimblejax.bench.models import MODELS, lstm
 from nimblejax.compiler.ir import Graph
+from tests.helpers import jit_init
 
 md = importlib.import_module("nimblejax.compiler.canonicalize.merge_dots")
 
@@ -115,7 +116,7 @@ def test_flax_lstm_cell_gates_merge_across_steps_and_gates(backend):
     rng = np.random.default_rng(3)
     rnn = nn.RNN(nn.LSTMCell(32))
     xs = rand(rng, 4, 6, 16)
-    params = rnn.init(jax.random.PRNGKey(0), xs)
+    params = jit_init(rnn, jax.random.PRNGKey(0), xs)
     params = jax.tree_util.tree_map(lambda a: rand(rng, *a.shape) * 0.3, params)
     fn = lambda p, x: rnn.apply(p, x)  # noqa: E731
     plan = nimble.jit(fn, backend="interpret").plan(params, xs)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from tests.helpers import on_host
+from tests.helpers import jit_init, on_host
 from tests.helpers.models import assert_tree_close
 from nimblejax.compiler.lowering import RULES
 
@@ -210,7 +210,7 @@ def _dropout_model():
 
     model = Block()
     x = on_host(np.random.default_rng(8).normal(size=(6, 12)), jnp.float32)
-    params = model.init(jax.random.PRNGKey(0), x, train=False)
+    params = jit_init(model, jax.random.PRNGKey(0), x, train=False)
     return model, params, x
 
 

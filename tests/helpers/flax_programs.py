@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tests.helpers import on_host
+from tests.helpers import jit_init, on_host
 
 
 # ---- models ------------------------------------------------------------------------
@@ -86,7 +86,7 @@ def _rng(seed: int = 0) -> np.random.Generator:
 def inception_inference():
     model = Inception()
     x = on_host(_rng().normal(size=(2, 16, 16, 3)), jnp.float32)
-    variables = model.init(jax.random.PRNGKey(0), x, train=False)
+    variables = jit_init(model, jax.random.PRNGKey(0), x, train=False)
     return (lambda v, x: model.apply(v, x, train=False)), (variables, x)
 
 
@@ -97,7 +97,7 @@ def inception_sgd_step():
     r = _rng(1)
     x = on_host(r.normal(size=(4, 16, 16, 3)), jnp.float32)
     labels = on_host(r.integers(0, 10, (4,)), jnp.int32)
-    variables = model.init(jax.random.PRNGKey(1), x, train=False)
+    variables = jit_init(model, jax.random.PRNGKey(1), x, train=False)
     opt = optax.sgd(0.05, momentum=0.9)
     state = opt.init(variables["params"])
 
@@ -136,7 +136,7 @@ def adamw_mlp_step():
     r = _rng(2)
     x = on_host(r.normal(size=(16, 20)), jnp.float32)
     labels = on_host(r.integers(0, 10, (16,)), jnp.int32)
-    params = model.init(jax.random.PRNGKey(2), x)
+    params = jit_init(model, jax.random.PRNGKey(2), x)
     opt = optax.adamw(1e-3, weight_decay=1e-2)
     state = opt.init(params)
 
@@ -153,7 +153,7 @@ def _text_batch(seed: int):
 def encoder_inference():
     model = TextEncoder()
     tokens, _ = _text_batch(3)
-    params = model.init(jax.random.PRNGKey(3), tokens)
+    params = jit_init(model, jax.random.PRNGKey(3), tokens)
     return (lambda p, t: model.apply(p, t)), (params, tokens)
 
 
@@ -162,7 +162,7 @@ def encoder_adam_step():
     scatter-add."""
     model = TextEncoder()
     tokens, labels = _text_batch(4)
-    params = model.init(jax.random.PRNGKey(4), tokens)
+    params = jit_init(model, jax.random.PRNGKey(4), tokens)
     opt = optax.adam(1e-3)
     state = opt.init(params)
 
@@ -173,7 +173,7 @@ def dropout_train():
     """An encoder block in train mode: dropout masks from `rngs=`, a key per call."""
     model = EncoderBlock(dropout=0.25)
     x = on_host(_rng(5).normal(size=(2, 8, 32)), jnp.float32)
-    params = model.init(jax.random.PRNGKey(5), x)
+    params = jit_init(model, jax.random.PRNGKey(5), x)
 
     def fn(params, x, key):
         return model.apply(params, x, train=True, rngs={"dropout": key})
@@ -184,7 +184,7 @@ def dropout_train():
 def causal_attention():
     model = EncoderBlock(causal=True)
     x = on_host(_rng(6).normal(size=(2, 10, 32)), jnp.float32)
-    params = model.init(jax.random.PRNGKey(6), x)
+    params = jit_init(model, jax.random.PRNGKey(6), x)
     return (lambda p, x: model.apply(p, x)), (params, x)
 
 

@@ -15,6 +15,7 @@ import nimblejax as nimble
 from tests.helpers.models import assert_tree_close, rand
 from nimblejax.compiler.ir import Var
 from nimblejax.compiler.lowering.task import Epilogue
+from tests.helpers import jit_init
 
 r = np.random.default_rng(0)
 DTYPES = [jnp.float32, jnp.bfloat16]
@@ -123,7 +124,7 @@ def test_flax_dense(dtype):
     x = rand(r, 2, 3, 16)
     for act, label in ((nn.relu, "bias+relu"), (nn.gelu, "bias+gelu_tanh")):
         m = nn.Dense(24, dtype=dtype)
-        p = m.init(jax.random.PRNGKey(0), x)
+        p = jit_init(m, jax.random.PRNGKey(0), x)
         fn = lambda p, x: act(m.apply(p, x))  # noqa: E731
         (g,), ks = gemms_and_kernels(fn, p, x)
         assert g.gemm.label == label and g.gemm.m == 6

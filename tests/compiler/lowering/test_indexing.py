@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.helpers import on_host
+from tests.helpers import jit_init, on_host
 from tests.helpers import kernel_emulator
 import nimblejax as nimble
 from tests.helpers.indexing_args import CLASSES, DIM, TOKENS, VOCAB, embed_args, kernel_tasks
@@ -78,7 +78,7 @@ def _train_step():
     r = _rng(4)
     ids = on_host(r.integers(0, VOCAB, (6, 5)), jnp.int32)
     labels = on_host(r.integers(0, CLASSES, 6), jnp.int32)
-    params = model.init(jax.random.PRNGKey(0), ids)
+    params = jit_init(model, jax.random.PRNGKey(0), ids)
     opt_state = tx.init(params)
 
     return integer_label_step(model, tx), (params, opt_state, ids, labels)
