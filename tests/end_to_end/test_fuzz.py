@@ -4,11 +4,12 @@ by jax.jit must agree.
 - CI (`test_fuzz_interpret`): the interpret backend plans each program, race-verifies
   the plan (NIMBLE_DEBUG=1, conftest) and runs it in random stream interleavings over a
   NaN-filled arena; every kernel of the plans is compiled with NVRTC where a compiler
-  is available (skipped otherwise), many programs' kernels to a unit (KernelBatch); and where a C++ compiler is, the plan's loop kernels
-  themselves run on the CPU (tests/helpers/kernel_emulator.py; GEMMs and large cooperative
-  launches go through JAX there).
-  Deterministic (derandomized) and bounded: FUZZ_CI_EXAMPLES programs, about 1.5 minutes
-  on 2 cores.
+  is available (skipped otherwise), many programs' kernels to a unit (KernelBatch); and
+  where a C++ compiler is, the plans' loop kernels themselves run on the CPU
+  (tests/helpers/kernel_emulator.py; GEMMs and large cooperative launches go through
+  JAX there), many programs' kernels built into one library (EmulatedBatch).
+  Deterministic (derandomized) and bounded: FUZZ_CI_EXAMPLES programs, about 50 s of
+  one core.
 - GPU (`test_fuzz_gpu`, marker `gpu`): the cuda backend runs the generated kernels
   themselves. NIMBLE_FUZZ_EXAMPLES sets the count (default 300) and NIMBLE_FUZZ_SEED
   a seed (default: derandomized); it prints one summary line for the record.
@@ -62,9 +63,9 @@ def assert_same(got, want, tf32: bool = False, halves: bool = False) -> None:
 
 
 def check_program(p: Program, backend: str, kernels: "KernelBatch | None" = None,
-                  emulate: bool = False) -> None:
+                  emulated: "EmulatedBatch | None" = None) -> None:
     """`p` by nimble against jax.jit; its plan's kernels added to `kernels` (compiled
-    later, with other programs') and, with `emulate`, run on the CPU."""
+    later, with other programs') and to `emulated` (run on the CPU later, likewise)."""
     f = p.function()
     args = p.args()
     with warnings.catch_warnings():
@@ -73,15 +74,24 @@ def check_program(p: Program, backend: str, kernels: "KernelBatch | None" = None
         nf = nimble.jit(f, backend=backend, max_streams=p.max_streams)
         for _ in range(2):  # a second call: another interleaving, and the cached plan
             assert_same(nf(*args), want, p.tf32, p.halves)
-        if kernels is not None or emulate:
+        if kernels is not None or emulated is not None:
             plan = nf.plan(*args)
         if kernels is not None:
             kernels.add(p, {t.kernel.name: t.kernel.source for t in plan.tasks if t.kernel})
-        if emulate:  # the kernels themselves, run on the CPU (tests/helpers/kernel_emulator.py)
-            outs, _ = kernel_emulator.run(plan, args)
-            want_leaves = jax.tree_util.tree_leaves(want)
-            assert_same([np.asarray(o).reshape(np.shape(w)) for o, w in zip(outs, want_leaves)],
-                        [np.asarray(w) for w in want_leaves], p.tf32, p.halves)
+        if emulated is not None:
+            emulated.add(p, plan, args, want)
+
+
+def units(named: list[dict]) -> list[dict]:
+    """The dicts (name -> source) merged into few, a name met again with another source
+    (its 4-digit hash alike) starting a new one."""
+    out, unit = [], {}
+    for d in named:
+        if any(unit.get(name, src) != src for name, src in d.items()):
+            out.append(unit)
+            unit = {}
+        unit.update(d)
+    return [u for u in out + [unit] if u]
 
 
 class KernelBatch:
@@ -101,17 +111,9 @@ class KernelBatch:
             self.compile()
 
     def compile(self) -> None:
-        units, sources = [], {}
-        for _, kernels in self.programs:  # a name met again with another source: a new unit
-            if any(sources.get(name, src) != src for name, src in kernels.items()):
-                units.append(sources)
-                sources = {}
-            sources.update(kernels)
-        units.append(sources)
         try:
-            for unit in units:
-                if unit:
-                    compile_to_ptx("\n".join(unit.values()), "fuzz.cu", arch="sm_90", fast=True)
+            for unit in units([kernels for _, kernels in self.programs]):
+                compile_to_ptx("\n".join(unit.values()), "fuzz.cu", arch="sm_90", fast=True)
         except KernelCompileError:
             for p, kernels in self.programs:
                 try:
@@ -123,6 +125,42 @@ class KernelBatch:
             self.programs = []
 
 
+class EmulatedBatch:
+    """Programs whose plans' kernels run on the CPU (tests/helpers/kernel_emulator.py),
+    many built into one library: a build costs about 0.1 s of g++ before its first
+    kernel (150 programs: 98 builds, 19 s). Each plan then runs from that library and
+    its outputs are compared with jax.jit's; a mismatch names the program."""
+
+    def __init__(self, per_unit: int = 40) -> None:
+        self.per_unit = per_unit
+        self.programs: list[tuple] = []  # (program, plan, args, jax.jit's outputs)
+
+    def add(self, p: Program, plan, args, want) -> None:
+        self.programs.append((p, plan, args, want))
+        if len(self.programs) >= self.per_unit:
+            self.run()
+
+    def run(self) -> None:
+        programs, self.programs = self.programs, []
+        groups: list[tuple[dict, list]] = []  # (name -> launch, its programs)
+        for entry in programs:
+            launches = {k.name: k for k in kernel_emulator.kernels(entry[1])}
+            if not groups or any(groups[-1][0].get(n, k).source != k.source for n, k in launches.items()):
+                groups.append(({}, []))  # a name met again with another source: a new library
+            groups[-1][0].update(launches)
+            groups[-1][1].append(entry)
+        for launches, members in groups:
+            lib = kernel_emulator.build(list(launches.values())) if launches else None
+            for p, plan, args, want in members:
+                outs, _ = kernel_emulator.run(plan, args, lib=lib)
+                want_leaves = jax.tree_util.tree_leaves(want)
+                try:
+                    assert_same([np.asarray(o).reshape(np.shape(w)) for o, w in zip(outs, want_leaves)],
+                                [np.asarray(w) for w in want_leaves], p.tf32, p.halves)
+                except AssertionError as e:
+                    raise AssertionError(f"this program's kernels, run on the CPU, differ:{p!r}") from e
+
+
 HAVE_NVRTC = available_compiler() is not None
 HAVE_CXX = kernel_emulator.compiler() is not None
 
@@ -130,16 +168,19 @@ HAVE_CXX = kernel_emulator.compiler() is not None
 @pytest.mark.long
 def test_fuzz_interpret():
     kernels = KernelBatch() if HAVE_NVRTC else None
+    emulated = EmulatedBatch() if HAVE_CXX else None
 
     @settings(max_examples=FUZZ_CI_EXAMPLES, derandomize=True, deadline=None,
               suppress_health_check=HEALTH, database=None)
     @given(programs())
     def run(p: Program):
-        check_program(p, "interpret", kernels, emulate=HAVE_CXX)
+        check_program(p, "interpret", kernels, emulated)
 
     run()
     if kernels is not None:
         kernels.compile()
+    if emulated is not None:
+        emulated.run()
 
 
 def _gpu_settings(fn):
