@@ -4,16 +4,18 @@ After the moves of data (interpret_layout.py), most of the one-equation programs
 compiled for the interpreter were integer and bit operations (a PRNG's xor, or, shifts)
 and the four basic float operations (over test_flax.py, test_training.py and
 test_random.py: 1,000 distinct programs, add 173, mul 111, xor 60, sub 55, or 41, shifts
-63). IEEE 754 defines each of these to one result, and NumPy computes it as XLA does:
-a float16, float32 or float64 result is rounded once to its own type (subnormal
-float32 and float64 operands and results flushed to zero, as XLA's CPU client does),
-integers wrap.
-Max and min take a NaN, and +0 or -0 of two zeros, as XLA does; conversions between
-floats and from integers round to nearest even (bfloat16 through ml_dtypes). Left to JAX: anything whose result another library may round otherwise
-(exp, tanh, integer_pow, integer division), a float converted to an integer, the
-float8s, and bfloat16's arithmetic. NaNs' payloads aside, the
-bytes are XLA's. `evaluate` returns None for an equation it does not cover, an operand
-without a dtype of its own, or a result whose dtype or shape is not the equation's.
+63). IEEE 754 defines each of these to one result, and NumPy computes it as XLA does: a
+float16, float32 or float64 result is rounded once to its own type (subnormal float32
+and float64 operands and results flushed to zero, as XLA's CPU client does), integers
+wrap. Max and min take a NaN, and +0 or -0 of two zeros, as XLA does; conversions
+between floats and from integers round to nearest even (bfloat16 through ml_dtypes).
+
+Left to JAX: anything whose result another library may round otherwise (exp, tanh,
+integer_pow, integer division), a float converted to an integer, the float8s, and
+bfloat16's arithmetic. NaNs' payloads aside, the bytes are XLA's (tests/runtime/
+test_interpret_exact.py). `evaluate` returns None for an equation it does not cover, an
+operand without a dtype of its own, or a result whose dtype or shape is not the
+equation's.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from nimblejax.runtime.interpret_layout import _array
+from nimblejax.runtime.interpret_layout import operand_array
 
 
 def _shift(x: np.ndarray, s: np.ndarray, right: bool, logical: bool) -> np.ndarray:
@@ -122,7 +124,7 @@ def evaluate(name: str, vals: list, params: dict, out) -> Optional[np.ndarray]:
     op = OPS.get(name)
     if op is None and name not in ("select_n", "convert_element_type"):
         return None  # before any operand is converted: most equations are not these
-    arrays = [_array(v) for v in vals]
+    arrays = [operand_array(v) for v in vals]
     if not arrays or any(a is None for a in arrays):
         return None
     if name == "convert_element_type":

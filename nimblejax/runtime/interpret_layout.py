@@ -53,7 +53,7 @@ UNARY: dict[str, Callable] = {
 COVERED = frozenset(UNARY) | {"iota", "concatenate"}
 
 
-def _array(v) -> Optional[np.ndarray]:
+def operand_array(v) -> Optional[np.ndarray]:
     """v as a NumPy array where it has a dtype of its own (a NumPy array or scalar, a JAX
     array on the CPU); None for a Python number, whose dtype the equation decides."""
     if isinstance(v, (np.ndarray, np.generic)):
@@ -71,7 +71,7 @@ def evaluate(name: str, vals: list, params: dict) -> Optional[np.ndarray]:
     try:
         if name == "iota" and not vals:
             return _iota(**params)
-        vals = [_array(v) for v in vals]
+        vals = [operand_array(v) for v in vals]
         if not vals or any(v is None for v in vals):
             return None
         if name == "concatenate" and len({v.dtype for v in vals}) == 1 and set(params) == {"dimension"}:
