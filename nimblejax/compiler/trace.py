@@ -179,13 +179,13 @@ def library_impl(eqn: Any) -> Any:
         return None
     specs = tuple(jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=getattr(v.aval, "weak_type", False))
                   for v in eqn.invars)
+    key = (eqn.primitive, specs, tuple(sorted(eqn.params.items())))
     try:
-        key = (eqn.primitive, specs, tuple(sorted(eqn.params.items())))
-        hash(key)
+        return _IMPLS[key]
+    except KeyError:
+        pass
     except TypeError:  # a param that cannot be a key (a list, a dict): traced each time
         key = None
-    if key is not None and key in _IMPLS:
-        return _IMPLS[key]
     try:
         closed = jax.make_jaxpr(lambda *xs: impl(*xs, **eqn.params))(*specs)
     except Exception:  # an impl that is not traceable JAX (a host call, a C function)

@@ -4,10 +4,10 @@ by jax.jit must agree.
 - CI (`test_fuzz_interpret`): the interpret backend plans each program, race-verifies
   the plan (NIMBLE_DEBUG=1, conftest) and runs it in random stream interleavings over a
   NaN-filled arena; every kernel of the plans is compiled with NVRTC where a compiler
-  is available (skipped otherwise), many programs' kernels to a unit (KernelBatch); and
-  where a C++ compiler is, the plans' loop kernels themselves run on the CPU
-  (tests/helpers/kernel_emulator.py; GEMMs and large cooperative launches go through
-  JAX there), many programs' kernels built into one library (EmulatedBatch).
+  is available (skipped otherwise); and where a C++ compiler is, the plans' loop kernels
+  themselves run on the CPU (tests/helpers/kernel_emulator.py; GEMMs and large
+  cooperative launches go through JAX there). Both take many programs' kernels at once
+  (LaterChecks).
   Deterministic (derandomized) and bounded: FUZZ_CI_EXAMPLES programs, about 50 s of
   one core.
 - GPU (`test_fuzz_gpu`, marker `gpu`): the cuda backend runs the generated kernels
@@ -62,10 +62,9 @@ def assert_same(got, want, tf32: bool = False, halves: bool = False) -> None:
                                    err_msg=f"output {i}", **tol)
 
 
-def check_program(p: Program, backend: str, kernels: "KernelBatch | None" = None,
-                  emulated: "EmulatedBatch | None" = None) -> None:
-    """`p` by nimble against jax.jit; its plan's kernels added to `kernels` (compiled
-    later, with other programs') and to `emulated` (run on the CPU later, likewise)."""
+def check_program(p: Program, backend: str, later: "LaterChecks | None" = None) -> None:
+    """`p` by nimble against jax.jit; its plan handed to `later` (its kernels compiled
+    and run on the CPU with other programs')."""
     f = p.function()
     args = p.args()
     with warnings.catch_warnings():
@@ -74,83 +73,77 @@ def check_program(p: Program, backend: str, kernels: "KernelBatch | None" = None
         nf = nimble.jit(f, backend=backend, max_streams=p.max_streams)
         for _ in range(2):  # a second call: another interleaving, and the cached plan
             assert_same(nf(*args), want, p.tf32, p.halves)
-        if kernels is not None or emulated is not None:
-            plan = nf.plan(*args)
-        if kernels is not None:
-            kernels.add(p, {t.kernel.name: t.kernel.source for t in plan.tasks if t.kernel})
-        if emulated is not None:
-            emulated.add(p, plan, args, want)
+        if later is not None:
+            later.add(p, nf.plan(*args), args, want)
 
 
-def units(named: list[dict]) -> list[dict]:
-    """The dicts (name -> source) merged into few, a name met again with another source
-    (its 4-digit hash alike) starting a new one."""
-    out, unit = [], {}
-    for d in named:
-        if any(unit.get(name, src) != src for name, src in d.items()):
-            out.append(unit)
-            unit = {}
-        unit.update(d)
-    return [u for u in out + [unit] if u]
+def grouped(entries: list, named) -> list[tuple[dict, list]]:
+    """`entries` in runs whose kernels (`named(entry)`: name -> kernel) go into one
+    translation unit: a name met again with another source (its 4-digit hash alike)
+    starts the next run. (name -> kernel of the run, the run's entries)."""
+    groups: list[tuple[dict, list]] = []
+    for entry in entries:
+        kernels = named(entry)
+        if not groups or any(groups[-1][0].get(n, k).source != k.source for n, k in kernels.items()):
+            groups.append(({}, []))
+        groups[-1][0].update(kernels)
+        groups[-1][1].append(entry)
+    return groups
 
 
-class KernelBatch:
-    """The kernels of many programs, compiled by NVRTC in few units: each call costs
-    about 80 ms before its first kernel (the headers), about as much as a program's
-    kernels themselves (150 programs: 18 s one by one). A unit that fails is compiled
-    again program by program, and the error names the program whose kernels fail."""
+class LaterChecks:
+    """The checks of many programs' kernels done together, PER_UNIT programs at a time:
+    each NVRTC call costs about 80 ms before its first kernel (the headers) and each g++
+    build about 0.1 s, about as much as a program's kernels themselves (150 programs one
+    by one: NVRTC 18 s, 98 builds 19 s). With `compile`, every kernel of the plans is
+    compiled by NVRTC; with `emulate`, the plans' loop kernels run on the CPU
+    (tests/helpers/kernel_emulator.py) and the outputs are compared with jax.jit's. A
+    failure names its program (a unit that does not compile is compiled again program
+    by program to find it)."""
 
-    def __init__(self, per_unit: int = 40) -> None:
-        self.per_unit = per_unit
-        self.programs: list[tuple[Program, dict]] = []
+    PER_UNIT = 40
 
-    def add(self, p: Program, kernels: dict) -> None:
-        if kernels:
-            self.programs.append((p, kernels))
-        if len(self.programs) >= self.per_unit:
-            self.compile()
-
-    def compile(self) -> None:
-        try:
-            for unit in units([kernels for _, kernels in self.programs]):
-                compile_to_ptx("\n".join(unit.values()), "fuzz.cu", arch="sm_90", fast=True)
-        except KernelCompileError:
-            for p, kernels in self.programs:
-                try:
-                    compile_to_ptx("\n".join(kernels.values()), "fuzz.cu", arch="sm_90", fast=True)
-                except KernelCompileError as e:
-                    raise AssertionError(f"the kernels of this program do not compile:{p!r}") from e
-            raise
-        finally:
-            self.programs = []
-
-
-class EmulatedBatch:
-    """Programs whose plans' kernels run on the CPU (tests/helpers/kernel_emulator.py),
-    many built into one library: a build costs about 0.1 s of g++ before its first
-    kernel (150 programs: 98 builds, 19 s). Each plan then runs from that library and
-    its outputs are compared with jax.jit's; a mismatch names the program."""
-
-    def __init__(self, per_unit: int = 40) -> None:
-        self.per_unit = per_unit
+    def __init__(self, compile: bool, emulate: bool) -> None:
+        self.compile, self.emulate = compile, emulate
         self.programs: list[tuple] = []  # (program, plan, args, jax.jit's outputs)
 
     def add(self, p: Program, plan, args, want) -> None:
         self.programs.append((p, plan, args, want))
-        if len(self.programs) >= self.per_unit:
-            self.run()
+        if len(self.programs) >= self.PER_UNIT:
+            self.check()
 
-    def run(self) -> None:
+    def check(self) -> None:
         programs, self.programs = self.programs, []
-        groups: list[tuple[dict, list]] = []  # (name -> launch, its programs)
-        for entry in programs:
-            launches = {k.name: k for k in kernel_emulator.kernels(entry[1])}
-            if not groups or any(groups[-1][0].get(n, k).source != k.source for n, k in launches.items()):
-                groups.append(({}, []))  # a name met again with another source: a new library
-            groups[-1][0].update(launches)
-            groups[-1][1].append(entry)
-        for launches, members in groups:
-            lib = kernel_emulator.build(list(launches.values())) if launches else None
+        if self.compile:
+            self._compile(programs)
+        if self.emulate:
+            self._emulate(programs)
+
+    @staticmethod
+    def _compile(programs: list) -> None:
+        def kernels(entry):
+            return {t.kernel.name: t.kernel for t in entry[1].tasks if t.kernel}
+
+        def ptx(named: dict) -> None:
+            compile_to_ptx("\n".join(k.source for k in named.values()), "fuzz.cu", arch="sm_90", fast=True)
+
+        try:
+            for named, _ in grouped(programs, kernels):
+                if named:
+                    ptx(named)
+        except KernelCompileError:
+            for entry in programs:
+                try:
+                    ptx(kernels(entry))
+                except KernelCompileError as e:
+                    raise AssertionError(f"the kernels of this program do not compile:{entry[0]!r}") from e
+            raise
+
+    @staticmethod
+    def _emulate(programs: list) -> None:
+        launches = lambda entry: {k.name: k for k in kernel_emulator.kernels(entry[1])}  # noqa: E731
+        for named, members in grouped(programs, launches):
+            lib = kernel_emulator.build(list(named.values())) if named else None
             for p, plan, args, want in members:
                 outs, _ = kernel_emulator.run(plan, args, lib=lib)
                 want_leaves = jax.tree_util.tree_leaves(want)
@@ -167,20 +160,16 @@ HAVE_CXX = kernel_emulator.compiler() is not None
 
 @pytest.mark.long
 def test_fuzz_interpret():
-    kernels = KernelBatch() if HAVE_NVRTC else None
-    emulated = EmulatedBatch() if HAVE_CXX else None
+    later = LaterChecks(compile=HAVE_NVRTC, emulate=HAVE_CXX)
 
     @settings(max_examples=FUZZ_CI_EXAMPLES, derandomize=True, deadline=None,
               suppress_health_check=HEALTH, database=None)
     @given(programs())
     def run(p: Program):
-        check_program(p, "interpret", kernels, emulated)
+        check_program(p, "interpret", later)
 
     run()
-    if kernels is not None:
-        kernels.compile()
-    if emulated is not None:
-        emulated.run()
+    later.check()
 
 
 def _gpu_settings(fn):
