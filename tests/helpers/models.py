@@ -176,13 +176,15 @@ def assert_interpreted_matches_jax(fn, args) -> None:
     assert_tree_close(nimble.jit(fn, backend="interpret")(*args), jax.jit(fn)(*args))
 
 
-def assert_cuda_matches_jax_twice(fn, args, plan_holds=None) -> None:
-    """nimble.jit(fn) on the GPU against jax.jit, called twice (the second call replays
-    the same graph); `plan_holds(plan)`, if given, is asserted on its plan first."""
+def assert_cuda_matches_jax_twice(fn, args, plan_holds=None, reference=None) -> None:
+    """nimble.jit(fn) on the GPU against jax.jit (or `reference(fn, *args)`), called
+    twice (the second call replays the same graph); `plan_holds(plan)`, if given, is
+    asserted on its plan first."""
     import nimblejax as nimble
 
     f = nimble.jit(fn, backend="cuda")
     if plan_holds is not None:
         assert plan_holds(f.plan(*args))
+    want = reference(fn, *args) if reference is not None else jax.jit(fn)(*args)
     for _ in range(2):
-        assert_tree_close(f(*args), jax.jit(fn)(*args))
+        assert_tree_close(f(*args), want)

@@ -20,7 +20,7 @@ from nimblejax.compiler import fusion_rows
 from nimblejax.options import Options
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 from tests.helpers import kernel_emulator as emu
-from tests.helpers.models import assert_tree_close, layer_norm, rand
+from tests.helpers.models import assert_cuda_matches_jax_twice, assert_tree_close, layer_norm, rand
 
 r = np.random.default_rng(31)
 
@@ -434,11 +434,8 @@ def test_row_prologue_kernels_compile():
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_on_gpu_match_jax(name):
     fn, make = CASES[name]
-    args = make()
-    f = nimble.jit(fn, backend="cuda")
-    assert any(t.name.startswith("nimble_row_") for t in f.plan(*args).tasks)
-    for _ in range(2):  # the second call replays the graph
-        assert_tree_close(f(*args), reference(fn, *args))
+    assert_cuda_matches_jax_twice(fn, make(), lambda plan: any(
+        t.name.startswith("nimble_row_") for t in plan.tasks), reference=reference)
 
 
 @pytest.mark.gpu
