@@ -18,6 +18,7 @@ settings never share a stale plan.
 | small_gemm   | NIMBLE_SMALL_GEMM    | True / False (0 turns off)  | the plan      |
 | tc_gemm      | NIMBLE_TC_GEMM       | True / False (0 turns off)  | the plan      |
 | horizontal   | NIMBLE_HORIZONTAL    | True / False (0 turns off)  | the plan      |
+| split_k      | NIMBLE_SPLIT_K       | True / False (0 turns off)  | the plan      |
 | fallback     | NIMBLE_FALLBACK      | "xla" / "error"             | unsupported   |
 | loops        | NIMBLE_LOOPS         | "graph" / "unroll"          | the plan      |
 | segments     | NIMBLE_SEGMENTS      | graphs a call runs as (1)   | runtime       |
@@ -37,6 +38,10 @@ says which, and why).
 
 `horizontal`: independent small elementwise kernels of one level are packed into one
 launch (compiler/fusion_horizontal.py says which, and why).
+
+`split_k`: a float32 GEMM with few output tiles and a long K, read only by adds, runs as
+partial products over slices of K summed in the kernel that reads it, not by a
+reduction kernel of its own (compiler/canonicalize/split_k.py says which, and why).
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
 after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
@@ -90,7 +95,7 @@ LOOPS = ("unroll", "graph")
 _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
         "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
         "residency": "NIMBLE_RESIDENCY", "small_gemm": "NIMBLE_SMALL_GEMM",
-        "tc_gemm": "NIMBLE_TC_GEMM", "horizontal": "NIMBLE_HORIZONTAL", "fallback": "NIMBLE_FALLBACK", "loops": "NIMBLE_LOOPS",
+        "tc_gemm": "NIMBLE_TC_GEMM", "horizontal": "NIMBLE_HORIZONTAL", "split_k": "NIMBLE_SPLIT_K", "fallback": "NIMBLE_FALLBACK", "loops": "NIMBLE_LOOPS",
         "segments": "NIMBLE_SEGMENTS"}
 
 
@@ -107,6 +112,7 @@ class Options:
     small_gemm: bool = True
     tc_gemm: bool = True
     horizontal: bool = True
+    split_k: bool = True
     fallback: str = "xla"
     loops: str = "graph"
     segments: int = 1
@@ -116,7 +122,7 @@ class Options:
         _check_choice("conv", self.conv, CONV_PATHS)
         _check_choice("call_path", self.call_path, CALL_PATHS)
         _check_choice("residency", self.residency, RESIDENCY_CHECKS)
-        for switch in ("small_gemm", "tc_gemm", "horizontal"):
+        for switch in ("small_gemm", "tc_gemm", "horizontal", "split_k"):
             _check_switch(switch, getattr(self, switch))
         _check_choice("fallback", self.fallback, FALLBACKS)
         _check_choice("loops", self.loops, LOOPS)
@@ -171,6 +177,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "small_gemm": _flag(env.get(_ENV["small_gemm"], "1")),
         "tc_gemm": _flag(env.get(_ENV["tc_gemm"], "1")),
         "horizontal": _flag(env.get(_ENV["horizontal"], "1")),
+        "split_k": _flag(env.get(_ENV["split_k"], "1")),
         "fallback": env.get(_ENV["fallback"], "xla"),
         "loops": env.get(_ENV["loops"], "graph"),
         "segments": _int_or_none(env.get(_ENV["segments"], ""), "segments") or 1,

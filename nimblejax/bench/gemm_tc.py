@@ -6,8 +6,10 @@ For each case (M, N, K and what follows the product: nothing, a bias, a bias and
 tanh GELU, a residual, an SGD update `w - lr * x.T @ dy`), in one process on one GPU:
 - `tc`: a one-task nimble plan of the function with the kernel forced on (the tile
   `choose_tile` picks), and `lt`: the same plan with `tc_gemm=False`, cuBLASLt with its
-  algorithm autotuned as plans do. GPU µs per launch from CUDA events around a CUDA graph
-  of REPEATS launches of the plan's tasks, median of 5 (as bench/gemm_small.py);
+  algorithm autotuned as plans do (both with `split_k=False`: one GEMM task, not
+  partial products summed by a second kernel, canonicalize/split_k.py). GPU µs per
+  launch from CUDA events around a CUDA graph of REPEATS launches of the plan's tasks,
+  median of 5 (as bench/gemm_small.py);
 - `xla`: jax.jit of the same function: its kernels' GPU µs per call from JAX's profiler
   (CUPTI), median over CALLS calls (a jitted call cannot be launched back to back without
   host gaps, so events would time the host); `tc*` and `lt*` are the two nimble plans'
@@ -110,7 +112,7 @@ def plan_us(exe, repeats: int = REPEATS) -> float:
 def _nimble(fn, args, tc: bool):
     import nimblejax as nimble
 
-    f = nimble.jit(fn, backend="cuda", tc_gemm=tc)
+    f = nimble.jit(fn, backend="cuda", tc_gemm=tc, split_k=False)  # one GEMM task either way
     with kernel_forced() if tc else contextlib.nullcontext():
         out = f(*args)
     return f, f.executables()[-1], out

@@ -107,7 +107,8 @@ def fuse(graph: Graph, gemm_epilogues: bool = True, small_gemm: bool = True) -> 
         depth[node] = 0
 
     ep = _Epilogues(find_epilogues(graph, consumers, outputs, small_gemm) if gemm_epilogues else {})
-    from_memory = ep.opaque | costly_to_fuse(graph)  # users that read operands from memory
+    # users that read operands from memory
+    from_memory = ep.opaque | costly_to_fuse(graph) | _gemm_operand_views(graph, consumers)
     for dot, match in ep.matches.items():  # decided first: the walk below skips them
         new_group(dot)
         for n in match.chain:
@@ -222,6 +223,15 @@ def _in_place(groups: list[Group], consumers, outputs) -> list[Group]:
                 g = dataclasses.replace(g, in_place=True)
         marked.append(g)
     return marked
+
+
+def _gemm_operand_views(graph: Graph, consumers) -> set[Node]:
+    """Reshapes read only by dots (canonicalize/split_k.py's slices of K): views of their
+    input's buffer, into which no producer is inlined, so that the value is written once
+    in its own shape for its other readers (a LayerNorm's output, the next residual)."""
+    return {n for n in graph.nodes
+            if n.name == "reshape" and n.params.get("dimensions") is None
+            and (users := consumers.get(n.outputs[0])) and all(u.name == "dot_general" for u in users)}
 
 
 def _inline_target(node: Node, users: list[Node], outputs, owner,

@@ -23,7 +23,9 @@ forms lowering expects, each rewrite registered for its primitives beside it
   layout too and merge_dots sees the dots as the user wrote them; before it, explicit
   transposes feeding a dot are folded into it where the GEMM can read their input in
   place (dot.fold_operand_transposes); then vector products of at most a thousand
-  multiply-adds become a multiply and a sum (small_dots.py: a library call costs more).
+  multiply-adds become a multiply and a sum (small_dots.py: a library call costs more);
+  a GEMM with few output tiles and a long K whose readers are adds becomes partial
+  products over slices of K, summed in the kernel that reads it (split_k.py).
 
 (Random-number primitives and PRNG key arrays are expanded earlier, while tracing:
 compiler/prng.py.)
@@ -41,6 +43,7 @@ from nimblejax.compiler.canonicalize.channel_scales import fold_channel_scales
 from nimblejax.compiler.canonicalize.merge_dots import merge_dots
 from nimblejax.compiler.canonicalize.registry import REWRITES, sweep
 from nimblejax.compiler.canonicalize.small_dots import strength_reduce_small_dots
+from nimblejax.compiler.canonicalize.split_k import split_k_dots
 from nimblejax.compiler.ir import Graph
 from nimblejax.options import Options
 
@@ -56,6 +59,8 @@ def canonicalize(graph: Graph, options: Options) -> Graph:
     merged = merge_dots(Graph(graph.inputs, graph.outputs, tuple(first), graph.consts))
     merged = dot.fold_operand_transposes(merged)
     merged = strength_reduce_small_dots(merged)
+    if options.split_k:
+        merged = split_k_dots(merged)
     last = sweep(merged.nodes, options, after_merge=True)
     from nimblejax.compiler.trace import common_subexpressions, drop_dead_code
 

@@ -234,14 +234,15 @@ def test_the_rule_takes_the_measured_wins_and_its_tiles(shape):
 
 @pytest.mark.parametrize("shape,kind", bench.CASES, ids=[f"{s[0]}x{s[1]}x{s[2]}-{k}" for s, k in bench.CASES])
 def test_bench_cases_are_one_task_either_way(shape, kind):
-    """nimblejax/bench/gemm_tc.py times each case's one task, kernel forced on and off."""
+    """nimblejax/bench/gemm_tc.py times each case's one task, kernel forced on and off
+    (split-K summed by a reader off: canonicalize/split_k.py would make two tasks)."""
     m, n, k = shape
     args = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                   bench.case_args(m, n, k, kind))
     fn = bench.case_fn(kind)
     with bench.kernel_forced():
-        (on,) = plan_of(fn, *args).tasks
-    (off,) = plan_of(fn, *args, tc_gemm=False).tasks
+        (on,) = plan_of(fn, *args, split_k=False).tasks
+    (off,) = plan_of(fn, *args, tc_gemm=False, split_k=False).tasks
     assert on.name.startswith(TC) and off.kind == "gemm" and on.gemm == off.gemm
 
 

@@ -1,0 +1,120 @@
+"""Split-K as partial products summed by the GEMM's reader (compiler/canonicalize/
+split_k.py): which dots split and into how many slices, the plan they make (one batched
+GEMM, its sum inside the reading kernel), and the numbers against jax.jit on random
+inputs under the CPU interpreter and (marked `gpu`) on the GPU."""
+from __future__ import annotations
+
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nimblejax as nimble
+
+split_k = importlib.import_module("nimblejax.compiler.canonicalize.split_k")
+
+BACKENDS = ["interpret", pytest.param("cuda", marks=pytest.mark.gpu)]
+# cuda: TF32 GEMMs on both sides (jax.jit's default precision on the GPU).
+TOL = {"interpret": 2e-5, "cuda": 2e-2}
+
+
+def rand(rng, *shape, scale=1.0):
+    return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
+
+
+def dense(x, w, b):
+    return x @ w + b
+
+
+def ffn_layernorm(x, w1, b1, w2, b2):
+    """BERT's feed-forward block: GELU(x W1 + b1) W2 + b2 + x, then LayerNorm."""
+    h = jax.nn.gelu(x @ w1 + b1, approximate=False)
+    y = h @ w2 + b2 + x
+    mean = y.mean(-1, keepdims=True)
+    var = ((y - mean) ** 2).mean(-1, keepdims=True)
+    return (y - mean) * jax.lax.rsqrt(var + 1e-5)
+
+
+def ffn_args(seed, rows=128, d=768, f=3072):
+    rng = np.random.default_rng(seed)
+    return (rand(rng, 1, rows, d), rand(rng, d, f, scale=d ** -0.5), rand(rng, f),
+            rand(rng, f, d, scale=f ** -0.5), rand(rng, d))
+
+
+def gemms(fn, *args, **options):
+    plan = nimble.jit(fn, backend="interpret", **options).plan(*args)
+    return plan, [t.gemm for t in plan.tasks if t.gemm is not None]
+
+
+def check(fn, args, backend):
+    got = nimble.jit(fn, backend=backend)(*args)
+    want = jax.jit(fn)(*args)
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=TOL[backend],
+                               atol=TOL[backend] * scale)
+
+
+@pytest.mark.parametrize("m,n,k,s", [
+    (128, 768, 768, 4),     # BERT's attention projections at batch 1
+    (128, 3072, 768, 4),    # its first feed-forward GEMM: 24 tiles, 4 slices fill 96 SMs
+    (128, 768, 3072, 8),    # its second: K = 3072 in 8 slices of 384
+    (128, 512, 512, 2),     # GPT's: slices of at least MIN_SLICE_K
+    (4096, 512, 512, 1),    # 128 tiles fill the GPU already
+    (32, 768, 3072, 1),     # too few rows: the small and tensor-core kernels' GEMMs
+    (128, 768, 256, 1),     # too short a K
+])
+def test_the_split_factor_follows_tiles_rows_and_k(m, n, k, s):
+    rng = np.random.default_rng(m + n + k)
+    args = (rand(rng, 1, m, k), rand(rng, k, n), rand(rng, n))
+    _, made = gemms(dense, *args)
+    assert [(g.batch, g.m, g.n, g.k) for g in made] == [(s, m, n, k // s)]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dense_layer_split_in_k_matches_jax(backend):
+    rng = np.random.default_rng(1)
+    args = (rand(rng, 1, 128, 3072), rand(rng, 3072, 768, scale=3072 ** -0.5), rand(rng, 768))
+    assert [g.batch for g in gemms(dense, *args)[1]] == [8]
+    check(dense, args, backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_sum_of_partial_products_runs_in_the_kernels_that_read_it(backend):
+    """Two GEMMs and two kernels: the sum, the bias and GELU in one elementwise kernel;
+    the sum, the bias, the residual and the LayerNorm in one row kernel."""
+    args = ffn_args(2)
+    plan, made = gemms(ffn_layernorm, *args)
+    assert [(g.batch, g.k) for g in made] == [(4, 192), (8, 384)]
+    kernels = [t.name for t in plan.tasks if t.gemm is None]
+    assert len(plan.tasks) == 4 and len(kernels) == 2, [t.name for t in plan.tasks]
+    assert "erf" in kernels[0] and "layernorm" in kernels[1], kernels
+    check(ffn_layernorm, args, backend)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x, w, b: jnp.tanh(x @ w) + b,            # a reader that is not an add
+    lambda x, w, b: (x @ w, b),                     # the dot is a result of the function
+])
+def test_a_dot_read_by_anything_but_adds_stays_one_gemm(fn):
+    rng = np.random.default_rng(3)
+    args = (rand(rng, 1, 128, 768), rand(rng, 768, 768), rand(rng, 768))
+    assert [g.batch for g in gemms(fn, *args)[1]] == [1]
+
+
+def test_half_precision_dots_and_the_option_off_stay_one_gemm():
+    rng = np.random.default_rng(4)
+    x, w, b = rand(rng, 1, 128, 768), rand(rng, 768, 768), rand(rng, 768)
+    half = tuple(a.astype(jnp.bfloat16) for a in (x, w, b))
+    assert [g.batch for g in gemms(dense, *half)[1]] == [1]
+    assert [g.batch for g in gemms(dense, x, w, b, split_k=False)[1]] == [1]
+
+
+def test_the_environment_turns_it_off(monkeypatch):
+    from nimblejax import options
+
+    monkeypatch.setenv("NIMBLE_SPLIT_K", "0")
+    assert options.from_env().split_k is False
+    monkeypatch.setenv("NIMBLE_SPLIT_K", "1")
+    assert options.from_env().split_k is True
