@@ -34,9 +34,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         description="Benchmark nimble.jit against jax.jit on published models. By default: "
                     "jax.jit against nimble's multi-stream graph, looped and GPU time, "
                     f"about {DEFAULT_BUDGET_S:g} s of timed calls per row. Every model at batch 1 "
-                    "and 32 took 4m23s and 4m29s on fresh H100s (commits 77abdba and 0dcd55a), 199 s of "
-                    "it XLA compiling jax.jit's programs, which later runs load from JAX's "
-                    "persistent compilation cache (the second run: 2m01s). "
+                    "and 32 took 4m32s on a fresh H200 (commit a4be0bd), 202 s of it jax.jit's "
+                    "first calls (XLA compiling its programs), which later runs load from JAX's "
+                    "persistent compilation cache (the second run: 2m04s). "
                     "Rows are printed as they are measured; progress and an ETA go to stderr. "
                     "--full is the long run. Without a GPU: nimble's plan of each model, what its "
                     "columns mean and what to try next; nothing is timed.")
