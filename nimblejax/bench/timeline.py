@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
-from nimblejax.compiler.costs import estimate_us
+from nimblejax.compiler.costs import estimate_us, throughput_bound_us
 
 
 @dataclass(frozen=True)
@@ -82,8 +82,10 @@ class Timeline:
 class Prediction:
     """What the plan's streams should give (the what-if of Nimble's paper, after
     Daydream): `us`, the GPU time of one call with the tasks placed by the streams and
-    events; `one_stream_us`, every task one after another; `gain`, their ratio. From the
-    cost model (`estimate_us`) or from measured per-task times."""
+    events (from the cost model, no less than its throughput bound: tasks that fill the
+    GPU share it rather than overlap, `throughput_bound_us`); `one_stream_us`, every task
+    one after another; `gain`, their ratio. From the cost model (`estimate_us`) or from
+    measured per-task times (each task alone: the placement only)."""
 
     us: float
     one_stream_us: float
@@ -97,8 +99,10 @@ class Prediction:
 def predict(plan, task_us: Optional[TaskTimes] = None) -> Prediction:
     """The plan's predicted GPU time per call, on its streams and on one."""
     slots = schedule_slots(plan, task_us)
-    return Prediction(max((s.end for s in slots), default=0.0),
-                      sum(s.end - s.start for s in slots), bool(task_us))
+    us = max((s.end for s in slots), default=0.0)
+    if not task_us:
+        us = max(us, throughput_bound_us(plan.schedule.order))
+    return Prediction(us, sum(s.end - s.start for s in slots), bool(task_us))
 
 
 def timeline(plan, task_us: Optional[TaskTimes] = None,

@@ -59,6 +59,24 @@ def test_predicted_time_and_the_gain_of_the_streams():
     assert measured.measured and measured.one_stream_us == pytest.approx(3.0 * len(wide.tasks))
 
 
+def test_tasks_that_fill_the_gpu_share_it_rather_than_overlap():
+    """Eight independent 2048 x 2048 products run on several streams, but each moves 48
+    MiB: the prediction is their summed work (costs.throughput_bound_us), not one of them."""
+    from nimblejax.compiler import costs
+
+    def branches(x):
+        return [jnp.tanh(x * float(i)) @ x for i in range(8)]
+
+    plan = nimble.jit(branches, backend="interpret").plan(jax.ShapeDtypeStruct((2048, 2048), jnp.float32))
+    assert plan.schedule.num_streams > 1
+    p = predict(plan)
+    assert max(s.end for s in schedule_slots(plan)) < p.us == pytest.approx(costs.throughput_bound_us(plan.tasks))
+    assert costs.throughput_bound_us(plan.tasks) == pytest.approx(sum(costs.work_us(t) for t in plan.tasks))
+    tiny = nimble.jit(lambda x: [jnp.sin(x) + i for i in range(8)], backend="interpret").plan(
+        jax.ShapeDtypeStruct((8,), jnp.float32))  # latency-bound tasks: the bound is far below
+    assert costs.throughput_bound_us(tiny.tasks) < costs.LAUNCH_US
+
+
 def test_plan_stats_carry_the_prediction():
     from nimblejax.bench.plans import plan_stats
 
