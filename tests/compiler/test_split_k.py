@@ -118,3 +118,19 @@ def test_the_environment_turns_it_off(monkeypatch):
     assert options.from_env().split_k is False
     monkeypatch.setenv("NIMBLE_SPLIT_K", "1")
     assert options.from_env().split_k is True
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_transposed_weight_two_leading_axes_and_the_precision_are_kept(backend):
+    """x @ w.T (the weight's contracting axis last), lhs rows over two axes, and
+    "highest" precision: the GEMM stays float32 (not TF32)."""
+    rng = np.random.default_rng(5)
+    x, wt, b = rand(rng, 2, 64, 3072), rand(rng, 768, 3072, scale=3072 ** -0.5), rand(rng, 768)
+
+    def highest(x, wt, b):
+        return jax.lax.dot_general(x, wt, (((2,), (1,)), ((), ())),
+                                   precision=jax.lax.Precision.HIGHEST) + b
+
+    made = gemms(highest, x, wt, b)[1]
+    assert [(g.batch, g.m, g.n, g.k, g.compute) for g in made] == [(8, 128, 768, 384, "f32")]
+    check(highest, (x, wt, b), backend)
