@@ -75,7 +75,7 @@ def _from_module(name: str, module: ModuleType, description: str) -> ModelSpec:
         x_spec = jax.ShapeDtypeStruct(module.input_shape(cfg, batch), dtype)
         specs, _ = _specs(module, cfg, x_spec)
         params = layers.init_params(specs, rng, dtype)
-        x = jnp.asarray(rng.standard_normal(x_spec.shape, dtype=np.float32), dtype=dtype)
+        x = layers.on_device(rng.standard_normal(x_spec.shape, dtype=np.float32), dtype)
         return _model_fn(module, cfg), (params, x)
 
     def abstract(batch: int, dtype: Any = jnp.float32, *, tiny: bool = False,
