@@ -315,7 +315,7 @@ def test_merged_plans_kernels_run_right_on_the_cpu(monkeypatch):
         assert emulated > 0
         want = jax.tree_util.tree_leaves(jax.jit(f)(*a))
         for o, w in zip(outs, want):  # (TF32 GEMM kernels, gemm_tc.py, run here too)
-            assert_tree_close(jnp.asarray(np.asarray(o).reshape(np.shape(w))), w)
+            assert_tree_close(np.asarray(o).reshape(np.shape(w)), w)
 
 
 def test_merge_dots_leaves_a_graph_without_shared_dots_unchanged():

@@ -166,7 +166,7 @@ def assert_emulated_matches_jax(fn, args) -> None:
     outs, emulated = emu.run(plan, [np.asarray(a) for a in args])
     assert emulated >= 1
     for got, want in zip(outs, jax.tree_util.tree_leaves(jax.jit(fn)(*args))):
-        assert_tree_close(jnp.asarray(got), want)
+        assert_tree_close(np.asarray(got), want)
 
 
 def assert_interpreted_matches_jax(fn, args) -> None:

@@ -131,7 +131,7 @@ def test_emulated_horizontal_kernels_match_jax(name):
         if np.issubdtype(np.asarray(want).dtype, np.integer):
             np.testing.assert_array_equal(got, want)
         else:
-            assert_tree_close(jnp.asarray(got), want)
+            assert_tree_close(np.asarray(got), want)
 
 
 @pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")

@@ -86,7 +86,7 @@ def check_emulated(fn, *args) -> None:
     assert emulated >= 1
     want = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
     for got, w in zip(outs, want):
-        assert_tree_close(jnp.asarray(got), w)
+        assert_tree_close(np.asarray(got), w)
 
 
 # ---- structure ------------------------------------------------------------------------

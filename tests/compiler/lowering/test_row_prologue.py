@@ -69,7 +69,7 @@ def check_emulated(fn, *args) -> None:
     outs, emulated = emu.run(plan_of(fn, *args), [np.asarray(a) for a in args])
     assert emulated >= 1
     for got, want in zip(outs, jax.tree_util.tree_leaves(reference(fn, *args))):
-        assert_tree_close(jnp.asarray(got), want)
+        assert_tree_close(np.asarray(got), want)
 
 
 # ---- the programs -------------------------------------------------------------------------
