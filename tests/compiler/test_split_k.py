@@ -62,6 +62,7 @@ def check(fn, args, backend):
     (128, 768, 3072, 8),    # its second: K = 3072 in 8 slices of 384
     (128, 512, 512, 2),     # GPT's: slices of at least MIN_SLICE_K
     (4096, 512, 512, 1),    # 128 tiles fill the GPU already
+    (1024, 768, 768, 1),    # 48 tiles (BERT's layers at batch 8): not measured, left whole
     (32, 768, 3072, 1),     # too few rows: the small and tensor-core kernels' GEMMs
     (128, 768, 256, 1),     # too short a K
 ])

@@ -12,7 +12,7 @@ the dot's result anyway (the bias add and GELU, the residual add and LayerNorm's
 kernel). One kernel and one graph node fewer on the critical path per GEMM.
 
 Which dots (`split_factor`): float32, no batch axes, one contracting axis (the lhs's
-last), at least MIN_M rows, and every reader an `add` (a bias or a residual, which
+last), at least MIN_M rows, at most MAX_TILES output tiles, and every reader an `add` (a bias or a residual, which
 fusion puts in an elementwise or row kernel). `s` is the largest power of two up to
 MAX_SPLIT whose slices keep MIN_SLICE_K of K and whose tiles (GEMM_TILE square, as
 merge_dots counts them) make at most one wave on the GPU's SMs. The partial products
@@ -32,6 +32,9 @@ from nimblejax.compiler.canonicalize.replace import replace_with
 from nimblejax.compiler.ir import Graph, Node
 
 MIN_M = 64          # fewer rows: the small-M and tensor-core kernels' GEMMs (an RNN, an MLP)
+# More output tiles than this: left to cuBLASLt. The measured gain is at 4 to 24 tiles
+# (BERT's and GPT's layers at batch 1); a batch of 8 (48 tiles) was not measured.
+MAX_TILES = 32
 MIN_SLICE_K = 192   # the K of one partial product, at least
 MAX_SPLIT = 8       # partial products, at most: each is read again by the sum
 READERS = frozenset({"add", "add_any"})
@@ -65,6 +68,8 @@ def split_factor(node: Node, readers: dict, outputs: set) -> int:
     if m < MIN_M:
         return 1
     tiles = -(-m // GEMM_TILE) * -(-n // GEMM_TILE)
+    if tiles > MAX_TILES:
+        return 1
     s = 1
     while (2 * s <= MAX_SPLIT and k % (2 * s) == 0 and k // (2 * s) >= MIN_SLICE_K
            and tiles * 2 * s <= GPU_SMS):
