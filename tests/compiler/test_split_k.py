@@ -12,16 +12,13 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
+from tests.helpers.models import rand
 
 split_k = importlib.import_module("nimblejax.compiler.canonicalize.split_k")
 
 BACKENDS = ["interpret", pytest.param("cuda", marks=pytest.mark.gpu)]
 # cuda: TF32 GEMMs on both sides (jax.jit's default precision on the GPU).
 TOL = {"interpret": 2e-5, "cuda": 2e-2}
-
-
-def rand(rng, *shape, scale=1.0):
-    return jnp.asarray(rng.normal(size=shape) * scale, jnp.float32)
 
 
 def dense(x, w, b):

@@ -2,17 +2,15 @@
 records, the C++ kernel emulator, graph evaluation helpers."""
 
 import jax as _jax
-import numpy as _np
+
+from nimblejax.bench.models.layers import on_device
 
 
-def on_host(values, dtype):
-    """`values` (NumPy's draws) as a jax.Array of `dtype`: cast by NumPy, then put on the
-    device. `jnp.asarray(values, dtype)` runs a small XLA program (a copy, and a convert
-    where the dtype changes), compiled once per shape and dtype in each process and again
-    after conftest.py empties JAX's caches: the primitive table's arguments were 312
-    programs, 5.7 s of CPU, against 0.1 s so. The same bits (float32, bfloat16 and
-    float16 from float64, integers wrapping the same way: checked for every record)."""
-    return _jax.device_put(_np.asarray(values).astype(dtype))
+# `values` (NumPy's draws) as a jax.Array of `dtype`, cast by NumPy: the primitive table's
+# arguments were 312 programs, 5.7 s of CPU, through jnp.asarray, against 0.1 s so; the
+# same bits (float32, bfloat16 and float16 from float64, integers wrapping the same way:
+# checked for every record).
+on_host = on_device
 
 
 def jit_init(model, key, *args, **kwargs):

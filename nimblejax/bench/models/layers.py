@@ -128,10 +128,11 @@ def init_params(specs: dict[str, ParamSpec], rng: np.random.Generator, dtype: An
     return out
 
 
-def on_device(values: np.ndarray, dtype) -> jax.Array:
+def on_device(values, dtype) -> jax.Array:
     """NumPy values as a jax.Array of `dtype`, cast by NumPy (round to nearest even, as
     XLA converts): `jnp.asarray(values, dtype)` compiles a small program for each new
-    shape, 11 ms each on a CPU, a few seconds over a model's parameters."""
+    shape and dtype, 11 ms each on a CPU, a few seconds over a model's parameters (the
+    tests' arrays come through here too: tests/helpers.on_host)."""
     return jax.device_put(np.asarray(values).astype(jnp.dtype(dtype)))
 
 

@@ -29,7 +29,7 @@ from nimblejax.compiler import dtypes
 from nimblejax.compiler.canonicalize.dot import dot_dims, dot_sizes
 from nimblejax.compiler.canonicalize.merge_dots import GEMM_TILE, GPU_SMS
 from nimblejax.compiler.canonicalize.replace import replace_with
-from nimblejax.compiler.ir import Graph, Node
+from nimblejax.compiler.ir import Graph, Node, Var
 
 MIN_M = 64          # fewer rows: the small-M and tensor-core kernels' GEMMs (an RNN, an MLP)
 # More output tiles than this: left to cuBLASLt. The measured gain is at 4 to 24 tiles
@@ -44,7 +44,7 @@ def split_k_dots(graph: Graph) -> Graph:
     """Every dot of `graph` that `split_factor` splits, as partial products and their
     sum (a pass over the graph: it reads each dot's readers)."""
     readers = graph.consumers()
-    outputs = {id(v) for v in graph.outputs}
+    outputs = {v for v in graph.outputs if isinstance(v, Var)}
     nodes: list[Node] = []
     for node in graph.nodes:
         s = split_factor(node, readers, outputs) if node.name == "dot_general" else 1
@@ -62,7 +62,7 @@ def split_factor(node: Node, readers: dict, outputs: set) -> int:
     if lb or len(lc) != 1 or lc[0] != lhs.ndim - 1 or len(rc) != 1:
         return 1
     uses = readers.get(out, [])
-    if not uses or id(out) in outputs or any(u.name not in READERS for u in uses):
+    if not uses or out in outputs or any(u.name not in READERS for u in uses):
         return 1
     _, m, n, k = dot_sizes(node)
     if m < MIN_M:
@@ -79,10 +79,8 @@ def split_factor(node: Node, readers: dict, outputs: set) -> int:
 
 def split_dot(node: Node, s: int) -> list[Node]:
     """The dot as one GEMM batched over `s` slices of K, and the sum of its results."""
-    lhs, rhs = node.inputs
-    (_, (rc,)), _ = node.params["dimension_numbers"]
-    rc = int(rc)
-    k = lhs.shape[-1]
+    rc = dot_dims(node)[1][0]  # the rhs's contracting axis (the lhs's is its last)
+    k = node.inputs[0].shape[-1]
     precision = node.params.get("precision")
     preferred = node.params.get("preferred_element_type")
 
