@@ -59,8 +59,11 @@ def check(fn, args, backend):
     (128, 768, 3072, 8),    # its second: K = 3072 in 8 slices of 384
     (128, 512, 512, 2),     # GPT's: slices of at least MIN_SLICE_K
     (4096, 512, 512, 1),    # 128 tiles fill the GPU already
-    (1024, 768, 768, 1),    # 48 tiles (BERT's layers at batch 8): not measured, left whole
-    (32, 768, 3072, 1),     # too few rows: the small and tensor-core kernels' GEMMs
+    (1024, 768, 768, 1),    # 48 tiles (BERT's layers at batch 8): left whole
+    (1024, 512, 512, 1),    # 32 tiles: measured slower split
+    (32, 768, 512, 1),      # too few rows for a short K: the tensor-core kernel's GEMM
+    (32, 768, 3072, 8),     # few rows but a K beyond the tensor-core kernel: cuBLASLt's
+    (12, 768, 3072, 1),     # fewer than 16 rows whatever K
     (128, 768, 256, 1),     # too short a K
 ])
 def test_the_split_factor_follows_tiles_rows_and_k(m, n, k, s):
@@ -91,11 +94,38 @@ def test_the_sum_of_partial_products_runs_in_the_kernels_that_read_it(backend):
     check(ffn_layernorm, args, backend)
 
 
+def conv_bn_relu(x, w, scale, shift):
+    """A convolution and an inference batch norm, as ResNet's blocks: its GEMM (conv_path.py)
+    has a batch axis of size 1 and is read through a reshape by the scale's `mul`."""
+    y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jax.nn.relu(y * scale + shift)
+
+
+def conv_args(seed, size=7, channels=512):
+    rng = np.random.default_rng(seed)
+    return (rand(rng, 1, size, size, channels), rand(rng, 3, 3, channels, channels, scale=(9 * channels) ** -0.5),
+            rand(rng, channels), rand(rng, channels))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_convolution_read_by_a_batch_norm_splits_and_sums_in_its_kernel(backend):
+    """ResNet-50's last stage at batch 1: 49 x 512 over K = 4608 in 8 slices, the sum in
+    the batch norm's kernel (one GEMM task, one kernel after the im2col)."""
+    args = conv_args(6)
+    plan, made = gemms(conv_bn_relu, *args)
+    assert [(g.batch, g.m, g.n, g.k) for g in made] == [(8, 49, 512, 576)]
+    after = [t.name for t in plan.tasks if t.gemm is None and "im2col" not in t.name]
+    assert len(after) == 1 and "max" in after[0], after
+    check(conv_bn_relu, args, backend)
+
+
 @pytest.mark.parametrize("fn", [
-    lambda x, w, b: jnp.tanh(x @ w) + b,            # a reader that is not an add
+    lambda x, w, b: jnp.tanh(x @ w) + b,            # a reader that is not an add or a mul
     lambda x, w, b: (x @ w, b),                     # the dot is a result of the function
+    lambda x, w, b: ((x @ w).reshape(-1), b),       # ... through a reshape
+    lambda x, w, b: jnp.tanh((x @ w).reshape(-1)),  # a reshape read by a tanh
 ])
-def test_a_dot_read_by_anything_but_adds_stays_one_gemm(fn):
+def test_a_dot_read_by_anything_but_adds_and_muls_stays_one_gemm(fn):
     rng = np.random.default_rng(3)
     args = (rand(rng, 1, 128, 768), rand(rng, 768, 768), rand(rng, 768))
     assert [g.batch for g in gemms(fn, *args)[1]] == [1]

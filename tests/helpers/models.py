@@ -134,6 +134,21 @@ def tolerance(dtype) -> dict:
     return dict(rtol=0, atol=0)
 
 
+HALVES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def jax_reference(fn, *args):
+    """jax.jit's values, or jax's op by op where the program computes a 16-bit float:
+    XLA's fusions keep a bf16 sum in f32 (excess precision), so one element of
+    `x + (y + bias)` can land a bf16 step away from the value rounded after each op,
+    which jax's semantics, the interpreter and nimble's row kernels compute."""
+    eqns = jax.make_jaxpr(fn)(*args).eqns
+    if not any(v.aval.dtype in HALVES for e in eqns for v in e.outvars):
+        return jax.jit(fn)(*args)
+    with jax.disable_jit():
+        return fn(*args)
+
+
 def assert_tree_close(got, want) -> None:
     got_leaves, got_tree = jax.tree_util.tree_flatten(got)
     want_leaves, want_tree = jax.tree_util.tree_flatten(want)

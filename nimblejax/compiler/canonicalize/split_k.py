@@ -11,9 +11,12 @@ ordinary `add`s of their slices: views, which fusion inlines into the kernel tha
 the dot's result anyway (the bias add and GELU, the residual add and LayerNorm's row
 kernel). One kernel and one graph node fewer on the critical path per GEMM.
 
-Which dots (`split_factor`): float32, no batch axes, one contracting axis (the lhs's
-last), at least MIN_M rows, at most MAX_TILES output tiles, and every reader an `add` (a bias or a residual, which
-fusion puts in an elementwise or row kernel). `s` is the largest power of two up to
+Which dots (`split_factor`): float32, batch axes of size 1 at most (a convolution's GEMM,
+conv_path.py), one contracting axis (the lhs's last), at least MIN_M rows (or MIN_M_LONG_K
+rows where K is at least LONG_K: beyond what the tensor-core kernel takes), at most
+MAX_TILES output tiles, and every reader an `add` or `mul` (a bias, a residual, a batch
+norm's scale), or a reshape read only by those (a convolution's NHWC result): fusion
+puts the sum in the elementwise or row kernel that computes them. `s` is the largest power of two up to
 MAX_SPLIT whose slices keep MIN_SLICE_K of K and whose tiles (GEMM_TILE square, as
 merge_dots counts them) make at most one wave on the GPU's SMs. The partial products
 are float32 and the sum's order is fixed (((p0 + p1) + p2) + ...), as a split-K GEMM's
@@ -32,12 +35,17 @@ from nimblejax.compiler.canonicalize.replace import replace_with
 from nimblejax.compiler.ir import Graph, Node, Var
 
 MIN_M = 64          # fewer rows: the small-M and tensor-core kernels' GEMMs (an RNN, an MLP)
-# More output tiles than this: left to cuBLASLt. The measured gain is at 4 to 24 tiles
-# (BERT's and GPT's layers at batch 1); a batch of 8 (48 tiles) was not measured.
-MAX_TILES = 32
+# ... unless K is this long: the tensor-core kernel reads at most 32 K floats a block
+# (gemm_tc.MAX_BLOCK_READ, K <= 512 at its 32 x 32 tile), so these stay cuBLASLt's, which
+# splits them itself (ResNet-50's last stage at batch 1: 49 x 512 x 4608).
+MIN_M_LONG_K, LONG_K = 16, 1024
+# More output tiles than this: left to cuBLASLt. Measured on an H200: 4 to 24 tiles gain
+# (BERT's and GPT's layers at batch 1), 32 lose (a 512-wide encoder at batch 8, 1024 x
+# 512: GPU time 3 to 6% more than whole; examples/gpu/benchmark_transformers.py).
+MAX_TILES = 24
 MIN_SLICE_K = 192   # the K of one partial product, at least
 MAX_SPLIT = 8       # partial products, at most: each is read again by the sum
-READERS = frozenset({"add", "add_any"})
+READERS = frozenset({"add", "add_any", "mul"})
 
 
 def split_k_dots(graph: Graph) -> Graph:
@@ -59,13 +67,12 @@ def split_factor(node: Node, readers: dict, outputs: set) -> int:
     if not all(dtypes.name(v.dtype) == "float32" for v in (lhs, rhs, out)):
         return 1
     lc, rc, lb, rb, lf, rf = dot_dims(node)
-    if lb or len(lc) != 1 or lc[0] != lhs.ndim - 1 or len(rc) != 1:
+    if any(lhs.shape[d] != 1 for d in lb) or len(lc) != 1 or lc[0] != lhs.ndim - 1 or len(rc) != 1:
         return 1
-    uses = readers.get(out, [])
-    if not uses or out in outputs or any(u.name not in READERS for u in uses):
+    if not _summed_by_readers(out, readers, outputs):
         return 1
     _, m, n, k = dot_sizes(node)
-    if m < MIN_M:
+    if m < (MIN_M_LONG_K if k >= LONG_K else MIN_M):
         return 1
     tiles = -(-m // GEMM_TILE) * -(-n // GEMM_TILE)
     if tiles > MAX_TILES:
@@ -77,14 +84,33 @@ def split_factor(node: Node, readers: dict, outputs: set) -> int:
     return s
 
 
+def _summed_by_readers(var: Var, readers: dict, outputs: set, through_reshape: bool = True) -> bool:
+    """Whether every reader of `var` (not a result of the function) is one of READERS,
+    or a reshape whose readers all are: the kernels fusion makes of those add the
+    partial products as they read them."""
+    uses = readers.get(var, [])
+    return bool(uses) and var not in outputs and all(
+        u.name in READERS or (through_reshape and u.name == "reshape"
+                              and _summed_by_readers(u.outputs[0], readers, outputs, through_reshape=False))
+        for u in uses)
+
+
 def split_dot(node: Node, s: int) -> list[Node]:
-    """The dot as one GEMM batched over `s` slices of K, and the sum of its results."""
-    rc = dot_dims(node)[1][0]  # the rhs's contracting axis (the lhs's is its last)
+    """The dot as one GEMM batched over `s` slices of K, and the sum of its results (the
+    batch axes, all of size 1, dropped around it)."""
+    _, rc, lb, rb, _, _ = dot_dims(node)
+    rc = rc[0] - sum(d < rc[0] for d in rb)  # the rhs's contracting axis without its batch axes
     k = node.inputs[0].shape[-1]
+    out_shape = node.outputs[0].shape
     precision = node.params.get("precision")
     preferred = node.params.get("preferred_element_type")
 
     def partial_sums(a, b):
+        a = a.reshape(tuple(d for i, d in enumerate(a.shape) if i not in lb))
+        b = b.reshape(tuple(d for i, d in enumerate(b.shape) if i not in rb))
+        return whole(a, b).reshape(out_shape)
+
+    def whole(a, b):
         a = a.reshape(a.shape[:-1] + (s, k // s))              # (..., s, k/s)
         b = b.reshape(b.shape[:rc] + (s, k // s) + b.shape[rc + 1:])
         dims = (((a.ndim - 1,), (rc + 1,)), ((a.ndim - 2,), (rc,)))
@@ -95,4 +121,4 @@ def split_dot(node: Node, s: int) -> list[Node]:
         return total
 
     return replace_with(node, partial_sums,
-                        key=("split_k", s, rc, str(precision), str(preferred)))
+                        key=("split_k", s, rc, lb, rb, str(precision), str(preferred)))

@@ -20,7 +20,7 @@ from nimblejax.compiler import fusion_rows
 from nimblejax.options import Options
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
 from tests.helpers import kernel_emulator as emu
-from tests.helpers.models import assert_cuda_matches_jax_twice, assert_tree_close, layer_norm, rand
+from tests.helpers.models import assert_cuda_matches_jax_twice, assert_tree_close, jax_reference, layer_norm, rand
 
 r = np.random.default_rng(31)
 
@@ -44,31 +44,16 @@ def kernel_names(plan) -> list[str]:
     return [t.name for t in plan.tasks if t.kind == "kernel"]
 
 
-HALVES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def reference(fn, *args):
-    """jax.jit's values, or jax's op by op where the program computes a 16-bit float:
-    XLA's fusions keep a bf16 sum in f32 (excess precision), so one element of
-    `x + (y + bias)` can land a bf16 step away from the value rounded after each op,
-    which jax's semantics, the interpreter and nimble's row kernels compute."""
-    eqns = jax.make_jaxpr(fn)(*args).eqns
-    if not any(v.aval.dtype in HALVES for e in eqns for v in e.outvars):
-        return jax.jit(fn)(*args)
-    with jax.disable_jit():
-        return fn(*args)
-
-
 def check_numbers(fn, *args, **options) -> None:
     got = nimble.jit(fn, backend="interpret", options=Options(**options))(*args)
-    assert_tree_close(got, reference(fn, *args))
+    assert_tree_close(got, jax_reference(fn, *args))
 
 
 def check_emulated(fn, *args) -> None:
     """The row kernels themselves, compiled for and run on the CPU, against jax."""
     outs, emulated = emu.run(plan_of(fn, *args), [np.asarray(a) for a in args])
     assert emulated >= 1
-    for got, want in zip(outs, jax.tree_util.tree_leaves(reference(fn, *args))):
+    for got, want in zip(outs, jax.tree_util.tree_leaves(jax_reference(fn, *args))):
         assert_tree_close(np.asarray(got), want)
 
 
@@ -435,7 +420,7 @@ def test_row_prologue_kernels_compile():
 def test_on_gpu_match_jax(name):
     fn, make = CASES[name]
     assert_cuda_matches_jax_twice(fn, make(), lambda plan: any(
-        t.name.startswith("nimble_row_") for t in plan.tasks), reference=reference)
+        t.name.startswith("nimble_row_") for t in plan.tasks), reference=jax_reference)
 
 
 @pytest.mark.gpu
