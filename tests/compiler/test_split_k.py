@@ -65,6 +65,7 @@ def check(fn, args, backend):
     (32, 768, 3072, 8),     # few rows but a K beyond the tensor-core kernel: cuBLASLt's
     (12, 768, 3072, 1),     # fewer than 16 rows whatever K
     (128, 768, 256, 1),     # too short a K
+    (64, 64, 16384, 1),     # too long a K: a filter gradient's, with its update in the epilogue
 ])
 def test_the_split_factor_follows_tiles_rows_and_k(m, n, k, s):
     rng = np.random.default_rng(m + n + k)

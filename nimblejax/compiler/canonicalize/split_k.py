@@ -12,16 +12,19 @@ the dot's result anyway (the bias add and GELU, the residual add and LayerNorm's
 kernel). One kernel and one graph node fewer on the critical path per GEMM.
 
 Which dots (`split_factor`): float32, batch axes of size 1 at most (a convolution's GEMM,
-conv_path.py), one contracting axis (the lhs's last), at least MIN_M rows (or MIN_M_LONG_K
-rows where K is at least LONG_K: beyond what the tensor-core kernel takes), at most
-MAX_TILES output tiles, and every reader an `add` or `mul` (a bias, a residual, a batch
-norm's scale), or a reshape read only by those (a convolution's NHWC result): fusion
-puts the sum in the elementwise or row kernel that computes them. `s` is the largest power of two up to
-MAX_SPLIT whose slices keep MIN_SLICE_K of K and whose tiles (GEMM_TILE square, as
-merge_dots counts them) make at most one wave on the GPU's SMs. The partial products
-are float32 and the sum's order is fixed (((p0 + p1) + p2) + ...), as a split-K GEMM's
-is. On an H200, BERT at batch 1: 0.696 → 0.645 ms of GPU time; those constants were
-the best of five settings measured (BENCHMARKS.md, 2026-11-29). `Options.split_k`
+conv_path.py), one contracting axis (the lhs's last), at least MIN_M rows (MIN_M_LONG_K
+where K is at least LONG_K: beyond what the tensor-core kernel takes), K at most MAX_K,
+at most MAX_TILES output tiles, and every reader an `add` or a `mul` (a bias, a residual,
+a batch norm's scale) or a reshape read only by those (a convolution's NHWC result), none
+of them a result of the function: fusion puts the sum in the elementwise or row kernel
+that computes them. `s` is the largest power of two up to MAX_SPLIT whose slices keep
+MIN_SLICE_K of K and whose tiles (GEMM_TILE square, as merge_dots counts them) make at
+most one wave on the GPU's SMs. The partial products are float32 and the sum's order is
+fixed (((p0 + p1) + p2) + ...), as a split-K GEMM's is. On an H200 at batch 1, GPU time:
+BERT 0.696 → 0.645 ms (those constants were the best of five settings measured),
+Inception-v3 0.733 → 0.679, ResNet-50 0.524 → 0.513 (BENCHMARKS.md, 2026-11-29).
+The tensor-core kernel (gemm_tc.py) computing the partial products instead of cuBLASLt
+was measured slower at every tile tried (BERT 0.64 → 0.77 to 0.99 ms). `Options.split_k`
 (NIMBLE_SPLIT_K=0) turns it off.
 """
 from __future__ import annotations
@@ -44,6 +47,10 @@ MIN_M_LONG_K, LONG_K = 16, 1024
 # 512: GPU time 3 to 6% more than whole; examples/gpu/benchmark_transformers.py).
 MAX_TILES = 24
 MIN_SLICE_K = 192   # the K of one partial product, at least
+# The longest K split: the longest measured is 4608 (ResNet-50's 3 x 3 convolutions of 512
+# channels). A filter gradient of a training step contracts over the batch's pixels (up
+# to 401408) with its SGD update in cuBLASLt's epilogue: not measured split, left whole.
+MAX_K = 8192
 MAX_SPLIT = 8       # partial products, at most: each is read again by the sum
 READERS = frozenset({"add", "add_any", "mul"})
 
@@ -72,7 +79,7 @@ def split_factor(node: Node, readers: dict, outputs: set) -> int:
     if not _summed_by_readers(out, readers, outputs):
         return 1
     _, m, n, k = dot_sizes(node)
-    if m < (MIN_M_LONG_K if k >= LONG_K else MIN_M):
+    if m < (MIN_M_LONG_K if k >= LONG_K else MIN_M) or k > MAX_K:
         return 1
     tiles = -(-m // GEMM_TILE) * -(-n // GEMM_TILE)
     if tiles > MAX_TILES:
