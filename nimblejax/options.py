@@ -22,6 +22,7 @@ settings never share a stale plan.
 | fallback     | NIMBLE_FALLBACK      | "xla" / "error"             | unsupported   |
 | loops        | NIMBLE_LOOPS         | "graph" / "unroll"          | the plan      |
 | segments     | NIMBLE_SEGMENTS      | graphs a call runs as (1)   | runtime       |
+| pdl          | NIMBLE_PDL           | True / False (1 turns on)   | runtime       |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
@@ -39,9 +40,14 @@ says which, and why).
 `horizontal`: independent small elementwise kernels of one level are packed into one
 launch (compiler/fusion_horizontal.py says which, and why).
 
-`split_k`: a float32 GEMM with few output tiles and a long K, read only by adds, runs as
-partial products over slices of K summed in the kernel that reads it, not by a
-reduction kernel of its own (compiler/canonicalize/split_k.py says which, and why).
+`split_k`: a float32 GEMM with few output tiles and a long K, read only by adds and
+multiplies, runs as partial products over slices of K summed in the kernel that reads
+it, not by a reduction kernel of its own (compiler/canonicalize/split_k.py says which,
+and why).
+
+`pdl`: generated kernels are launched with programmatic dependent launch (Hopper): each
+may start while the kernel before it on its stream ends, and waits before its first
+memory access (runtime/pdl.py says how, and what it saved). Off by default.
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
 after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
@@ -96,7 +102,7 @@ _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
         "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
         "residency": "NIMBLE_RESIDENCY", "small_gemm": "NIMBLE_SMALL_GEMM",
         "tc_gemm": "NIMBLE_TC_GEMM", "horizontal": "NIMBLE_HORIZONTAL", "split_k": "NIMBLE_SPLIT_K", "fallback": "NIMBLE_FALLBACK", "loops": "NIMBLE_LOOPS",
-        "segments": "NIMBLE_SEGMENTS"}
+        "segments": "NIMBLE_SEGMENTS", "pdl": "NIMBLE_PDL"}
 
 
 @dataclass(frozen=True)
@@ -116,13 +122,14 @@ class Options:
     fallback: str = "xla"
     loops: str = "graph"
     segments: int = 1
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
         _check_choice("conv", self.conv, CONV_PATHS)
         _check_choice("call_path", self.call_path, CALL_PATHS)
         _check_choice("residency", self.residency, RESIDENCY_CHECKS)
-        for switch in ("small_gemm", "tc_gemm", "horizontal", "split_k"):
+        for switch in ("small_gemm", "tc_gemm", "horizontal", "split_k", "pdl"):
             _check_switch(switch, getattr(self, switch))
         _check_choice("fallback", self.fallback, FALLBACKS)
         _check_choice("loops", self.loops, LOOPS)
@@ -181,6 +188,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "fallback": env.get(_ENV["fallback"], "xla"),
         "loops": env.get(_ENV["loops"], "graph"),
         "segments": _int_or_none(env.get(_ENV["segments"], ""), "segments") or 1,
+        "pdl": _flag(env.get(_ENV["pdl"], "")),
     }
     if base is not None:
         default = Options()

@@ -22,10 +22,11 @@ def make_runner(plan: Plan, *, backend: str, direct: bool, options: Options, out
     if direct:
         from nimblejax.runtime.direct_runner import DirectRunner
 
-        return DirectRunner(plan, output=output, eager=options.eager, gemm=options.gemm, donate=donated)
+        return DirectRunner(plan, output=output, eager=options.eager, gemm=options.gemm, donate=donated,
+                            pdl=options.pdl)
     from nimblejax.runtime.ffi_runner import FfiRunner
 
-    return FfiRunner(plan, library, options.gemm, donated, options.segments)
+    return FfiRunner(plan, library, options.gemm, donated, options.segments, pdl=options.pdl)
 
 
 def runner_maker(backend: str, options: Options, library: Any = None) -> Callable:

@@ -24,13 +24,13 @@ class DirectRunner(Runner):
     """Calls one plan's DeviceGraph from Python: `runner(leaves) -> outputs`."""
 
     def __init__(self, plan: Plan, output: str = "jax", eager: bool = False, gemm: str = "lt",
-                 donate: frozenset = frozenset()) -> None:
+                 donate: frozenset = frozenset(), pdl: bool = False) -> None:
         import cupy
 
         self.plan, self.output, self.cupy = plan, output, cupy
         self.donate = sorted(donate)
         self.lock = threading.Lock()  # one arena per plan: calls on one plan are serialized
-        self.graph = DeviceGraph(plan, gemm=gemm, capture="none" if eager else "cupy")
+        self.graph = DeviceGraph(plan, gemm=gemm, capture="none" if eager else "cupy", pdl=pdl)
         self.stats = self.graph.stats
         self.last_inputs: list = [None] * len(plan.graph.inputs)
         # (leaf index, var, arena address) of every input the tasks read.

@@ -33,8 +33,9 @@ class FfiRunner(Runner):
     GPU it runs on (each device of a shard_map launches its own copy: own arena, own
     graph, on XLA's stream of that device)."""
 
-    def __init__(self, plan: Plan, library, gemm: str, donated: frozenset, segments: int = 1) -> None:
-        self.plan, self.library, self.gemm = plan, library, gemm
+    def __init__(self, plan: Plan, library, gemm: str, donated: frozenset, segments: int = 1,
+                 pdl: bool = False) -> None:
+        self.plan, self.library, self.gemm, self.pdl = plan, library, gemm, pdl
         self.id = 0
         self.exes: dict = {}  # device ordinal -> DeviceGraph
         self.views: dict = {}  # operand sources -> the id of the view registered for them
@@ -75,7 +76,8 @@ class FfiRunner(Runner):
             copy_fn = _copy_function(library, ordinal)
             exe = DeviceGraph(plan, gemm=self.gemm, capture="raw",
                               bracket=lambda stream, which: library.capture_copy_node(copy_fn, stream, which),
-                              segments=[seg.tasks for seg in segments] if len(segments) > 1 else None)
+                              segments=[seg.tasks for seg in segments] if len(segments) > 1 else None,
+                              pdl=self.pdl)
             in_dst = [exe.slot(v) for v in plan.graph.inputs]
             in_bytes = [v.nbytes if exe.slot(v) else 0 for v in plan.graph.inputs]
             ids = []

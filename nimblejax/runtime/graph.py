@@ -30,7 +30,8 @@ class DeviceGraph:
     the one arena; `raw_graph` / `raw_exec` are the first."""
 
     def __init__(self, plan: Plan, gemm: str = "lt", capture: str = "cupy",
-                 bracket: Optional[Callable] = None, segments: Optional[list] = None) -> None:
+                 bracket: Optional[Callable] = None, segments: Optional[list] = None,
+                 pdl: bool = False) -> None:
         import cupy
 
         if capture not in CAPTURES:
@@ -45,7 +46,7 @@ class DeviceGraph:
         self.streams = [cupy.cuda.Stream(non_blocking=True)
                         for _ in range(max(1, plan.schedule.num_streams))]
         self.events = {u: cupy.cuda.Event(disable_timing=True) for u, _ in plan.schedule.syncs}
-        self.launchers = Launchers(plan, self.streams, self.base, gemm)
+        self.launchers = Launchers(plan, self.streams, self.base, gemm, pdl)
         self._upload_consts()
         self.graph = None
         self.raw_graph = self.raw_exec = 0

@@ -36,7 +36,8 @@ class Launchers:
     """Per task, a ready launch on its planned stream. `gemm` is options.gemm: "lt"
     (cuBLASLt, algorithms measured per task) or "cublas"."""
 
-    def __init__(self, plan: Plan, streams: list, base: int, gemm: str = "lt") -> None:
+    def __init__(self, plan: Plan, streams: list, base: int, gemm: str = "lt", pdl: bool = False) -> None:
+        from nimblejax.runtime import pdl as pdl_mod
         from nimblejax.runtime.compile import compile_kernels, start_compiling
 
         self.plan, self.streams, self.base = plan, streams, base
@@ -45,6 +46,11 @@ class Launchers:
         if not self.use_lt:
             _no_epilogues([t for t in plan.tasks if t.kind is TaskKind.GEMM])
         kernels = [k for t in plan.tasks if t.kind is TaskKind.KERNEL for k in t.kernel.launches]
+        # Programmatic dependent launch (runtime/pdl.py): each kernel waits before its
+        # first access, and is launched so that capture makes its edge programmatic.
+        self.pdl = pdl_mod.Launcher() if pdl and pdl_mod.supported() else None
+        if self.pdl is not None:
+            kernels = [pdl_mod.waiting(k) for k in kernels]
         start_compiling(kernels)  # NVRTC in the background while the libraries get ready
         self.args = {t: self._addresses(t) for t in plan.tasks}
         # Library handles allocate outside CuPy's pool: when the device looks full, give
@@ -181,7 +187,10 @@ class Launchers:
         elif task.kind is TaskKind.KERNEL:
             try:
                 for k in task.kernel.launches:  # all take the same arguments
-                    self.functions[k.name](k.grid, k.block, self.args[task], stream=stream)
+                    if self.pdl is not None:
+                        self.pdl.launch(self.functions[k.name], k.grid, k.block, self.args[task], stream.ptr)
+                    else:
+                        self.functions[k.name](k.grid, k.block, self.args[task], stream=stream)
             except Exception as e:
                 raise KernelLaunchError(f"launching {k.name} (from {task.source}) failed: {e}") from e
         elif task.kind is TaskKind.CUDNN:
