@@ -6,8 +6,8 @@ Why: in a captured graph each dependent kernel starts only after its predecessor
 a gap of about a microsecond; with a programmatic edge its launch overlaps the
 predecessor's tail. Measured on an H200 (`examples/gpu/probe_pdl.py`, GPU µs per kernel):
 a chain of 100 tiny kernels 1.033 plain against 0.785 (-0.25 µs an edge), 32 steps of an
-RNN at batch 1 5.505 against 5.253. A plan at batch 1 has about a hundred dependent
-kernels on its critical path.
+RNN at batch 1 5.505 against 5.253. On the suite at batch 1 (nimble's GPU ms, off / on,
+two rounds): the LSTM 0.134 / 0.126, ResNet-50 0.521 / 0.513, BERT 0.647 / 0.627 to 0.660.
 
 How: with `Options.pdl` on, every generated kernel's source gets the wait as the first
 statement of each `__global__` function (`waiting`: a new source, compiled apart from
