@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from tests.helpers.models import rand
+from tests.helpers import kernel_emulator as emu
+from tests.helpers.models import assert_emulated_matches_jax, rand
 
 split_k = importlib.import_module("nimblejax.compiler.canonicalize.split_k")
 
@@ -118,6 +119,24 @@ def test_a_convolution_read_by_a_batch_norm_splits_and_sums_in_its_kernel(backen
     after = [t.name for t in plan.tasks if t.gemm is None and "im2col" not in t.name]
     assert len(after) == 1 and "max" in after[0], after
     check(conv_bn_relu, args, backend)
+
+
+def bottleneck_end(x, w, scale, shift, shortcut):
+    """ResNet's block end at batch 1: a 3 x 3 convolution of 256 channels on 14 x 14
+    (196 x 256 over K = 2304), its batch norm, the shortcut added, relu."""
+    y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jax.nn.relu(y * scale + shift + shortcut)
+
+
+@pytest.mark.skipif(emu.compiler() is None, reason="needs g++")
+def test_the_generated_kernel_summing_a_convolutions_slices_matches_jax():
+    """The emulated kernels (the im2col, the batch norm's kernel adding 8 slices of 288)
+    against jax.jit."""
+    rng = np.random.default_rng(8)
+    args = (rand(rng, 1, 14, 14, 256), rand(rng, 3, 3, 256, 256, scale=2304 ** -0.5),
+            rand(rng, 256), rand(rng, 256), rand(rng, 1, 14, 14, 256))
+    assert [(g.batch, g.m, g.k) for g in gemms(bottleneck_end, *args)[1]] == [(8, 196, 288)]
+    assert_emulated_matches_jax(bottleneck_end, args)
 
 
 @pytest.mark.parametrize("fn", [
