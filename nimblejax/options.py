@@ -153,6 +153,13 @@ class Options:
         return dataclasses.replace(self, **changes)
 
 
+def changed(options: Options) -> dict[str, Any]:
+    """The fields of `options` that differ from the defaults (what a run records)."""
+    default = Options()
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(Options)
+            if getattr(options, f.name) != getattr(default, f.name)}
+
+
 def _check_switch(name: str, value: object) -> None:
     """An on/off option must be a bool; the error names its variable and keyword."""
     if not isinstance(value, bool):

@@ -20,9 +20,12 @@ def run_meta(opts: argparse.Namespace, mode: str, gpu: Optional[str]) -> dict:
     settings."""
     import nimblejax
 
+    from nimblejax import options as options_mod
+
     meta = {"mode": mode, "gpu": gpu, "jax": jax.__version__, "nimblejax": nimblejax.__version__,
-            "python": platform.python_version(), "models": opts.model_names,
-            "batches": opts.batches, "dtype": str(opts.dtype), "tiny": opts.tiny}
+            "commit": source_commit(), "python": platform.python_version(), "models": opts.model_names,
+            "batches": opts.batches, "dtype": str(opts.dtype), "tiny": opts.tiny,
+            "options": options_mod.changed(options_mod.from_env(None))}
     if mode == "gpu":
         meta.update(run="full" if opts.full else "default",
                     configs=[CONFIGS[k] for k in opts.config_keys],
@@ -33,13 +36,29 @@ def run_meta(opts: argparse.Namespace, mode: str, gpu: Optional[str]) -> dict:
         else:
             meta["budget_s"] = opts.budget
     else:
-        from nimblejax import options as options_mod
-
         o = options_mod.from_env(None)
         meta["plan_options"] = {"gemm": o.gemm, "conv": o.conv, "cudnn": o.cudnn,
                                 "max_streams": o.max_streams}
     meta["time"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return meta
+
+
+def source_commit() -> Optional[str]:
+    """The git commit of the nimblejax source that runs (its checkout's HEAD, with a '+'
+    where tracked files differ from it), or None outside a git checkout."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def first_line(e: BaseException) -> str:
