@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
-import os
-import tempfile
+import pathlib
 
 import jax
 import numpy as np
 
+from nimblejax.bench import gpu_trace
 from nimblejax.bench.needs_gpu import require_gpu
 
 GAP_US = 2.0  # idle gaps at least this long are listed
@@ -33,37 +31,21 @@ NIMBLE_KERNELS = ("nimble_", "cutlass", "sm90_", "sm80_", "cublas", "xmma", "nvj
                   "splitK", "gemv", "gemm", "convolve")
 
 
-def gpu_events(run, calls: int) -> list[tuple[float, float, str]]:
-    """(start µs, duration µs, name) of every GPU kernel and copy while `run(calls)` runs
-    under the profiler, sorted by start."""
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-            run(calls)
-        path = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-        with gzip.open(path) as fh:
-            events = json.load(fh)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in str(e.get("args", {}).get("name", "")).upper()}
-    return sorted((float(e["ts"]), float(e["dur"]), e["name"]) for e in events
-                  if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e)
+def gpu_events(run, calls: int) -> list:
+    """Every GPU kernel and copy (gpu_trace.Activity) while `run(calls)` runs under the
+    profiler, sorted by start."""
+    return gpu_trace.traced(lambda: run(calls))
 
 
 def summary(events: list, calls: int) -> dict:
     """Per call: the span, the busy time (the union of the intervals), the idle time, the
     idle gaps of GAP_US or more, and the non-nimble kernels and copies by name."""
-    span = events[-1][0] + events[-1][1] - events[0][0]
-    busy, gaps, end = 0.0, [], events[0][0]
-    for start, dur, _ in events:
-        if start > end:
-            if start - end >= GAP_US:
-                gaps.append(start - end)
-            busy += dur
-        else:
-            busy += max(0.0, start + dur - end)
-        end = max(end, start + dur)
+    busy_intervals = gpu_trace.union((e.start, e.end) for e in events)
+    span = busy_intervals[-1][1] - busy_intervals[0][0]
+    busy = sum(b - a for a, b in busy_intervals)
+    gaps = [a - b for (_, b), (a, _) in zip(busy_intervals, busy_intervals[1:]) if a - b >= GAP_US]
     others: dict = collections.defaultdict(lambda: [0, 0.0])
-    for _, dur, name in events:
+    for _, dur, name, _, _ in events:
         if not any(k in name for k in NIMBLE_KERNELS):
             others[name[:70]][0] += 1
             others[name[:70]][1] += dur
@@ -116,15 +98,17 @@ def main() -> None:
                 "graph alone": summary(gpu_events(graph_alone, opts.calls), opts.calls)}
         results[f"{name} b{opts.batch}"] = rows
         print(f"=== {name} batch {opts.batch}: µs per call")
-        for label, r in rows.items():
-            print(f"  {label:12s} span {r['span_us']:8.1f}  busy {r['busy_us']:8.1f}  idle {r['idle_us']:7.1f}"
-                  f"  gaps >= {GAP_US} µs: {r['gaps_per_call']:.1f} a call, {r['gap_us_per_call']:.1f} µs;"
-                  f" largest {', '.join(f'{g:.1f}' for g in r['largest_gaps_us'])}")
-            for k, (n, us) in list(r["others"].items())[:8]:
-                print(f"      not nimble's: {n:4.1f} x {k}  {us:.1f} µs")
+        print("\n".join(line for label, r in rows.items() for line in report(label, r)))
     if opts.json:
-        with open(opts.json, "w") as fh:
-            json.dump(results, fh, indent=1)
+        pathlib.Path(opts.json).write_text(json.dumps(results, indent=1))
+
+
+def report(label: str, r: dict) -> list[str]:
+    """One summary's lines: its times, then what ran that is not nimble's."""
+    largest = ", ".join(f"{g:.1f}" for g in r["largest_gaps_us"])
+    head = (f"  {label:12s} span {r['span_us']:8.1f}  busy {r['busy_us']:8.1f}  idle {r['idle_us']:7.1f}"
+            f"  gaps >= {GAP_US} µs: {r['gaps_per_call']:.1f} a call, {r['gap_us_per_call']:.1f} µs; largest {largest}")
+    return [head] + [f"      not nimble's: {n:4.1f} x {k}  {us:.1f} µs" for k, (n, us) in list(r["others"].items())[:8]]
 
 
 if __name__ == "__main__":

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
-import os
 import re
 import tempfile
 
@@ -27,35 +24,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import nimblejax as nimble
 from nimblejax.bench import data_parallel as dp
+from nimblejax.bench import gpu_trace
 from nimblejax.bench.needs_gpu import require_gpu
 from nimblejax.bench.timing import fed_back_us
 
 
 def gpu_events(log_dir: str) -> dict[str, list[tuple[float, float, str, int]]]:
     """{GPU process name: [(start µs, end µs, name, stream)]} from the perfetto trace."""
-    path = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-    with gzip.open(path) as fh:
-        events = json.load(fh)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpus = {pid: n for pid, n in names.items() if "GPU" in n.upper()}
     out: dict[str, list] = collections.defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpus and "dur" in e:
-            ts = float(e["ts"])
-            out[gpus[e["pid"]]].append((ts, ts + float(e["dur"]), e["name"], e.get("tid", 0)))
+    for a in gpu_trace.read(log_dir):
+        out[a.gpu].append((a.start, a.end, a.name, a.stream))
     return out
-
-
-def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for a, b in sorted(intervals):
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
 
 
 def overlap(a: tuple[float, float], spans: list[tuple[float, float]]) -> float:
@@ -69,8 +48,8 @@ def is_nccl(name: str) -> bool:
 def summarize(events: list[tuple[float, float, str, int]], steps: int) -> dict:
     """One GPU's figures per step (µs), and its kernel families by total time."""
     t0, t1 = min(e[0] for e in events), max(e[1] for e in events)
-    busy = union([(a, b) for a, b, _, _ in events])
-    others = union([(a, b) for a, b, n, _ in events if not is_nccl(n)])
+    busy = gpu_trace.union([(a, b) for a, b, _, _ in events])
+    others = gpu_trace.union([(a, b) for a, b, n, _ in events if not is_nccl(n)])
     nccl = [(a, b) for a, b, n, _ in events if is_nccl(n)]
     fam: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     for a, b, n, _ in events:

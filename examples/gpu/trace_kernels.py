@@ -15,40 +15,29 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
-import os
 import re
-import tempfile
 
 import jax
 import numpy as np
 
 import nimblejax as nimble
-from nimblejax.bench import timing
+from nimblejax.bench import gpu_trace, timing
 from nimblejax.bench.models import MODELS
 from nimblejax.bench.needs_gpu import require_gpu
 
 
 def kernel_times(fn, args, calls: int) -> dict[str, list[float]]:
-    """{kernel name: [µs of each launch]} over `calls` calls of fn, from a perfetto trace."""
+    """{kernel name: [µs of each launch]} over `calls` calls of fn, from JAX's profiler."""
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        path = glob.glob(os.path.join(log_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-        with gzip.open(path) as fh:
-            events = json.load(fh)
-    events = events["traceEvents"] if isinstance(events, dict) else events
-    gpu = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-           and "GPU" in str(e.get("args", {}).get("name", "")).upper()}
+
+    def run():
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+
     out: dict[str, list[float]] = collections.defaultdict(list)
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu and "dur" in e:
-            out[e["name"]].append(float(e["dur"]))
+    for a in gpu_trace.traced(run):
+        out[a.name].append(a.dur)
     return out
 
 
