@@ -198,9 +198,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "pdl": _flag(env.get(_ENV["pdl"], "")),
     }
     if base is not None:
-        default = Options()
-        values.update({f.name: getattr(base, f.name) for f in dataclasses.fields(Options)
-                       if getattr(base, f.name) != getattr(default, f.name)})
+        values.update(changed(base))
     values.update({k: v for k, v in overrides.items() if v is not None})
     unknown = set(values) - {f.name for f in dataclasses.fields(Options)}
     if unknown:

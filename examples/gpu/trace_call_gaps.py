@@ -31,12 +31,6 @@ NIMBLE_KERNELS = ("nimble_", "cutlass", "sm90_", "sm80_", "cublas", "xmma", "nvj
                   "splitK", "gemv", "gemm", "convolve")
 
 
-def gpu_events(run, calls: int) -> list:
-    """Every GPU kernel and copy (gpu_trace.Activity) while `run(calls)` runs under the
-    profiler, sorted by start."""
-    return gpu_trace.traced(lambda: run(calls))
-
-
 def summary(events: list, calls: int) -> dict:
     """Per call: the span, the busy time (the union of the intervals), the idle time, the
     idle gaps of GAP_US or more, and the non-nimble kernels and copies by name."""
@@ -94,8 +88,8 @@ def main() -> None:
             s0.synchronize()
 
         looped(5)
-        rows = {"looped": summary(gpu_events(looped, opts.calls), opts.calls),
-                "graph alone": summary(gpu_events(graph_alone, opts.calls), opts.calls)}
+        rows = {label: summary(gpu_trace.traced(lambda run=run: run(opts.calls)), opts.calls)
+                for label, run in (("looped", looped), ("graph alone", graph_alone))}
         results[f"{name} b{opts.batch}"] = rows
         print(f"=== {name} batch {opts.batch}: µs per call")
         print("\n".join(line for label, r in rows.items() for line in report(label, r)))

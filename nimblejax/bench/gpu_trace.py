@@ -29,8 +29,10 @@ class Activity(NamedTuple):
 
 def traced(run: Callable[[], object]) -> list[Activity]:
     """The GPU activity while `run()` runs under the profiler, sorted by start."""
+    import jax.profiler
+
     with tempfile.TemporaryDirectory() as log_dir:
-        with jax_profiler().trace(log_dir, create_perfetto_trace=True):
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
             run()
         return read(log_dir)
 
@@ -58,8 +60,3 @@ def union(intervals) -> list[tuple[float, float]]:
             merged.append([a, b])
     return [(a, b) for a, b in merged]
 
-
-def jax_profiler():
-    import jax.profiler
-
-    return jax.profiler

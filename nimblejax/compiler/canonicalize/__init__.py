@@ -24,8 +24,9 @@ forms lowering expects, each rewrite registered for its primitives beside it
   transposes feeding a dot are folded into it where the GEMM can read their input in
   place (dot.fold_operand_transposes); then vector products of at most a thousand
   multiply-adds become a multiply and a sum (small_dots.py: a library call costs more);
-  a GEMM with few output tiles and a long K whose readers are adds becomes partial
-  products over slices of K, summed in the kernel that reads it (split_k.py).
+  a GEMM with few output tiles and a long K whose readers are adds or multiplies
+  (through a reshape: a convolution's) becomes partial products over slices of K,
+  summed in the kernel that reads it (split_k.py).
 
 (Random-number primitives and PRNG key arrays are expanded earlier, while tracing:
 compiler/prng.py.)
