@@ -22,7 +22,7 @@ settings never share a stale plan.
 | fallback     | NIMBLE_FALLBACK      | "xla" / "error"             | unsupported   |
 | loops        | NIMBLE_LOOPS         | "graph" / "unroll"          | the plan      |
 | segments     | NIMBLE_SEGMENTS      | graphs a call runs as (1)   | runtime       |
-| pdl          | NIMBLE_PDL           | True / False (1 turns on)   | runtime       |
+| pdl          | NIMBLE_PDL           | True / False (0 turns off)  | runtime       |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
@@ -47,7 +47,8 @@ and why).
 
 `pdl`: generated kernels are launched with programmatic dependent launch (Hopper): each
 may start while the kernel before it on its stream ends, and waits before its first
-memory access (runtime/pdl.py says how, and what it saved). Off by default.
+memory access (runtime/pdl.py says how, and what it saved). On GPUs before Hopper
+launches stay plain.
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
 after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
@@ -122,7 +123,7 @@ class Options:
     fallback: str = "xla"
     loops: str = "graph"
     segments: int = 1
-    pdl: bool = False
+    pdl: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
@@ -195,7 +196,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "fallback": env.get(_ENV["fallback"], "xla"),
         "loops": env.get(_ENV["loops"], "graph"),
         "segments": _int_or_none(env.get(_ENV["segments"], ""), "segments") or 1,
-        "pdl": _flag(env.get(_ENV["pdl"], "")),
+        "pdl": _flag(env.get(_ENV["pdl"], "1")),
     }
     if base is not None:
         values.update(changed(base))

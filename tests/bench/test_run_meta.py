@@ -21,10 +21,10 @@ def test_a_run_records_the_options_its_environment_changed(monkeypatch):
     before = results.run_meta(namespace(), "plan", None)["options"]  # (the suite sets NIMBLE_DEBUG)
     assert before == options.changed(options.from_env(None))
     monkeypatch.setenv("NIMBLE_SPLIT_K", "0")
-    monkeypatch.setenv("NIMBLE_PDL", "1")
+    monkeypatch.setenv("NIMBLE_PDL", "0")
     monkeypatch.setenv("NIMBLE_MAX_STREAMS", "4")
     assert results.run_meta(namespace(), "plan", None)["options"] == {
-        **before, "split_k": False, "pdl": True, "max_streams": 4}
+        **before, "split_k": False, "pdl": False, "max_streams": 4}
 
 
 def test_changed_lists_only_fields_off_their_defaults():
