@@ -66,7 +66,7 @@ class Launchers:
             from nimblejax.runtime.conditional import ControlLaunchers
 
             self.control = ControlLaunchers(
-                control, self.address, lambda sub, streams, base: Launchers(sub, streams, base, gemm))
+                control, self.address, lambda sub, streams, base: Launchers(sub, streams, base, gemm, pdl))
 
     def launch_all(self, events: dict, tasks=None) -> None:
         """Every task on its stream, in launch order, waiting on and recording the

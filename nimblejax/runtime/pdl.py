@@ -12,14 +12,17 @@ two rounds, all eight models): the LSTM 0.135 / 0.126, ResNet-50 0.521 / 0.513, 
 
 How: with `Options.pdl` on, every generated kernel's source gets the wait as the first
 statement of each `__global__` function (`waiting`: a new source, compiled apart from
-the plain one), and the runtime launches it with `cuLaunchKernelEx` and the programmatic
-stream serialization attribute (`Launcher`), so that stream capture records a
-programmatic edge from a kernel before it on its stream. Library calls (cuBLASLt, cuDNN)
-keep plain launches, and so plain edges into them; an edge from a library kernel into a
-generated one may be programmatic: the wait covers it. The wait comes before anything
-the kernel reads or writes, so reuse of a buffer the predecessor still reads (the
-arena's memory plan) stays ordered. On GPUs before compute capability 9.0 (and in the
-CPU emulator of the tests) the wait compiles to nothing, and launches stay plain.
+the plain one; with `TRIGGER` also the trigger that lets the kernel after it launch),
+and the runtime launches it with `cuLaunchKernelEx` and the programmatic stream
+serialization attribute (`Launcher`), so that stream capture records a programmatic edge
+from a kernel before it on its stream; so too inside the body of a WHILE or IF node
+(conditional.py). Library calls (cuBLASLt, cuDNN) and the conditional nodes' own
+copy-and-set kernels keep plain launches, and so plain edges into them; an edge from a
+library kernel into a generated one may be programmatic: the wait covers it. The wait
+comes before anything the kernel reads or writes, so reuse of a buffer the predecessor
+still reads (the arena's memory plan) stays ordered. On GPUs before compute capability
+9.0 (and in the CPU emulator of the tests) the wait compiles to nothing, and launches
+stay plain.
 """
 from __future__ import annotations
 
@@ -29,20 +32,33 @@ import re
 
 from nimblejax.compiler.lowering.task import Kernel
 
-WAIT = ('#ifndef NIMBLE_PDL_WAIT\n'
-        '#if defined(__CUDACC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n'
-        '#define NIMBLE_PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")\n'
-        '#else\n'
-        '#define NIMBLE_PDL_WAIT()\n'
-        '#endif\n'
-        '#endif\n')
+# TRIGGER: after its wait a kernel also lets the kernel after it launch
+# (`griddepcontrol.launch_dependents`), whose blocks are then placed while this one runs
+# and wait in their turn; without it the next kernel launches as this one's blocks exit.
+# Off: on the probe's RNN chain an early trigger was slower than the wait alone (5.38
+# against 5.25 µs a step, examples/gpu/probe_pdl.py); examples/gpu/probe_pdl_plans.py
+# measures it on whole plans.
+TRIGGER = False
+
+
+def _wait_macro(trigger: bool) -> str:
+    body = 'asm volatile("griddepcontrol.wait;" ::: "memory")'
+    if trigger:
+        body += '; asm volatile("griddepcontrol.launch_dependents;")'
+    return ('#ifndef NIMBLE_PDL_WAIT\n'
+            '#if defined(__CUDACC__) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900\n'
+            f'#define NIMBLE_PDL_WAIT() do {{ {body}; }} while (0)\n'
+            '#else\n'
+            '#define NIMBLE_PDL_WAIT()\n'
+            '#endif\n'
+            '#endif\n')
 _BODY = re.compile(r"(__global__\b[^{;]*\{)")  # a kernel's signature up to its body's brace
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 def waiting_source(source: str) -> str:
     """`source` with the wait as the first statement of every kernel in it."""
-    return WAIT + _BODY.sub(lambda m: m.group(1) + " NIMBLE_PDL_WAIT();", source)
+    return _wait_macro(TRIGGER) + _BODY.sub(lambda m: m.group(1) + " NIMBLE_PDL_WAIT();", source)
 
 
 def waiting(kernel: Kernel) -> Kernel:
