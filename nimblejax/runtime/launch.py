@@ -128,22 +128,26 @@ class Launchers:
 
     def _lt_gemms(self):
         """Per GEMM task a cuBLASLt matmul whose algorithm was measured on the task's own
-        buffers and workspace (cuBLAS's default choice is several times slower on small
-        and skinny shapes)."""
+        workspace (cuBLAS's default choice is several times slower on small and skinny
+        shapes), with operands not in L2 where the plan's arena is larger than L2
+        (libs/fill.py: its weights are read from device memory when it runs)."""
         tasks = [t for t in self.plan.tasks if t.kind is TaskKind.GEMM]
         if not tasks or not self.use_lt:
             return None, {}
         from nimblejax.runtime.libs import cublaslt, fill
 
+        import cupy
+
         handle = cublaslt.LtHandle()
         gemms = {}
+        l2_bytes = fill.cold_l2_bytes(cupy, self.plan.memory.arena_bytes)
         try:
             tuning = retry_after_freeing(lambda: allocate(WORKSPACE_BYTES, "a cuBLAS workspace"))
             for t in tasks:
                 s = self.stream_of[t]
                 a, b, c, bias, residual = self.args[t]
                 buffers = cublaslt.GemmBuffers(a, b, c, tuning.data.ptr, self.streams[s].ptr,
-                                               bias=bias, residual=residual)
+                                               bias=bias, residual=residual, l2_bytes=l2_bytes)
                 gemms[t] = cublaslt.LtGemm(handle, t.gemm, WORKSPACE_BYTES, buffers=buffers)
             del tuning
             need: dict[int, int] = {}

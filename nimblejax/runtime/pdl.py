@@ -36,7 +36,7 @@ from nimblejax.compiler.lowering.task import Kernel
 # (`griddepcontrol.launch_dependents`), whose blocks are then placed while this one runs
 # and wait in their turn; without it the next kernel launches as this one's blocks exit.
 # Off: on the probe's RNN chain an early trigger was slower than the wait alone (5.38
-# against 5.25 µs a step, examples/gpu/probe_pdl.py); examples/gpu/probe_pdl_plans.py
+# against 5.25 µs a step, examples/gpu/probe_pdl.py); examples/gpu/probe_variants.py
 # measures it on whole plans.
 TRIGGER = False
 

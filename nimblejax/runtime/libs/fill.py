@@ -3,11 +3,14 @@
 
 One device array per dtype serves every GEMM of a plan, grown to the largest operand and
 freed (`release_fill`) once the plan's GEMMs are timed. Its values are made without a
-CuPy kernel: a block hashed on the host, tiled on the device by copies.
+CuPy kernel: a block hashed on the host, tiled on the device by copies. The GEMMs of a
+plan larger than the L2 cache are timed on cold operands (`cold_operand_pairs`).
 """
 from __future__ import annotations
 
 import numpy as np
+
+from .cublas import itemsize
 
 def random_values(xp, elements: int, dtype: str):
     """`elements` pseudo-random values in [-1, 1) of a GEMM dtype (a uint16 array
@@ -69,3 +72,48 @@ def release_fill() -> None:
     """Frees the fill arrays (once a plan's GEMMs are timed)."""
     _FILL.clear()
     _BLOCKS.clear()
+
+
+# Cold operands: where a plan's arena is larger than the GPU's L2 cache, each of its
+# GEMMs reads its weights from device memory (a call streams the whole arena through L2
+# before the next call returns to a GEMM), so its candidates are timed on operands not
+# in L2: launch i of the timing reads A and B copy i % n, n copies together at least
+# COLD_L2_FACTOR times the L2 size (at most MAX_COLD_COPIES). Timed on one A and B
+# repeated, a GEMM at batch 1 reads its weights from L2, where an algorithm with few
+# blocks looks as fast as one that spreads the weights over every SM.
+COLD = True  # False: every GEMM timed on one A and B (examples/gpu/probe_variants.py)
+COLD_L2_FACTOR = 2
+MAX_COLD_COPIES = 64
+ALIGN = 256  # cuBLASLt's pointer alignment (cublaslt.POINTER_ALIGNMENT)
+
+
+def cold_l2_bytes(cupy, arena_bytes: int) -> int:
+    """The current GPU's L2 size where a plan's arena of `arena_bytes` is larger (its
+    GEMMs are timed on cold operands), else 0."""
+    if not COLD:
+        return 0
+    l2 = int(cupy.cuda.Device().attributes["L2CacheSize"])
+    return l2 if arena_bytes > l2 else 0
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-int(nbytes) // ALIGN) * ALIGN
+
+
+def cold_copies(a_bytes: int, b_bytes: int, l2_bytes: int) -> int:
+    """How many copies of A and B the timing rotates through (1: they are already
+    larger than COLD_L2_FACTOR L2 caches together)."""
+    slot = _aligned(a_bytes) + _aligned(b_bytes)
+    return max(1, min(MAX_COLD_COPIES, -(-COLD_L2_FACTOR * int(l2_bytes) // slot)))
+
+
+def cold_operand_pairs(cupy, a_bytes: int, b_bytes: int, dtype: str, l2_bytes: int,
+                       held: list) -> list[tuple[int, int]]:
+    """(A, B) device pointers of `cold_copies` distinct slots of random values of
+    `dtype`, each 256-byte aligned; the array holding them is appended to `held`."""
+    n = cold_copies(a_bytes, b_bytes, l2_bytes)
+    slot = _aligned(a_bytes) + _aligned(b_bytes)
+    values = fill_values(cupy, -(-(n * slot + ALIGN) // itemsize(dtype)), dtype)
+    held.append(values)
+    base = _aligned(values.data.ptr)
+    return [(base + i * slot, base + i * slot + _aligned(a_bytes)) for i in range(n)]

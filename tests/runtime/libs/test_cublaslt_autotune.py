@@ -151,6 +151,41 @@ def test_fill_values_repeat_one_block_grow_and_are_released(monkeypatch):
     assert fill._FILL == {} and fill._BLOCKS == {}
 
 
+def test_cold_copies_cover_twice_the_l2_and_stop_where_the_operands_do():
+    l2 = 50 << 20
+    # BERT at batch 1: A 128x768, B the 768x768 weight: 2.75 MB a slot, 39 slots.
+    assert fill.cold_copies(128 * 768 * 4, 768 * 768 * 4, l2) == 39
+    assert fill.cold_copies(1, 1, l2) == fill.MAX_COLD_COPIES
+    assert fill.cold_copies(40 << 20, 80 << 20, l2) == 1  # larger than two L2s already
+
+
+def test_cold_operand_pairs_are_distinct_aligned_slots_of_random_values(monkeypatch):
+    monkeypatch.setattr(fill, "_FILL", {})
+    monkeypatch.setattr(fill, "_BLOCKS", {})
+    cupy, held = _HostCupy(), []
+    a_bytes, b_bytes, l2 = 1000, 3000, 64 << 10
+    pairs = fill.cold_operand_pairs(cupy, a_bytes, b_bytes, "float32", l2, held)
+    n = fill.cold_copies(a_bytes, b_bytes, l2)
+    assert len(pairs) == n == 32 and len(held) == 1
+    values = held[0]
+    lo, hi = values.data.ptr, values.data.ptr + values.size * 4
+    spans = sorted(span for a, b in pairs for span in ((a, a + a_bytes), (b, b + b_bytes)))
+    assert all(x % 256 == 0 for a, b in pairs for x in (a, b))
+    assert lo <= spans[0][0] and spans[-1][1] <= hi  # inside the array
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))  # disjoint
+    assert sum(e - s for s, e in spans) >= fill.COLD_L2_FACTOR * l2 // 2  # A and B: most of it
+    fill.release_fill()
+
+
+def test_only_plans_larger_than_the_l2_time_on_cold_operands(monkeypatch):
+    device = type("device", (), {"attributes": {"L2CacheSize": 50 << 20}})
+    cupy = type("cupy", (), {"cuda": type("cuda", (), {"Device": staticmethod(lambda: device)})})
+    assert fill.cold_l2_bytes(cupy, 300 << 20) == 50 << 20  # BERT's arena
+    assert fill.cold_l2_bytes(cupy, 12 << 20) == 0  # the MLP's: its weights stay in L2
+    monkeypatch.setattr(fill, "COLD", False)
+    assert fill.cold_l2_bytes(cupy, 300 << 20) == 0
+
+
 # ---- GPU ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpu():
@@ -205,3 +240,36 @@ def test_strided_heads_gemm_after_timing_matches_numpy(gpu, monkeypatch):
         gemm.close()
     want = np.einsum("qhd,khd->hqk", q.astype(np.float64), k.astype(np.float64))
     np.testing.assert_allclose(cupy.asnumpy(c_dev).reshape(4, 16, 16), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cold_timing_picks_a_working_algorithm_and_caches_apart(gpu, monkeypatch):
+    """A GEMM of a plan larger than the L2 is timed on rotating copies of A and B: it
+    still picks a candidate that runs, computes the product, and its choice is cached
+    apart from the same GEMM timed on one A and B."""
+    cupy, handle, workspace = gpu
+    monkeypatch.setattr(cublaslt, "_ALGO_CACHE", {})
+    call = GemmCall(1, 128, 768, 768, False, False, "float32", "f32")
+    rng = np.random.default_rng(2)
+    a, b = rng.standard_normal((128, 768)).astype(np.float32), rng.standard_normal((768, 768)).astype(np.float32)
+    a_dev, b_dev = cupy.asarray(a), cupy.asarray(b)
+    c_dev = cupy.full(128 * 768, np.nan, dtype=cupy.float32)
+    cupy.cuda.Device().synchronize()
+    l2 = int(cupy.cuda.Device().attributes["L2CacheSize"])
+    gemms = []
+    try:
+        for l2_bytes in (0, l2):
+            buffers = cublaslt.GemmBuffers(a_dev.data.ptr, b_dev.data.ptr, c_dev.data.ptr,
+                                           workspace.data.ptr, l2_bytes=l2_bytes)
+            gemms.append(cublaslt.LtGemm(handle, call, WORKSPACE_BYTES, buffers=buffers))
+        assert len(cublaslt._ALGO_CACHE) == 2
+        for g in gemms:
+            assert any(t is not None for t in g.timings_us)
+            c_dev.fill(np.nan)
+            g.run(handle, a_dev.data.ptr, b_dev.data.ptr, c_dev.data.ptr, workspace.data.ptr,
+                  WORKSPACE_BYTES, cupy.cuda.get_current_stream().ptr)
+            np.testing.assert_allclose(cupy.asnumpy(c_dev).reshape(128, 768), a @ b, rtol=1e-4, atol=1e-3)
+    finally:
+        for g in gemms:
+            g.close()
+        fill.release_fill()
