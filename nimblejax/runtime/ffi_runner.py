@@ -52,6 +52,9 @@ class FfiRunner(Runner):
         self.inplace = inplace_mod.NONE if segmented else inplace_mod.analyze(plan, donated)
         # Per device, what the handler really re-points (a node not found is copied).
         self.inplace_on: dict = {}
+        # Per device, whether a call with nothing to copy launches the plan's one kernel
+        # itself, no graph (the handler's nimble_ffi_set_direct).
+        self.direct_on: dict = {}
 
     @property
     def exe(self):
@@ -93,6 +96,8 @@ class FfiRunner(Runner):
                 library.set_segments(ids, ordinal)
             self.id, self.segment_ids = ids[0], ids
             self.inplace_on[ordinal] = self._set_inplace(exe, ordinal)
+            if len(ids) == 1 and not self.inplace_on[ordinal].empty:
+                self.direct_on[ordinal] = library.set_direct(ids[0], ordinal, exe.raw_graphs[0])
             exe.rest = lambda: [library.rest(plan_id, ordinal) for plan_id in ids]
         self.exes[ordinal] = exe
         for sources, view in self.views.items():

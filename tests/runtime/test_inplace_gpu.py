@@ -54,6 +54,36 @@ def test_a_trivial_call_copies_nothing_and_sets_one_node_per_fresh_address():
     assert s["nodes_set"] <= 6  # one node; set only when an address changed
 
 
+def test_a_one_kernel_plan_launches_its_kernel_without_the_graph_and_its_graph_stays_right():
+    """With nothing to copy, the handler launches a one-kernel plan's kernel itself (no
+    node set, no graph launch); the graph, timed alone as the bench does (pointed back
+    at its arena), still runs, and calls after it are right."""
+    from nimblejax.bench import timing
+
+    f = nimble.jit(lambda x: jnp.tanh(x) * 2.0 + 1.0)
+    xs = [rand(4096) for _ in range(5)]
+    outs = [f(x) for x in xs]
+    for x, y in zip(xs, outs):
+        close(y, jnp.tanh(x) * 2.0 + 1.0)
+    (runner,) = ffi_runners(f)
+    assert runner.direct_on[0] is True
+    assert stats(f)["direct_launches"] == stats(f)["calls"] == 5
+    assert timing.nimble_gpu_us(f, calls=20) > 0  # the graph exec, re-pointed at the arena
+    more = [rand(4096) for _ in range(3)]
+    for x in more + xs[:1]:  # fresh buffers, and one seen before the graph was rested
+        close(f(x), jnp.tanh(x) * 2.0 + 1.0)
+    assert stats(f)["direct_launches"] == 9
+
+
+def test_a_plan_of_several_kernels_launches_its_graph():
+    f = nimble.jit(lambda x: jnp.sum(jnp.tanh(x) * 2.0, axis=0) + jnp.max(x))
+    x = rand(64, 300)
+    for _ in range(3):
+        close(f(x), jnp.sum(jnp.tanh(x) * 2.0, axis=0) + jnp.max(x), tol=1e-4)
+    (runner,) = ffi_runners(f)
+    assert not runner.direct_on.get(0, False) and stats(f)["direct_launches"] == 0
+
+
 def test_held_operand_stays_pointed_at_and_a_new_one_is_seen():
     f = nimble.jit(lambda p, x: jnp.tanh(x) * p)
     p = rand(1024)

@@ -198,6 +198,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nimble_ffi_capture_copy_node.restype = ctypes.c_int
     lib.nimble_ffi_set_copy_nodes.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
     lib.nimble_ffi_set_copy_nodes.restype = ctypes.c_int
+    lib.nimble_ffi_set_direct.argtypes = [ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p]
+    lib.nimble_ffi_set_direct.restype = ctypes.c_int
     lib.nimble_ffi_set_segments.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), ctypes.c_int]
     lib.nimble_ffi_set_segments.restype = ctypes.c_int
     lib.nimble_ffi_rest.argtypes = [ctypes.c_longlong, ctypes.c_int]
@@ -359,6 +361,15 @@ class FfiLibrary:
             raise RuntimeError(f"nimblejax: finding the graph's copy nodes failed: {self.last_error()}")
         return found
 
+    def set_direct(self, plan_id: int, device: int, graph: int) -> bool:
+        """Let plan ``plan_id`` on ``device`` launch its one kernel itself on calls with
+        nothing to copy, where its CUgraph ``graph`` holds that kernel (re-pointed in
+        place) besides the copy nodes alone; True where it does."""
+        direct = self._lib.nimble_ffi_set_direct(int(plan_id), int(device), ctypes.c_void_p(graph))
+        if direct < 0:
+            raise RuntimeError(f"nimblejax: checking for a one-kernel graph failed: {self.last_error()}")
+        return direct == 1
+
     def set_segments(self, plan_ids: Sequence[int], device: int = 0) -> None:
         """Make the registered plans ``plan_ids`` on ``device`` the segments of one plan
         (compiler/segments.py): the handler refuses a call of segment k unless segment
@@ -380,12 +391,13 @@ class FfiLibrary:
         the graph, kernel nodes re-pointed, host nanoseconds in the handler and, of those,
         in setting kernel nodes (re-pointed and copy nodes), launching copy kernels and
         launching the graph; copies made by the graph's own copy nodes, and how often
-        those nodes' tables were set (shared with its views)."""
-        out = (ctypes.c_ulonglong * 9)()
+        those nodes' tables were set, and the calls that launched the plan's one kernel
+        directly, no graph (shared with its views)."""
+        out = (ctypes.c_ulonglong * 10)()
         if self._lib.nimble_ffi_stats(int(plan_id), int(device), out) != 0:
             raise KeyError(f"plan {plan_id} is not registered for device {device}")
         names = ("calls", "copy_launches", "nodes_set", "handler_ns", "set_nodes_ns", "copy_launch_ns",
-                 "graph_launch_ns", "graph_copies", "copy_node_sets")
+                 "graph_launch_ns", "graph_copies", "copy_node_sets", "direct_launches")
         return dict(zip(names, out))
 
     def unregister(self, plan_id: int) -> None:

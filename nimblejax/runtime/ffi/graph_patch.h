@@ -110,6 +110,21 @@ struct Patches {
     for (size_t j = 0; j < out_sites.size(); ++j) Retarget(out_sites[j], &out_addr[j], out_home[j]);
   }
 
+  // Forget what was re-pointed without setting it (a direct launch read the values).
+  void ClearDirty() {
+    for (int i : dirty) nodes[i].dirty = false;
+    dirty.clear();
+  }
+
+  // Mark every node to be set by the next Flush (the graph exec may hold old values).
+  void MarkAllDirty() {
+    for (size_t i = 0; i < nodes.size(); ++i)
+      if (!nodes[i].dirty) {
+        nodes[i].dirty = true;
+        dirty.push_back(static_cast<int>(i));
+      }
+  }
+
   // Set the parameters of every node re-pointed since the last flush; 0 or a CUresult.
   CUresult Flush(CUgraphExec exec, int* failed_node) {
     CUresult rc = 0;

@@ -42,11 +42,17 @@ struct Arena {
   nimble_patch::Patches patches;   // buffers read and written in place, not copied
   CopyNode copy_nodes[2];          // the graph's copies in and out (copy_node.h)
   int copy_nodes_found = 0;        // bit w: copy_nodes[w] is in the graph
+  // A graph of one kernel besides its copy nodes (nimble_ffi_set_direct): a call with
+  // nothing to copy launches that kernel (patches.nodes[direct]) itself, no graph.
+  // exec_stale: the graph exec's kernel arguments may lag the patches' values since.
+  int direct = -1;
+  bool exec_stale = false;
   // Counters for tests and profiles: calls, copy kernels launched, kernel nodes set,
   // host nanoseconds in the handler (from lookup to the last enqueue), and of those in
-  // setting kernel nodes, launching copy kernels and launching the graph; copies made
-  // by the graph's copy nodes, and how often those nodes were set.
-  unsigned long long stats[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
+  // setting kernel nodes, launching copy kernels and launching the graph (or the direct
+  // kernel); copies made by the graph's copy nodes, how often those nodes were set, and
+  // the calls that launched the one kernel directly.
+  unsigned long long stats[10] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   // A segmented plan (compiler/segments.py): its segments' arenas share one order,
   // the segment due next; this arena's graph is segment `segment` of order->count.
   std::shared_ptr<SegmentOrder> order;
@@ -110,6 +116,18 @@ ffi::Error CheckSize(const char* what, size_t i, size_t got,
                     std::string("nimblejax: ") + what + " " + std::to_string(i) +
                         " has " + std::to_string(got) + " bytes, plan expects " +
                         std::to_string(want));
+}
+
+// The end of every call: the event a call on another stream waits for, the counters.
+ffi::Error Finish(Arena& arena, CUstream stream, std::chrono::steady_clock::time_point started) {
+  CUresult rc = g_drv.EventRecord(arena.event, stream);
+  if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
+                                 DriverError("cuEventRecord", rc));
+  arena.last_stream = stream;
+  ++arena.stats[0];
+  arena.stats[3] += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                        std::chrono::steady_clock::now() - started).count();
+  return ffi::Error::Success();
 }
 
 ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
@@ -213,6 +231,25 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
     arena.stats[k] += std::chrono::duration_cast<std::chrono::nanoseconds>(now - lap).count();
     lap = now;
   };
+  if (arena.direct >= 0 && in.dst.empty() && out.dst.empty()) {
+    // One kernel and nothing to copy: launching it costs less than setting its node
+    // and launching the graph (issue 30: a lookup's whole call is JAX's dispatch and this).
+    patches.ClearDirty();
+    arena.exec_stale = true;
+    split(4);
+    const nimble_patch::KernelNodeParams& k = patches.nodes[arena.direct].params;
+    CUresult rc = g_drv.LaunchKernel(k.func, k.gridDimX, k.gridDimY, k.gridDimZ, k.blockDimX,
+                                     k.blockDimY, k.blockDimZ, k.sharedMemBytes, stream,
+                                     k.kernelParams, nullptr);
+    if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal, DriverError("cuLaunchKernel", rc));
+    split(6);
+    ++arena.stats[9];
+    return Finish(arena, stream, started);
+  }
+  if (arena.exec_stale) {  // direct calls left the graph exec's arguments behind
+    patches.MarkAllDirty();
+    arena.exec_stale = false;
+  }
   CUresult rc = patches.Flush(arena.graph, &failed);
   if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
                                  DriverError("cuGraphExecKernelNodeSetParams", rc));
@@ -238,14 +275,7 @@ ffi::Error PlanCall(CUstream stream, int32_t device, int64_t plan_id,
   err = CopyBatched(arena, stream, out, out_rest);
   if (err.failure()) return err;
   split(5);
-  rc = g_drv.EventRecord(arena.event, stream);
-  if (rc != 0) return ffi::Error(ffi::ErrorCode::kInternal,
-                                 DriverError("cuEventRecord", rc));
-  arena.last_stream = stream;
-  ++arena.stats[0];
-  arena.stats[3] += std::chrono::duration_cast<std::chrono::nanoseconds>(
-                        std::chrono::steady_clock::now() - started).count();
-  return ffi::Error::Success();
+  return Finish(arena, stream, started);
 }
 
 // Adds `plan` under `plan_id` (0: a new id) for `device`; returns the id or -1.
@@ -373,13 +403,13 @@ NIMBLE_EXPORT int nimble_ffi_set_segments(int count, const long long* ids, int d
 
 #include "node_exports.h"  // the exported calls about the graph's nodes
 
-// The 9 counters of plan `plan_id`'s arena on `device` (Arena::stats), shared by its
+// The 10 counters of plan `plan_id`'s arena on `device` (Arena::stats), shared by its
 // views; 0 or -1.
 NIMBLE_EXPORT int nimble_ffi_stats(long long plan_id, int device, unsigned long long* out) {
   std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
   if (!plan) return -1;
   std::lock_guard<std::mutex> lock(plan->arena->mu);
-  for (int i = 0; i < 9; ++i) out[i] = plan->arena->stats[i];
+  for (int i = 0; i < 10; ++i) out[i] = plan->arena->stats[i];
   return 0;
 }
 

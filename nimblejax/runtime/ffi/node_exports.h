@@ -129,9 +129,45 @@ NIMBLE_EXPORT int nimble_ffi_rest(long long plan_id, int device) {
       SetCopyNode(arena.copy_nodes[w], arena.graph, kNothing, &sets, &rc);
   int failed = -1;
   if (rc == 0) {
+    if (arena.exec_stale) arena.patches.MarkAllDirty();
+    arena.exec_stale = false;
     arena.patches.Home();
     rc = arena.patches.Flush(arena.graph, &failed);
   }
   if (rc != 0) { t_last_error = DriverError("resting the graph", rc); return -1; }
   return 0;
+}
+
+// Lets plan `plan_id` on `device` launch its one kernel directly on calls with nothing
+// to copy, where its CUgraph `graph` holds that kernel node (re-pointed in place) and
+// the copy nodes alone. Returns 1 (direct), 0 (not: the graph launches) or -1.
+NIMBLE_EXPORT int nimble_ffi_set_direct(long long plan_id, int device, void* graph) {
+  if (nimble_ffi_init() != 0) return -1;
+  std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
+  if (!plan || !nimble_patch::g_patch_drv.ok()) {
+    t_last_error = "nimble_ffi_set_direct: no such plan, or no graph node entry points";
+    return -1;
+  }
+  Arena& arena = *plan->arena;
+  std::lock_guard<std::mutex> lock(arena.mu);
+  arena.direct = -1;
+  size_t n = 0;
+  CUresult rc = nimble_patch::g_patch_drv.GraphGetNodes(static_cast<CUgraph>(graph), nullptr, &n);
+  std::vector<CUgraphNode> all(n);
+  if (rc == 0) rc = nimble_patch::g_patch_drv.GraphGetNodes(static_cast<CUgraph>(graph), all.data(), &n);
+  if (rc != 0) { t_last_error = DriverError("cuGraphGetNodes", rc); return -1; }
+  int kernel = -1, others = 0;
+  for (CUgraphNode node : all) {
+    bool copy = false;
+    for (int w = 0; w < 2; ++w)
+      copy = copy || ((arena.copy_nodes_found & (1 << w)) && arena.copy_nodes[w].node == node);
+    if (copy) continue;
+    ++others;
+    for (size_t k = 0; k < arena.patches.nodes.size(); ++k)
+      if (arena.patches.nodes[k].node == node) kernel = static_cast<int>(k);
+  }
+  if (others != 1 || kernel < 0 || arena.order || arena.patches.nodes[kernel].params.func == nullptr)
+    return 0;
+  arena.direct = kernel;
+  return 1;
 }
