@@ -19,6 +19,7 @@ from nimblejax.compiler import control, loops
 from nimblejax.runtime import pdl
 from tests.helpers import kernel_emulator as emu
 from tests.helpers.models import MODELS, attention, branchy_args, branchy_mlp, rand
+from tests.runtime.test_conditional import newton
 
 KERNEL = re.compile(r"__global__\b[^{;]*\{")
 
@@ -121,15 +122,6 @@ def rnn(h, xs, w, u):
         h = jnp.tanh(h @ w + x @ u) * 0.9 + 0.05
         return h, jnp.sum(h * h, axis=-1)
     return lax.scan(step, h, xs)
-
-
-def newton(a):
-    def body(c):
-        x, _, k = c
-        nx = 0.5 * (x + a / x)
-        return nx, jnp.max(jnp.abs(nx - x)), k + 1
-    return lax.while_loop(lambda c: (c[1] > 1e-5) & (c[2] < 100), body,
-                          (a, jnp.float32(jnp.inf), jnp.int32(0)))
 
 
 def switched(i, x):
