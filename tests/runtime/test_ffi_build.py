@@ -32,6 +32,9 @@ EXPORTS = (
     "nimble_ffi_set_copy_nodes",
     "nimble_ffi_rest",
     "nimble_ffi_set_inplace",
+    "nimble_ffi_set_direct",
+    "nimble_ffi_set_segments",
+    "nimble_ffi_stats",
 )
 
 
@@ -145,6 +148,8 @@ def test_init_without_libcuda_reports_it(library):
         library.set_copy_nodes(1, 0, 1)
     with pytest.raises(RuntimeError, match="libcuda"):
         library.rest(1, 0)
+    with pytest.raises(RuntimeError, match="libcuda"):
+        library.set_direct(1, 0, 1)
 
 
 def test_register_validates_lengths(library):
