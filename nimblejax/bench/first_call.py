@@ -8,6 +8,9 @@ before. The model's weights and input are made and moved to the GPU first; the t
 is ``f = jit(fn); block(f(params, x))``: tracing, planning, compiling, building and the
 first run. nimble's built handler (a one-time g++ build per install, cached under
 ``nimblejax.options.cache_dir()``) is kept; ``--cold-handler`` empties that cache too.
+``--phases`` runs the timed span under cProfile and adds where it went (`PHASES`:
+seconds under the profiler, cumulative, so nested phases overlap; the first call itself
+is slower so).
 """
 from __future__ import annotations
 
@@ -20,9 +23,29 @@ import tempfile
 import time
 
 SIDES = ("jax", "nimble")
+# (label, a file path's ending, function names): the parts of a first call --phases reports.
+PHASES = (
+    ("import cupy", "cupy/__init__.py", ("<module>",)),
+    ("trace and plan", "nimblejax/compiler/pipeline.py", ("compile_function",)),
+    ("graph build and capture", "nimblejax/runtime/graph.py", ("__init__",)),
+    ("  NVRTC, waited for", "nimblejax/runtime/compile.py", ("compile_kernels",)),
+    ("  cuBLASLt's algorithms", "nimblejax/runtime/launch.py", ("_lt_gemms",)),
+    ("  cuDNN's algorithms", "nimblejax/runtime/launch.py", ("_cudnn_convs",)),
+    ("XLA compiles", "jax/_src/compiler.py", ("backend_compile", "backend_compile_and_load")),
+)
 
 
-def child(model: str, batch: int, side: str) -> dict:
+def phase_seconds(stats) -> dict:
+    """Cumulative seconds per PHASES label from a pstats.Stats (0.0: not called)."""
+    out = {label: 0.0 for label, _, _ in PHASES}
+    for (path, _, name), (_, _, _, cumulative, _) in stats.stats.items():
+        for label, ending, names in PHASES:
+            if name in names and path.replace("\\", "/").endswith(ending):
+                out[label] += cumulative
+    return {label: round(seconds, 3) for label, seconds in out.items()}
+
+
+def child(model: str, batch: int, side: str, phases: bool = False) -> dict:
     """Runs in the fresh process: times the first call and checks it against jax.jit's
     answer from the same process (computed after the timing, so it warms nothing)."""
     import jax
@@ -34,11 +57,22 @@ def child(model: str, batch: int, side: str) -> dict:
 
     fn, (params, x) = MODELS[model].build(batch, jnp.float32, np.random.default_rng(0))
     jax.block_until_ready((params, x))
+    profiler = None
+    if phases:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        profiler.enable()
     t0 = time.perf_counter()
     f = jax.jit(fn) if side == "jax" else nimble.jit(fn)
     out = jax.block_until_ready(f(params, x))
     seconds = time.perf_counter() - t0
     row = {"model": model, "batch": batch, "side": side, "first_call_s": round(seconds, 3)}
+    if profiler is not None:
+        import pstats
+
+        profiler.disable()
+        row["phases_s"] = phase_seconds(pstats.Stats(profiler))
     if side == "nimble":
         want = np.asarray(jax.jit(fn)(params, x), np.float32)
         got = np.asarray(out, np.float32)
@@ -57,14 +91,27 @@ def _fresh_env(root: str, cold_handler: bool) -> dict:
     return env
 
 
-def run_one(model: str, batch: int, side: str, root: str, cold_handler: bool) -> dict:
+def run_one(model: str, batch: int, side: str, root: str, cold_handler: bool,
+            phases: bool = False) -> dict:
     cmd = [sys.executable, "-m", "nimblejax.bench.first_call", "--child", model, str(batch), side]
+    cmd += ["--phases"] if phases else []
     done = subprocess.run(cmd, env=_fresh_env(root, cold_handler), capture_output=True, text=True)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
         return {"model": model, "batch": batch, "side": side, "error": " | ".join(tail)}
     return json.loads(lines[-1])
+
+
+def _phase_table(rows: list[dict]) -> str:
+    """Seconds per phase (under the profiler), a column per side of each model and batch."""
+    timed = [r for r in rows if "phases_s" in r]
+    head = "| phase | " + " | ".join(f"{r['model']} {r['batch']} {r['side']}" for r in timed) + " |"
+    out = [head, "|---|" + "---|" * len(timed)]
+    out.append("| first call (profiled) | " + " | ".join(str(r["first_call_s"]) for r in timed) + " |")
+    for label, _, _ in PHASES:
+        out.append(f"| {label.strip()} | " + " | ".join(str(r["phases_s"][label]) for r in timed) + " |")
+    return "\n".join(out)
 
 
 def _table(rows: list[dict]) -> str:
@@ -85,21 +132,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
     ap.add_argument("--cold-handler", action="store_true",
                     help="also rebuild nimble's XLA FFI handler (its first use after install)")
+    ap.add_argument("--phases", action="store_true",
+                    help="run each first call under cProfile and report where it went")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--child", nargs=3, metavar=("MODEL", "BATCH", "SIDE"), help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
     if opts.child:
         model, batch, side = opts.child
-        print(json.dumps(child(model, int(batch), side)), flush=True)
+        print(json.dumps(child(model, int(batch), side, opts.phases)), flush=True)
         return
     rows = []
     with tempfile.TemporaryDirectory(prefix="nimblejax-first-call-") as root:
         for model in opts.models.split(","):
             for batch in (int(b) for b in opts.batch.split(",")):
                 for side in SIDES:
-                    rows.append(run_one(model, batch, side, root, opts.cold_handler))
+                    rows.append(run_one(model, batch, side, root, opts.cold_handler, opts.phases))
                     print(json.dumps(rows[-1]), flush=True)
     print(_table(rows))
+    if opts.phases:
+        print(_phase_table(rows))
     if opts.json:
         with open(opts.json, "w") as fh:
             json.dump({"rows": rows}, fh, indent=1)

@@ -29,3 +29,36 @@ def test_fresh_env_empties_the_kernel_caches_and_turns_jaxs_cache_off(tmp_path):
     assert env["NIMBLEJAX_CACHE_DIR"].startswith(str(tmp_path))
     assert env["JAX_ENABLE_COMPILATION_CACHE"] == "false"
     json.dumps(env)  # a plain environment for subprocess
+
+
+def test_phases_are_read_from_the_profile_by_file_and_function():
+    """Each phase sums the cumulative time of its function in its file; a phase never
+    called is 0.0."""
+    import pstats
+
+    stats = pstats.Stats.__new__(pstats.Stats)
+    stats.stats = {  # (file, line, function): (calls, primitive calls, tottime, cumtime, callers)
+        ("/x/nimblejax/compiler/pipeline.py", 1, "compile_function"): (1, 1, 0.01, 0.30, {}),
+        ("/x/site-packages/cupy/__init__.py", 1, "<module>"): (1, 1, 0.02, 0.14, {}),
+        ("/x/nimblejax/runtime/launch.py", 9, "_lt_gemms"): (2, 2, 0.0, 0.05, {}),
+        ("/x/jax/_src/compiler.py", 3, "backend_compile_and_load"): (1, 1, 0.0, 0.07, {}),
+        ("/x/numpy/__init__.py", 1, "<module>"): (1, 1, 0.0, 9.0, {}),  # not a phase
+    }
+    got = first_call.phase_seconds(stats)
+    assert got["trace and plan"] == 0.3 and got["import cupy"] == 0.14
+    assert got["  cuBLASLt's algorithms"] == 0.05 and got["XLA compiles"] == 0.07
+    assert got["  cuDNN's algorithms"] == 0.0 and set(got) == {p[0] for p in first_call.PHASES}
+    rows = [{"model": "m", "batch": 1, "side": "nimble", "first_call_s": 1.2, "phases_s": got},
+            {"model": "m", "batch": 1, "side": "jax", "error": "boom"}]
+    table = first_call._phase_table(rows).splitlines()
+    assert table[0] == "| phase | m 1 nimble |" and table[2] == "| first call (profiled) | 1.2 |"
+    assert "| trace and plan | 0.3 |" in table
+
+
+def test_a_child_profiles_its_first_call_when_asked(monkeypatch, capsys):
+    """--child ... --phases: the child's row carries the phases (jax.jit's side on the CPU)."""
+    first_call.main(["--child", "mlp", "1", "jax", "--phases"])
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["side"] == "jax" and row["first_call_s"] > 0
+    assert set(row["phases_s"]) == {p[0] for p in first_call.PHASES}
+    assert row["phases_s"]["XLA compiles"] > 0
