@@ -41,6 +41,7 @@ from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.memory import plan_memory
 from nimblejax.compiler.plan import Plan
 from nimblejax.compiler.stages import Stage, Stages
+from nimblejax.compiler.costs import estimate_us
 from nimblejax.compiler.streams import Schedule, critical_path, make_schedule, verify
 from nimblejax.compiler.trace import GraphBuilder, common_subexpressions, drop_dead_code, make_graph
 from nimblejax.options import Options
@@ -104,7 +105,8 @@ def _buffers(p: Program, options: Options) -> Program:
 
 
 def _streams(p: Program, options: Options) -> Program:
-    return dataclasses.replace(p, schedule=make_schedule(p.buffers.dag, options.max_streams))
+    return dataclasses.replace(p, schedule=make_schedule(p.buffers.dag, options.max_streams,
+                                                         weight=estimate_us))
 
 
 def _memory(p: Program, options: Options) -> Program:

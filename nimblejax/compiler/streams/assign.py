@@ -13,7 +13,14 @@ Pipeline (all index-based; node i is the i-th node of a topological order):
    number of streams is the smallest among minimum-sync assignments.
 
 Step 3 is a weighted matching (weight 1 on G' edges, 0 on other closure
-edges; maximise weight, then size).  A König vertex cover of M is an optimal
+edges; maximise weight, then size).
+
+Step 4 keeps both counts and prefers the critical path: a G' edge left to an
+event trades places with its ends' matched pairs where that costs neither a
+G' pair nor a chain (``_prefer_critical``), the edges on the longest paths
+(the task weights given, else one per task) first. Pairs on one stream are
+where a kernel may start while the one before it ends (programmatic
+dependent launch, runtime/pdl.py); an event between streams waits for the end.  A König vertex cover of M is an optimal
 dual, so the augmenting paths that keep the weight are exactly those over
 dual-tight edges, and a plain DFS over tight edges finds them (see
 ``_merge_chains``).
@@ -30,6 +37,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import networkx as nx
+
+# Step 4 on (False: the matching of steps 2-3 as found; examples/gpu/probe_variants.py
+# compares them on the GPU).
+PREFER_CRITICAL = True
 
 @dataclass(frozen=True)
 class StreamAssignment:
@@ -59,7 +70,8 @@ class _Poset:
     level: tuple          # index -> longest path (in tasks) ending here, 0-based
 
 
-def assign_streams(dag: nx.DiGraph, max_streams: int | None = None) -> StreamAssignment:
+def assign_streams(dag: nx.DiGraph, max_streams: int | None = None,
+                   weight: Callable[[object], float] | None = None) -> StreamAssignment:
     """Assign every task of ``dag`` to a CUDA stream and list the event syncs.
 
     With ``max_streams=None`` two tasks with no path between them never
@@ -69,13 +81,16 @@ def assign_streams(dag: nx.DiGraph, max_streams: int | None = None) -> StreamAss
     others, by earliest ASAP start, go to the stream that frees earliest under
     a unit-time list-scheduling estimate.  Each stream then runs its tasks in
     one global topological order, and only syncs not implied by stream order
-    and the other syncs are kept.
+    and the other syncs are kept. ``weight(node)``: a task's estimated time, for
+    which pairs share a stream among equally few syncs and streams (step 4).
     """
     if max_streams is not None and (not isinstance(max_streams, int) or max_streams < 1):
         raise ValueError(f"max_streams must be a positive int or None, got {max_streams!r}")
     poset = _build_poset(dag)
     n = len(poset.nodes)
     mate_l, mate_r = _min_sync_matching(poset)
+    if PREFER_CRITICAL:
+        _prefer_critical(poset, mate_l, mate_r, weight)
     width = n - _closure_matching_size(poset, list(mate_l), list(mate_r))
     chains = _chains(mate_l, mate_r)
     # By ASAP level: a breadth-first launch order, topological since levels rise along edges.
@@ -316,6 +331,48 @@ def _merge_chains(poset: _Poset, mate_l, mate_r, cover_l, cover_r) -> None:
             yield from _bits(desc[a] & zero_r, unseen)
 
     _kuhn(n, mate_l, mate_r, tight)
+
+
+# --- step 4: the critical path's pairs on one stream ------------------------------------
+
+def _prefer_critical(poset: _Poset, mate_l: list[int], mate_r: list[int],
+                     weight: Callable[[object], float] | None) -> None:
+    """For each G' edge u -> v, longest path through it first: where u and v are
+    matched elsewhere (u -> v2, u2 -> v), match u -> v and u2 -> v2 instead (u2 must
+    reach v2) when that keeps as many pairs and G' pairs and the G' pairs lie on
+    longer paths. Chains stay chains of the partial order; the counts of streams and
+    syncs do not change."""
+    n = len(poset.nodes)
+    w = [1.0] * n if weight is None else [float(weight(v)) for v in poset.nodes]
+    depth, height = list(w), list(w)  # the longest path ending / starting at each task
+    for u in range(n):
+        for v in poset.reduced[u]:
+            depth[v] = max(depth[v], depth[u] + w[v])
+    for u in range(n - 1, -1, -1):
+        for v in poset.reduced[u]:
+            height[u] = max(height[u], w[u] + height[v])
+    crit = {(u, v): depth[u] + height[v] for u in range(n) for v in poset.reduced[u]}
+
+    def value(pairs: list) -> tuple[int, float]:  # (G' pairs, their path lengths)
+        on = [crit[p] for p in pairs if p in crit]
+        return len(on), sum(on)
+
+    for u, v in sorted(crit, key=lambda e: (-crit[e], e)):
+        v2, u2 = mate_l[u], mate_r[v]
+        if v2 == v:
+            continue
+        before = [(a, b) for a, b in ((u, v2), (u2, v)) if a >= 0 and b >= 0]
+        after = [(u, v)]
+        if u2 >= 0 and v2 >= 0:
+            if not (poset.desc[u2] >> v2) & 1:
+                continue  # u2 cannot precede v2 on a stream: a chain would be lost
+            after.append((u2, v2))
+        if len(after) < len(before) or value(after) <= value(before):
+            continue
+        for a, b in before:
+            mate_l[a], mate_r[b] = -1, -1
+        for a, b in after:
+            mate_l[a], mate_r[b] = b, a
 
 
 def _closure_matching_size(poset: _Poset, mate_l: list[int], mate_r: list[int]) -> int:

@@ -94,9 +94,10 @@ class Schedule:
         return self._clock[self._index[t]]
 
 
-def make_schedule(dag: nx.DiGraph, max_streams: int | None = None) -> Schedule:
-    """Nimble's assignment of `dag` on at most `max_streams` streams (None: STREAM_CAP)."""
-    a = assign_streams(dag, STREAM_CAP if max_streams is None else max_streams)
+def make_schedule(dag: nx.DiGraph, max_streams: int | None = None, weight=None) -> Schedule:
+    """Nimble's assignment of `dag` on at most `max_streams` streams (None: STREAM_CAP);
+    `weight(task)`: its estimated time (assign.py, step 4)."""
+    a = assign_streams(dag, STREAM_CAP if max_streams is None else max_streams, weight=weight)
     return Schedule.from_parts(a.order, a.stream, a.syncs)
 
 
