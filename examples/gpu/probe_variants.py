@@ -7,6 +7,9 @@ bit; run on the GPU machine.
         'plain:pdl=False' 'default:' 'trigger:nimblejax.runtime.pdl.TRIGGER=True' \\
         'warm-timing:nimblejax.runtime.libs.fill.COLD=False'
 
+`--loops NAME` adds the programs of benchmark_loops.py whose name holds NAME (any case;
+"SGD": the `fori_loop` of 100 SGD steps), each called with its own fresh arguments.
+
 A variant is `label:assignments`, comma-separated; a dotted name is a module constant,
 set while the variant's plan is made and its first call runs (kernel sources and library
 choices are fixed then) and put back after; any other name is an option of `nimble.jit`.
@@ -58,11 +61,29 @@ def constants_set(constants: dict):
             setattr(mod, name, value)
 
 
+def programs(opts, models, on_device):
+    """(name, function, argument sets): the suite models asked for (a fresh last
+    argument per set, the parameters the same objects), then the loop programs."""
+    for name in filter(None, opts.models.split(",")):
+        fn, args = models[name].build(opts.batch, np.float32, np.random.default_rng(0), tiny=False)
+        fresh = np.random.default_rng(1)
+        x = args[-1]
+        yield (f"{name} b{opts.batch}", fn,
+               [args[:-1] + (on_device(fresh.standard_normal(x.shape), x.dtype),) for _ in range(8)])
+    if opts.loops:
+        import benchmark_loops  # beside this file
+
+        for name, fn, arg_sets in benchmark_loops.cases(np.random.default_rng(0)):
+            if opts.loops.lower() in name.lower():
+                yield name, fn, arg_sets
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variants", nargs="*", default=["default:", "plain:pdl=False"],
                     help="label:assignments (see above); default: 'default:' 'plain:pdl=False'")
-    ap.add_argument("--models", default="bert")
+    ap.add_argument("--models", default="bert", help="suite models ('' for none)")
+    ap.add_argument("--loops", default="", help="benchmark_loops.py programs whose name holds this")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default="", help="write the medians here too")
@@ -75,11 +96,7 @@ def main() -> None:
 
     variants = [parse(v) for v in opts.variants]
     results = {}
-    for name in opts.models.split(","):
-        fn, args = MODELS[name].build(opts.batch, np.float32, np.random.default_rng(0), tiny=False)
-        fresh = np.random.default_rng(1)
-        x = args[-1]
-        arg_sets = [args[:-1] + (on_device(fresh.standard_normal(x.shape), x.dtype),) for _ in range(8)]
+    for name, fn, arg_sets in programs(opts, MODELS, on_device):
         fns, outs = {}, {}
         for label, constants, options in variants:
             with constants_set(constants):
@@ -94,8 +111,8 @@ def main() -> None:
         row = {label: {"gpu_us": statistics.median(gpu[label]), "looped_us": statistics.median(looped[label]),
                        "same_bits_as_first": all(np.array_equal(a, b) for a, b in zip(outs[label], first))}
                for label in fns}
-        results[f"{name} b{opts.batch}"] = row
-        print(f"{name} batch {opts.batch}", flush=True)
+        results[name] = row
+        print(name, flush=True)
         for label, r in row.items():
             print(f"  {label:16s} GPU {r['gpu_us']:8.1f} µs  looped {r['looped_us']:8.1f} µs"
                   f"{'' if r['same_bits_as_first'] else '  (bits differ from the first)'}", flush=True)
