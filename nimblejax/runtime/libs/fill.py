@@ -12,6 +12,7 @@ import numpy as np
 
 from .cublas import itemsize
 
+
 def random_values(xp, elements: int, dtype: str):
     """`elements` pseudo-random values in [-1, 1) of a GEMM dtype (a uint16 array
     holding the bits where the dtype is bfloat16, which CuPy lacks): a hash of each
