@@ -18,7 +18,8 @@ edges; maximise weight, then size).
 Step 4 keeps both counts and prefers the critical path: a G' edge left to an
 event trades places with its ends' matched pairs where that costs neither a
 G' pair nor a chain (``_prefer_critical``), the edges on the longest paths
-(the task weights given, else one per task) first. Pairs on one stream are
+(the task weights given, else one per task) first; only where every chain gets
+a stream of its own (packed onto fewer, other chains need other events). Pairs on one stream are
 where a kernel may start while the one before it ends (programmatic
 dependent launch, runtime/pdl.py); an event between streams waits for the end.  A König vertex cover of M is an optimal
 dual, so the augmenting paths that keep the weight are exactly those over
@@ -39,8 +40,11 @@ from typing import Callable, Iterator, Sequence
 import networkx as nx
 
 # Step 4 on (False: the matching of steps 2-3 as found; examples/gpu/probe_variants.py
-# compares them on the GPU).
+# compares them on the GPU). It is left out where the chains are packed onto fewer
+# streams (`_pack`): there other chains change the events the packing needs (ResNet-50's
+# train step at batch 32: 344 → 382 events, the cost model's prediction the same).
 PREFER_CRITICAL = True
+
 
 @dataclass(frozen=True)
 class StreamAssignment:
@@ -89,7 +93,8 @@ def assign_streams(dag: nx.DiGraph, max_streams: int | None = None,
     poset = _build_poset(dag)
     n = len(poset.nodes)
     mate_l, mate_r = _min_sync_matching(poset)
-    if PREFER_CRITICAL:
+    chain_count = n - sum(1 for v in mate_l if v >= 0)  # step 4 keeps it
+    if PREFER_CRITICAL and (max_streams is None or chain_count <= max_streams):
         _prefer_critical(poset, mate_l, mate_r, weight)
     width = n - _closure_matching_size(poset, list(mate_l), list(mate_r))
     chains = _chains(mate_l, mate_r)

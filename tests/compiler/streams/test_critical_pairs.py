@@ -89,3 +89,15 @@ def test_step_four_can_be_left_out(monkeypatch):
     light = {"a": 1.0, "b": 9.0, "c": 1.0, "d": 1.0}.__getitem__
     monkeypatch.setattr(assign, "PREFER_CRITICAL", False)
     assert assign_streams(dag, weight=light).stream == assign_streams(dag).stream
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_packed_chains_keep_the_unweighted_assignment(seed):
+    """More chains than streams: the packing's events depend on which chains there are,
+    so step 4 is left out and the weights change nothing."""
+    rng = random.Random(950 + seed)
+    dag = windowed_dag(rng.randint(30, 60), rng, hi=rng.randint(3, 12))
+    w = {v: rng.choice([1.0, 5.0, 20.0]) for v in dag}
+    wide = assign_streams(dag)
+    k = max(1, wide.num_streams - 1)
+    assert assign_streams(dag, k, weight=w.__getitem__).stream == assign_streams(dag, k).stream
