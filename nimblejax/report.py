@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from nimblejax.compiler import printing
+from nimblejax.compiler.kinds import TaskKind
 from nimblejax.compiler.pipeline import Plan
 
 
@@ -32,6 +33,20 @@ class Report:
     def arena_bytes(self) -> int:
         return self.plan.memory.arena_bytes
 
+    @property
+    def chained_kernels(self) -> tuple[int, int]:
+        """(generated-kernel tasks launched right after another task on their stream,
+        all generated-kernel tasks): the first are the launches that programmatic
+        dependent launch (`pdl`, on Hopper and later) lets start while the task before
+        them ends; the others wait for events or start their stream."""
+        sched, after, kernels = self.plan.schedule, 0, 0
+        for s in range(sched.num_streams):
+            for i, t in enumerate(sched.tasks_on(s)):
+                if t.kind is TaskKind.KERNEL and t.control is None:
+                    kernels += 1
+                    after += i > 0
+        return after, kernels
+
     def task_line(self, task) -> str:
         return printing.task_line(self.plan, task, self.event_of)
 
@@ -45,8 +60,10 @@ class Report:
         if p.control:  # loops and conds flattened at trace time (compiler/control.py)
             lines.append("control flow:")
             lines += [f"  {d}" for d in p.control]
+        after, kernels = self.chained_kernels
         lines.append(f"totals: {self.num_tasks} tasks, {self.num_streams} streams, "
                      f"{self.num_events} events, {p.memory.describe()}, "
+                     f"{after} of {kernels} kernels after a task on their stream, "
                      f"critical path {p.critical_path} tasks")
         return "\n".join(lines)
 

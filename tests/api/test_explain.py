@@ -90,3 +90,17 @@ def test_control_flow_decisions_are_listed():
 
     text = str(nimble.explain(f, np.ones(4, np.float32)))
     assert "control flow:" in text and "unrolled" in text
+
+
+def test_totals_count_the_kernels_launched_after_a_task_on_their_stream():
+    """The kernels that programmatic dependent launch can start early: a generated
+    kernel launched right after another task on its stream (not first on it)."""
+    report = nimble.explain(branchy_mlp, *ARGS)
+    plan, sched = report.plan, report.plan.schedule
+    want = sum(1 for s in range(sched.num_streams) for i, t in enumerate(sched.tasks_on(s))
+               if i > 0 and t.kind.value == "kernel")
+    kernels = sum(1 for t in plan.tasks if t.kind.value == "kernel")
+    assert report.chained_kernels == (want, kernels)
+    assert f", {want} of {kernels} kernels after a task on their stream, " in str(report).splitlines()[-1]
+    one = nimble.explain(lambda x: x * 2.0, np.ones(4, np.float32))
+    assert one.chained_kernels == (0, 1)  # first on its stream
