@@ -230,10 +230,10 @@ class _Choice:
     timings_us: tuple[float | None, ...] | None  # None: heuristic #0, unmeasured
 
 
-# (call without operands, epilogue included, workspace_bytes, REDUCTION_SCHEMES) ->
-# choice; valid for this process's library and device (a process mixing GPU models
-# should not share it).
-_ALGO_CACHE: dict[tuple[GemmCall, int, int], _Choice] = {}
+# (call without operands, epilogue included, workspace_bytes, REDUCTION_SCHEMES,
+# REQUESTED_ALGOS, timed on cold operands) -> choice; valid for this process's library
+# and device (a process mixing GPU models should not share it).
+_ALGO_CACHE: dict[tuple, _Choice] = {}
 
 
 def _set(fn, obj, attr: int, value: ctypes._SimpleCData) -> None:
@@ -316,7 +316,8 @@ class LtGemm:
         # Without operands: equal anyway (they are not compared), and the cache keeps
         # no plan's Vars alive.
         problem = dataclasses.replace(self.call, a=None, b=None, c=None, bias=None, residual=None)
-        key = (problem, self.workspace_bytes, REDUCTION_SCHEMES, buffers is not None and buffers.l2_bytes > 0)
+        key = (problem, self.workspace_bytes, REDUCTION_SCHEMES, REQUESTED_ALGOS,
+               buffers is not None and buffers.l2_bytes > 0)
         cached = _ALGO_CACHE.get(key)
         if cached is not None and (cached.timings_us is not None or buffers is None):
             return cached
