@@ -42,7 +42,7 @@ class Report:
         sched, after, kernels = self.plan.schedule, 0, 0
         for s in range(sched.num_streams):
             for i, t in enumerate(sched.tasks_on(s)):
-                if t.kind is TaskKind.KERNEL and t.control is None:
+                if t.kind is TaskKind.KERNEL:
                     kernels += 1
                     after += i > 0
         return after, kernels

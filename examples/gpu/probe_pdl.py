@@ -20,6 +20,7 @@ import statistics
 import numpy as np
 
 from nimblejax.bench.needs_gpu import require_gpu
+from nimblejax.runtime.pdl import PROGRAMMATIC_STREAM_SERIALIZATION, LaunchAttribute, LaunchConfig
 
 SRC = r'''
 extern "C" __global__ void tiny(float* x, int n, int pdl) {
@@ -50,24 +51,8 @@ extern "C" __global__ void rnn(const float* __restrict__ w, const float* __restr
   else if (part == 0) out[col] = acc * 1e-3f;
 }
 '''
-u, vp = ctypes.c_uint, ctypes.c_void_p
+vp = ctypes.c_void_p
 cuda = cupy = None  # libcuda and CuPy, loaded in main (after the GPU check)
-
-
-class Val(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("i", ctypes.c_int), ("p", vp)]
-
-
-class Attr(ctypes.Structure):
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", Val)]
-
-
-class Cfg(ctypes.Structure):
-    _fields_ = [("gx", u), ("gy", u), ("gz", u), ("bx", u), ("by", u), ("bz", u), ("smem", u),
-                ("stream", vp), ("attrs", ctypes.POINTER(Attr)), ("numAttrs", u)]
-
-
-PSS = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 def check(r, what):
@@ -80,10 +65,10 @@ def check(r, what):
 def launch(fn, grid, block, stream, args, pdl):
     holders = [a if isinstance(a, ctypes._SimpleCData) else ctypes.c_void_p(a) for a in args]
     params = (vp * len(holders))(*[ctypes.cast(ctypes.pointer(h), vp) for h in holders])
-    attr = Attr()
-    attr.id = PSS
+    attr = LaunchAttribute()
+    attr.id = PROGRAMMATIC_STREAM_SERIALIZATION
     attr.value.i = 1
-    cfg = Cfg(grid, 1, 1, block, 1, 1, 0, vp(stream), ctypes.pointer(attr), 1 if pdl else 0)
+    cfg = LaunchConfig(grid, 1, 1, block, 1, 1, 0, vp(stream), ctypes.pointer(attr), 1 if pdl else 0)
     check(cuda.cuLaunchKernelEx(ctypes.byref(cfg), vp(fn), params, None), "cuLaunchKernelEx")
 
 

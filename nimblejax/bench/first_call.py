@@ -40,7 +40,7 @@ def phase_seconds(stats) -> dict:
     out = {label: 0.0 for label, _, _ in PHASES}
     for (path, _, name), (_, _, _, cumulative, _) in stats.stats.items():
         for label, ending, names in PHASES:
-            if name in names and path.replace("\\", "/").endswith(ending):
+            if name in names and path.endswith(ending):
                 out[label] += cumulative
     return {label: round(seconds, 3) for label, seconds in out.items()}
 

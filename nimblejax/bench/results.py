@@ -22,10 +22,11 @@ def run_meta(opts: argparse.Namespace, mode: str, gpu: Optional[str]) -> dict:
 
     from nimblejax import options as options_mod
 
+    o = options_mod.from_env(None)
     meta = {"mode": mode, "gpu": gpu, "jax": jax.__version__, "nimblejax": nimblejax.__version__,
             "commit": source_commit(), "python": platform.python_version(), "models": opts.model_names,
             "batches": opts.batches, "dtype": str(opts.dtype), "tiny": opts.tiny,
-            "options": options_mod.changed(options_mod.from_env(None))}
+            "options": options_mod.changed(o)}
     if mode == "gpu":
         meta.update(run="full" if opts.full else "default",
                     configs=[CONFIGS[k] for k in opts.config_keys],
@@ -36,7 +37,6 @@ def run_meta(opts: argparse.Namespace, mode: str, gpu: Optional[str]) -> dict:
         else:
             meta["budget_s"] = opts.budget
     else:
-        o = options_mod.from_env(None)
         meta["plan_options"] = {"gemm": o.gemm, "conv": o.conv, "cudnn": o.cudnn,
                                 "max_streams": o.max_streams}
     meta["time"] = time.strftime("%Y-%m-%d %H:%M:%S")

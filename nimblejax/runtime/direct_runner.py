@@ -24,7 +24,7 @@ class DirectRunner(Runner):
     """Calls one plan's DeviceGraph from Python: `runner(leaves) -> outputs`."""
 
     def __init__(self, plan: Plan, output: str = "jax", eager: bool = False, gemm: str = "lt",
-                 donate: frozenset = frozenset(), pdl: bool = False) -> None:
+                 donate: frozenset = frozenset(), *, pdl: bool) -> None:
         import cupy
 
         self.plan, self.output, self.cupy = plan, output, cupy

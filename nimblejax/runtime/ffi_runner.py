@@ -34,7 +34,7 @@ class FfiRunner(Runner):
     graph, on XLA's stream of that device)."""
 
     def __init__(self, plan: Plan, library, gemm: str, donated: frozenset, segments: int = 1,
-                 pdl: bool = False) -> None:
+                 *, pdl: bool) -> None:
         self.plan, self.library, self.gemm, self.pdl = plan, library, gemm, pdl
         self.id = 0
         self.exes: dict = {}  # device ordinal -> DeviceGraph

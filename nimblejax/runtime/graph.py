@@ -31,7 +31,7 @@ class DeviceGraph:
 
     def __init__(self, plan: Plan, gemm: str = "lt", capture: str = "cupy",
                  bracket: Optional[Callable] = None, segments: Optional[list] = None,
-                 pdl: bool = False) -> None:
+                 *, pdl: bool) -> None:
         import cupy
 
         if capture not in CAPTURES:
@@ -46,7 +46,7 @@ class DeviceGraph:
         self.streams = [cupy.cuda.Stream(non_blocking=True)
                         for _ in range(max(1, plan.schedule.num_streams))]
         self.events = {u: cupy.cuda.Event(disable_timing=True) for u, _ in plan.schedule.syncs}
-        self.launchers = Launchers(plan, self.streams, self.base, gemm, pdl)
+        self.launchers = Launchers(plan, self.streams, self.base, gemm, pdl=pdl)
         self._upload_consts()
         self.graph = None
         self.raw_graph = self.raw_exec = 0

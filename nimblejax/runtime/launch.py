@@ -34,9 +34,9 @@ class KernelLaunchError(RuntimeError):
 
 class Launchers:
     """Per task, a ready launch on its planned stream. `gemm` is options.gemm: "lt"
-    (cuBLASLt, algorithms measured per task) or "cublas"."""
+    (cuBLASLt, algorithms measured per task) or "cublas"; `pdl` is options.pdl."""
 
-    def __init__(self, plan: Plan, streams: list, base: int, gemm: str = "lt", pdl: bool = False) -> None:
+    def __init__(self, plan: Plan, streams: list, base: int, gemm: str = "lt", *, pdl: bool) -> None:
         from nimblejax.runtime import pdl as pdl_mod
         from nimblejax.runtime.compile import compile_kernels, start_compiling
 
@@ -66,7 +66,7 @@ class Launchers:
             from nimblejax.runtime.conditional import ControlLaunchers
 
             self.control = ControlLaunchers(
-                control, self.address, lambda sub, streams, base: Launchers(sub, streams, base, gemm, pdl))
+                control, self.address, lambda sub, streams, base: Launchers(sub, streams, base, gemm, pdl=pdl))
 
     def launch_all(self, events: dict, tasks=None) -> None:
         """Every task on its stream, in launch order, waiting on and recording the

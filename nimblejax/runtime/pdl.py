@@ -52,6 +52,8 @@ def _wait_macro(trigger: bool) -> str:
             '#define NIMBLE_PDL_WAIT()\n'
             '#endif\n'
             '#endif\n')
+
+
 _BODY = re.compile(r"(__global__\b[^{;]*\{)")  # a kernel's signature up to its body's brace
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
@@ -79,15 +81,19 @@ class _Value(ctypes.Union):
     _fields_ = [("pad", ctypes.c_char * 64), ("i", ctypes.c_int), ("p", ctypes.c_void_p)]
 
 
-class _Attribute(ctypes.Structure):
+class LaunchAttribute(ctypes.Structure):
+    """CUlaunchAttribute."""
+
     _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _Value)]
 
 
-class _Config(ctypes.Structure):
+class LaunchConfig(ctypes.Structure):
+    """CUlaunchConfig."""
+
     _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
                 ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
                 ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+                ("attrs", ctypes.POINTER(LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
 
 
 class Launcher:
@@ -96,9 +102,9 @@ class Launcher:
 
     def __init__(self) -> None:
         self.driver = ctypes.CDLL("libcuda.so.1")
-        self.driver.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_Config), ctypes.c_void_p,
+        self.driver.cuLaunchKernelEx.argtypes = [ctypes.POINTER(LaunchConfig), ctypes.c_void_p,
                                                  ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-        self.attribute = _Attribute()
+        self.attribute = LaunchAttribute()
         self.attribute.id = PROGRAMMATIC_STREAM_SERIALIZATION
         self.attribute.value.i = 1
 
@@ -106,7 +112,7 @@ class Launcher:
         values = (ctypes.c_uint64 * max(1, len(args)))(*(int(a) for a in args))
         params = (ctypes.c_void_p * max(1, len(args)))(
             *(ctypes.addressof(values) + 8 * i for i in range(len(args))))
-        config = _Config(*grid, *block, 0, ctypes.c_void_p(stream_ptr), ctypes.pointer(self.attribute), 1)
+        config = LaunchConfig(*grid, *block, 0, ctypes.c_void_p(stream_ptr), ctypes.pointer(self.attribute), 1)
         result = self.driver.cuLaunchKernelEx(ctypes.byref(config), ctypes.c_void_p(function.kernel.ptr),
                                               params, None)
         if result != 0:

@@ -97,9 +97,9 @@ def test_the_option_is_on_unless_turned_off(monkeypatch):
 def test_the_launch_structures_have_cuda_h_layout():
     """cuda.h on 64-bit Linux: CUlaunchAttribute is 72 bytes (id, padding, a 64-byte
     union), CUlaunchConfig 56 (seven unsigned ints, the stream, the attributes, their count)."""
-    assert ctypes.sizeof(pdl._Attribute) == 72 and pdl._Attribute.value.offset == 8
-    assert ctypes.sizeof(pdl._Config) == 56
-    assert (pdl._Config.stream.offset, pdl._Config.attrs.offset, pdl._Config.num_attrs.offset) == (32, 40, 48)
+    assert ctypes.sizeof(pdl.LaunchAttribute) == 72 and pdl.LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(pdl.LaunchConfig) == 56
+    assert (pdl.LaunchConfig.stream.offset, pdl.LaunchConfig.attrs.offset, pdl.LaunchConfig.num_attrs.offset) == (32, 40, 48)
 
 
 @pytest.mark.gpu

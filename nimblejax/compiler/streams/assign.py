@@ -13,18 +13,19 @@ Pipeline (all index-based; node i is the i-th node of a topological order):
    number of streams is the smallest among minimum-sync assignments.
 
 Step 3 is a weighted matching (weight 1 on G' edges, 0 on other closure
-edges; maximise weight, then size).
+edges; maximise weight, then size).  A König vertex cover of M is an optimal
+dual, so the augmenting paths that keep the weight are exactly those over
+dual-tight edges, and a plain DFS over tight edges finds them (see
+``_merge_chains``).
 
 Step 4 keeps both counts and prefers the critical path: a G' edge left to an
 event trades places with its ends' matched pairs where that costs neither a
 G' pair nor a chain (``_prefer_critical``), the edges on the longest paths
 (the task weights given, else one per task) first; only where every chain gets
-a stream of its own (packed onto fewer, other chains need other events). Pairs on one stream are
-where a kernel may start while the one before it ends (programmatic
-dependent launch, runtime/pdl.py); an event between streams waits for the end.  A König vertex cover of M is an optimal
-dual, so the augmenting paths that keep the weight are exactly those over
-dual-tight edges, and a plain DFS over tight edges finds them (see
-``_merge_chains``).
+a stream of its own (packed onto fewer, other chains need other events).
+Pairs on one stream are where a kernel may start while the one before it ends
+(programmatic dependent launch, runtime/pdl.py); an event between streams
+waits for the end.
 
 The stream count usually equals the Dilworth width but cannot always: on
 0->5, 1->4, 2->4, 2->8, 3->5, 4->6, 4->7, 5->8, 5->9 (width 4) every

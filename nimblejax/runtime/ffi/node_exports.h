@@ -3,6 +3,22 @@
 // copy nodes (copy_node.h).
 #pragma once
 
+namespace {
+
+// The plan `plan_id` on `device` for the export `what`, or null with the error set: the
+// handler initialised, the plan registered, the driver with the graph node entry points.
+std::shared_ptr<Plan> NodePlan(const char* what, long long plan_id, int device) {
+  if (nimble_ffi_init() != 0) return nullptr;
+  std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
+  if (!plan || !nimble_patch::g_patch_drv.ok()) {
+    t_last_error = std::string(what) + ": no such plan, or no graph node entry points";
+    return nullptr;
+  }
+  return plan;
+}
+
+}  // namespace
+
 // Lists up to `max` kernel nodes of `graph` (node handles and their CUfunction);
 // returns how many the graph has, or -1.
 NIMBLE_EXPORT long long nimble_ffi_kernel_nodes(void* graph, long long max,
@@ -39,12 +55,8 @@ NIMBLE_EXPORT int nimble_ffi_set_inplace(long long plan_id, int device, int n_no
                                          const int* n_params, int n_sites,
                                          const int* site_node, const int* site_param,
                                          const int* site_kind, const int* site_index) {
-  if (nimble_ffi_init() != 0) return -1;
-  std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
-  if (!plan || !nimble_patch::g_patch_drv.ok()) {
-    t_last_error = "nimble_ffi_set_inplace: no such plan, or no graph node entry points";
-    return -1;
-  }
+  std::shared_ptr<Plan> plan = NodePlan("nimble_ffi_set_inplace", plan_id, device);
+  if (!plan) return -1;
   nimble_patch::Patches patches;
   patches.nodes.resize(n_nodes);
   for (int i = 0; i < n_nodes; ++i) {
@@ -93,12 +105,8 @@ NIMBLE_EXPORT int nimble_ffi_capture_copy_node(void* copy_fn, void* stream, int 
 // one its graph exec was instantiated from): each call then copies through them.
 // Returns the bitmask of the nodes found (1: in, 2: out) or -1.
 NIMBLE_EXPORT int nimble_ffi_set_copy_nodes(long long plan_id, int device, void* graph) {
-  if (nimble_ffi_init() != 0) return -1;
-  std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
-  if (!plan || !nimble_patch::g_patch_drv.ok()) {
-    t_last_error = "nimble_ffi_set_copy_nodes: no such plan, or no graph node entry points";
-    return -1;
-  }
+  std::shared_ptr<Plan> plan = NodePlan("nimble_ffi_set_copy_nodes", plan_id, device);
+  if (!plan) return -1;
   Arena& arena = *plan->arena;
   std::lock_guard<std::mutex> lock(arena.mu);
   CUresult rc = 0;
@@ -142,12 +150,8 @@ NIMBLE_EXPORT int nimble_ffi_rest(long long plan_id, int device) {
 // to copy, where its CUgraph `graph` holds that kernel node (re-pointed in place) and
 // the copy nodes alone. Returns 1 (direct), 0 (not: the graph launches) or -1.
 NIMBLE_EXPORT int nimble_ffi_set_direct(long long plan_id, int device, void* graph) {
-  if (nimble_ffi_init() != 0) return -1;
-  std::shared_ptr<Plan> plan = FindPlan(plan_id, device);
-  if (!plan || !nimble_patch::g_patch_drv.ok()) {
-    t_last_error = "nimble_ffi_set_direct: no such plan, or no graph node entry points";
-    return -1;
-  }
+  std::shared_ptr<Plan> plan = NodePlan("nimble_ffi_set_direct", plan_id, device);
+  if (!plan) return -1;
   Arena& arena = *plan->arena;
   std::lock_guard<std::mutex> lock(arena.mu);
   arena.direct = -1;
