@@ -208,6 +208,10 @@ class NimbleFunction(XlaPath):
         with self._lock:
             if self._entry is None:
                 backend = self._resolved_backend or self._resolve_backend()
+                if backend == "cuda":  # NVRTC starts up while this function traces
+                    from nimblejax.runtime.compile import warm_up
+
+                    warm_up()
                 self._path, self._entry = self._pick_path(backend)
                 if self.options.debug >= 3:  # one line per call (calllog.py)
                     from nimblejax import calllog
@@ -255,9 +259,13 @@ class NimbleFunction(XlaPath):
         JAX traces and compiles the rest of the call (runtime/compile.py)."""
         plan = compile_function(flat_fun, specs, self.options)[0]
         if self._resolved_backend == "cuda":
+            from nimblejax.runtime import pdl
             from nimblejax.runtime.compile import start_compiling
+            from nimblejax.runtime.launch import plan_kernels
 
-            start_compiling(k for t in plan.tasks if t.kernel is not None for k in t.kernel.launches)
+            # The sources the graph build will ask for (programmatic-launch forms included):
+            # anything else would be compiled twice, the second time after the wait.
+            start_compiling(plan_kernels(plan, pdl.applies(self.options.pdl), nested=True))
         return plan
 
     def _make_runner(self) -> Callable:

@@ -14,6 +14,7 @@ import numpy as np
 from nimblejax.compiler.lowering.task import Task
 from nimblejax.compiler.plan import Plan
 from nimblejax.compiler.kinds import TaskKind
+from nimblejax.compiler.loops import LoopCall
 from nimblejax.runtime.io import allocate, retry_after_freeing
 
 # cuBLAS workspace per stream (a shared one would race). NVIDIA recommends 32 MiB on
@@ -32,6 +33,23 @@ class KernelLaunchError(RuntimeError):
     pass
 
 
+def plan_kernels(plan: Plan, pdl: bool, nested: bool = False) -> list:
+    """The kernels the graph build of `plan` compiles: each KERNEL task's launches, in
+    their programmatic-launch form where `pdl` (`pdl.applies`); with `nested`, those of its
+    loop and branch plans too (each gets a Launchers of its own, with the same `pdl`)."""
+    from nimblejax.runtime import pdl as pdl_mod
+
+    kernels = [k for t in plan.tasks if t.kind is TaskKind.KERNEL for k in t.kernel.launches]
+    if pdl:
+        kernels = [pdl_mod.waiting(k) for k in kernels]
+    if nested:
+        for t in plan.tasks:
+            if t.control is not None:
+                subs = (t.control.step,) if isinstance(t.control, LoopCall) else t.control.branches
+                kernels += [k for sub in subs for k in plan_kernels(sub, pdl, nested=True)]
+    return kernels
+
+
 class Launchers:
     """Per task, a ready launch on its planned stream. `gemm` is options.gemm: "lt"
     (cuBLASLt, algorithms measured per task) or "cublas"; `pdl` is options.pdl."""
@@ -45,12 +63,10 @@ class Launchers:
         self.use_lt = gemm != "cublas"
         if not self.use_lt:
             _no_epilogues([t for t in plan.tasks if t.kind is TaskKind.GEMM])
-        kernels = [k for t in plan.tasks if t.kind is TaskKind.KERNEL for k in t.kernel.launches]
         # Programmatic dependent launch (runtime/pdl.py): each kernel waits before its
         # first access, and is launched so that capture makes its edge programmatic.
-        self.pdl = pdl_mod.Launcher() if pdl and pdl_mod.supported() else None
-        if self.pdl is not None:
-            kernels = [pdl_mod.waiting(k) for k in kernels]
+        self.pdl = pdl_mod.Launcher() if pdl_mod.applies(pdl) else None
+        kernels = plan_kernels(plan, self.pdl is not None)
         start_compiling(kernels)  # NVRTC in the background while the libraries get ready
         self.args = {t: self._addresses(t) for t in plan.tasks}
         # Library handles allocate outside CuPy's pool: when the device looks full, give

@@ -69,6 +69,12 @@ def waiting(kernel: Kernel) -> Kernel:
     return dataclasses.replace(kernel, source=waiting_source(kernel.source), pre=pre)
 
 
+def applies(requested: bool) -> bool:
+    """Whether kernels launch programmatically: `requested` (Options.pdl) on a GPU that
+    supports it."""
+    return requested and supported()
+
+
 def supported() -> bool:
     """Whether the current GPU takes programmatic launches (compute capability 9.0+)."""
     import cupy

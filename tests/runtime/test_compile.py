@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 import types
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from nimblejax.bench.models import MODELS
@@ -61,6 +63,7 @@ def fake_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(compile_mod, "_modules", {})
     monkeypatch.setattr(compile_mod, "_pending", {})
+    monkeypatch.setattr(compile_mod, "_warming", [])
     FakeModule.built = []
     return cupy
 
@@ -137,3 +140,49 @@ def test_a_suite_plans_kernels_compile_as_one_module(name):
     sources = {k.source: k for t in plan.tasks if t.kernel is not None for k in t.kernel.launches}
     ptx = compile_to_ptx("\n".join(sources), f"{name}_all.cu", options=compile_mod.OPTIONS)
     assert all(f".entry {k.name}(" in ptx for k in sources.values())
+
+
+def newton(a):
+    """A run-time while loop: a WHILE task whose step plan has kernels of its own."""
+    from jax import lax
+
+    def body(c):
+        x, _, k = c
+        nx = 0.5 * (x + a / x)
+        return nx, jnp.max(jnp.abs(nx - x)), k + 1
+    return lax.while_loop(lambda c: (c[1] > 1e-6) & (c[2] < 50), body,
+                          (jnp.sin(a) + 2.0, jnp.float32(jnp.inf), jnp.int32(0)))[0] * 3.0
+
+
+def test_plan_kernels_are_the_sources_the_graph_build_compiles():
+    """What the first call starts compiling early (api.py) is what Launchers compiles:
+    the programmatic-launch forms where pdl applies, the loop's step plan included."""
+    import nimblejax as nimble
+    from nimblejax.runtime import pdl
+    from nimblejax.runtime.launch import plan_kernels
+
+    plan = nimble.jit(newton, backend="interpret", loops="graph").plan(jax.ShapeDtypeStruct((64,), jnp.float32))
+    (loop,) = [t for t in plan.tasks if t.control is not None]
+    own = plan_kernels(plan, pdl=False)
+    step = plan_kernels(loop.control.step, pdl=False)
+    assert own and step and not {k.source for k in own} & {k.source for k in step}
+    nested = plan_kernels(plan, pdl=False, nested=True)
+    assert [k.source for k in nested] == [k.source for k in own + step]
+    waiting = plan_kernels(plan, pdl=True, nested=True)
+    assert [k.source for k in waiting] == [pdl.waiting_source(k.source) for k in nested]
+    assert [k.name for k in waiting] == [k.name for k in nested]
+
+
+def test_warm_up_compiles_the_kernels_headers_once_a_process(fake_cupy):
+    seen: list = []
+    fake_cupy.cuda.compiler.compile_using_nvrtc = lambda src, options: seen.append((src, options))
+    compile_mod.warm_up()
+    compile_mod.warm_up()
+    compile_mod._warming[0].result()
+    assert seen == [(compile_mod.WARM_SOURCE, compile_mod.OPTIONS)]
+
+
+@pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
+def test_the_warm_up_source_compiles():
+    assert ".entry nimble_warm_up(" in compile_to_ptx(compile_mod.WARM_SOURCE, "warm_up.cu",
+                                                       options=compile_mod.OPTIONS)

@@ -1,0 +1,41 @@
+"""runtime/compile.py on the GPU: a first call compiles each of its kernels once, in the
+form the graph launches (the programmatic-launch wait included), the early start of
+api.py and the graph build asking for the same sources."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import nimblejax as nimble
+from tests.runtime.test_compile import newton
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("pdl_on", [True, False])
+def test_a_first_call_compiles_each_kernel_once_in_the_form_it_launches(monkeypatch, pdl_on):
+    from nimblejax.runtime import compile as compile_mod
+    from nimblejax.runtime import pdl
+    from nimblejax.runtime.launch import plan_kernels
+
+    built: list = []
+    real = compile_mod._compile_together
+
+    def spy(sources):
+        built.extend(sources)
+        return real(sources)
+
+    monkeypatch.setattr(compile_mod, "_compile_together", spy)
+    c = float(np.random.default_rng().uniform(1.5, 2.5))  # new sources: none cached in this process
+
+    def fn(a):
+        return newton(a) * c + jnp.tanh(a * c)
+
+    f = nimble.jit(fn, loops="graph", pdl=pdl_on)
+    a = jnp.asarray(np.random.default_rng(1).uniform(0.5, 40.0, 256), jnp.float32)
+    np.testing.assert_allclose(np.asarray(f(a)), np.asarray(jax.jit(fn)(a)), rtol=2e-6, atol=2e-6)
+    launched = {k.source for k in plan_kernels(f.plan(a), pdl.applies(pdl_on), nested=True)}
+    assert built and len(built) == len(set(built)), "a kernel compiled twice"
+    assert set(built) <= launched, "a source compiled that the graph does not launch"
