@@ -208,10 +208,6 @@ class NimbleFunction(XlaPath):
         with self._lock:
             if self._entry is None:
                 backend = self._resolved_backend or self._resolve_backend()
-                if backend == "cuda":  # NVRTC starts up while this function traces
-                    from nimblejax.runtime.compile import warm_up
-
-                    warm_up()
                 self._path, self._entry = self._pick_path(backend)
                 if self.options.debug >= 3:  # one line per call (calllog.py)
                     from nimblejax import calllog

@@ -1,4 +1,4 @@
-"""Compile a plan's generated kernels with CuPy (NVRTC, disk-cached by CuPy).
+"""Compile a plan's generated kernels with NVRTC (through CuPy), disk-cached beside CuPy's.
 
 Identical sources are compiled once per process. A plan's new kernels are compiled in a
 few modules, each holding several kernels, on parallel threads: NVRTC parses the headers
@@ -18,13 +18,13 @@ other before this).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
-from nimblejax.compiler.lowering.codegen import PRELUDE
 from nimblejax.compiler.lowering.task import Kernel
 
 # sqrtf as XLA's kernels compute it: libdevice's approximate square root (sqrt.approx.f32,
@@ -32,6 +32,7 @@ from nimblejax.compiler.lowering.task import Kernel
 # (examples/gpu/probe_unary_bits.py): the IEEE sqrt differed from jax.jit's on 97,969 of
 # 1.1M inputs, sqrt.approx.f32 on none. Division, erf and tanh: compiler/lowering/xla_math.py.
 OPTIONS = ("--std=c++17", "--prec-sqrt=false")
+CACHE_FORMAT = 1  # part of each cached cubin's name: raise it when _load's output changes
 MAX_THREADS = 8  # NVRTC scales to about this many on the GPU machine's 16 cores
 MIN_KERNELS_PER_MODULE = 4  # fewer: the header parse costs more than the thread saves,
 MIN_MODULE_BYTES = 4096  # unless they are this much source: NVRTC parses the headers in
@@ -42,30 +43,6 @@ _modules: dict[str, object] = {}  # source → cupy.RawModule, shared by every p
 _pending: dict[str, Future] = {}  # source → its module's compile (True: it compiled)
 _lock = threading.Lock()
 _pool: list = []  # the one ThreadPoolExecutor, made on first use
-_warming: list = []  # warm_up's one submission
-# What warm_up compiles: the headers every generated kernel includes, and one line.
-WARM_SOURCE = PRELUDE + 'extern "C" __global__ void nimble_warm_up(float* x) { x[0] = 1.0f; }\n'
-
-
-def warm_up() -> None:
-    """Start NVRTC on a pool thread, once a process, with a kernel that includes the
-    generated kernels' headers, bypassing CuPy's disk cache: a process's first NVRTC
-    compile pays the library's start-up (CI's CPU: 0.18 s for a one-line kernel, 0.04 s for
-    the next), which then runs while the first call traces and plans, not before its
-    kernels compile. Returns at once."""
-    with _lock:
-        if _warming:
-            return
-        _warming.append(_executor().submit(_warm))
-
-
-def _warm() -> None:
-    import cupy
-
-    try:
-        cupy.cuda.compiler.compile_using_nvrtc(WARM_SOURCE, options=OPTIONS)
-    except Exception:  # only a warm-up: a kernel that does not compile says so itself
-        pass
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -140,9 +117,8 @@ def _compile_together(sources: list[str]) -> bool:
     """Compile `sources` as one module; False where NVRTC refuses the whole."""
     import cupy
 
-    module = cupy.RawModule(code="\n".join(sources), options=OPTIONS)
     try:
-        module.compile()
+        module = _load("\n".join(sources))
     except cupy.cuda.compiler.CompileException:
         return False
     _modules.update(dict.fromkeys(sources, module))
@@ -150,20 +126,44 @@ def _compile_together(sources: list[str]) -> bool:
 
 
 def _compile_each(sources: list[str]) -> None:
-    import cupy
-
     start = time.perf_counter()
     progress = None
     for i, src in enumerate(sources):
         if progress is None and time.perf_counter() - start > 1.0:
             progress = _progress(len(sources))
-        module = cupy.RawModule(code=src, options=OPTIONS)
-        module.compile()
-        _modules[src] = module
+        _modules[src] = _load(src)
         if progress is not None:
             progress.update(i + 1)
     if progress is not None:
         progress.close()
+
+
+def _load(code: str):
+    """A cupy.RawModule of `code` for the current device, compiled by NVRTC with OPTIONS
+    as they are: CuPy's own compile (RawModule(code=...)) appends -ftz=true, which
+    flushes subnormal float32 operands and results to zero where XLA's kernels keep them.
+    The cubin is kept in CuPy's kernel cache directory (CUPY_CACHE_DIR), named by a hash
+    of the code, the options, NVRTC's version and the device's architecture."""
+    import cupy
+
+    arch = cupy.cuda.Device().compute_capability
+    key = repr((code, OPTIONS, _nvrtc_version(), arch, CACHE_FORMAT))
+    folder = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+    path = os.path.join(folder, f"nimblejax-{hashlib.sha256(key.encode()).hexdigest()}.cubin")
+    if not os.path.exists(path):
+        binary = cupy.cuda.compiler.compile_using_nvrtc(code, options=OPTIONS)[0]
+        os.makedirs(folder, exist_ok=True)
+        part = f"{path}.{os.getpid()}.{threading.get_ident()}"  # then renamed: no torn reads
+        with open(part, "wb") as f:
+            f.write(binary if isinstance(binary, bytes) else binary.encode())
+        os.replace(part, path)
+    return cupy.RawModule(path=path)
+
+
+def _nvrtc_version() -> tuple:
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc.getVersion()
 
 
 class _progress:

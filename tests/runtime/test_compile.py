@@ -56,6 +56,13 @@ class FakeDevice:
         return None
 
 
+def fake_load(code: str) -> FakeModule:
+    """compile._load on the fake: a module of `code`, compiled at once."""
+    module = FakeModule(code, compile_mod.OPTIONS)
+    module.compile()
+    return module
+
+
 @pytest.fixture
 def fake_cupy(monkeypatch):
     cupy = types.SimpleNamespace(RawModule=FakeModule, cuda=types.SimpleNamespace(
@@ -63,7 +70,7 @@ def fake_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(compile_mod, "_modules", {})
     monkeypatch.setattr(compile_mod, "_pending", {})
-    monkeypatch.setattr(compile_mod, "_warming", [])
+    monkeypatch.setattr(compile_mod, "_load", fake_load)
     FakeModule.built = []
     return cupy
 
@@ -173,16 +180,41 @@ def test_plan_kernels_are_the_sources_the_graph_build_compiles():
     assert [k.name for k in waiting] == [k.name for k in nested]
 
 
-def test_warm_up_compiles_the_kernels_headers_once_a_process(fake_cupy):
-    seen: list = []
-    fake_cupy.cuda.compiler.compile_using_nvrtc = lambda src, options: seen.append((src, options))
-    compile_mod.warm_up()
-    compile_mod.warm_up()
-    compile_mod._warming[0].result()
-    assert seen == [(compile_mod.WARM_SOURCE, compile_mod.OPTIONS)]
+def test_no_flush_to_zero_in_the_options():
+    """XLA's kernels keep subnormal float32 values; so do nimble's (_load compiles with
+    OPTIONS as they are, where CuPy's RawModule would append -ftz=true)."""
+    assert not any("ftz" in o for o in compile_mod.OPTIONS)
 
 
 @pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
-def test_the_warm_up_source_compiles():
-    assert ".entry nimble_warm_up(" in compile_to_ptx(compile_mod.WARM_SOURCE, "warm_up.cu",
-                                                       options=compile_mod.OPTIONS)
+def test_kernels_compiled_with_the_options_keep_subnormals():
+    src = 'extern "C" __global__ void k(float* x, float* y) { y[0] = x[0] * x[1] + sqrtf(x[2]); }\n'
+    ptx = compile_to_ptx(src, "k", options=compile_mod.OPTIONS)
+    ops = [line.split()[0] for line in ptx.splitlines() if ".f32" in line and ("fma" in line or "sqrt" in line)]
+    assert ops == ["sqrt.approx.f32", "fma.rn.f32"], ops
+
+
+def test_load_compiles_with_the_options_as_they_are_and_caches_the_cubin(monkeypatch, tmp_path):
+    """_load asks NVRTC (CuPy's compile_using_nvrtc, which adds no -ftz=true) for a cubin,
+    keeps it under CUPY_CACHE_DIR and loads it from there; the same code again (another
+    process) is not compiled again, other code or another NVRTC is."""
+    compiled: list = []
+
+    def compile_using_nvrtc(code, options):
+        compiled.append((code, options))
+        return b"cubin of " + code.encode(), {}
+
+    cupy = types.SimpleNamespace(RawModule=lambda path: ("module", path), cuda=types.SimpleNamespace(
+        compiler=types.SimpleNamespace(compile_using_nvrtc=compile_using_nvrtc),
+        Device=lambda: types.SimpleNamespace(compute_capability="90")))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 0))
+    kind, path = compile_mod._load("code a")
+    assert compiled == [("code a", compile_mod.OPTIONS)] and kind == "module"
+    assert open(path, "rb").read() == b"cubin of code a" and path.startswith(str(tmp_path / "cache"))
+    assert compile_mod._load("code a")[1] == path and len(compiled) == 1
+    assert compile_mod._load("code b")[1] != path and len(compiled) == 2
+    monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 1))
+    assert compile_mod._load("code a")[1] != path and len(compiled) == 3
+    assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".cubin"] * 3
