@@ -244,6 +244,13 @@ def env_value(name: str) -> Optional[str]:
     return os.environ.get(name) or None
 
 
+def kernel_cache_dir() -> str:
+    """Where generated kernels' cubins are cached (runtime/compile.py): CuPy's kernel cache
+    folder, $CUPY_CACHE_DIR else ~/.cupy/kernel_cache, so that a fresh CuPy cache is a
+    fresh kernel cache for nimble too."""
+    return os.environ.get("CUPY_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache")
+
+
 def cache_dir() -> str:
     """Where built artifacts (the XLA FFI handler, the residency check) are cached:
     $NIMBLEJAX_CACHE_DIR, else $XDG_CACHE_HOME/nimblejax, else ~/.cache/nimblejax."""

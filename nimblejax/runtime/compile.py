@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
 from nimblejax.compiler.lowering.task import Kernel
+from nimblejax.options import kernel_cache_dir
 
 # sqrtf as XLA's kernels compute it: libdevice's approximate square root (sqrt.approx.f32,
 # subnormals kept; XLA leaves libdevice's __CUDA_PREC_SQRT unset). Measured on an H200
@@ -148,7 +149,7 @@ def _load(code: str):
 
     arch = cupy.cuda.Device().compute_capability
     key = repr((code, OPTIONS, _nvrtc_version(), arch, CACHE_FORMAT))
-    folder = os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache")
+    folder = kernel_cache_dir()
     path = os.path.join(folder, f"nimblejax-{hashlib.sha256(key.encode()).hexdigest()}.cubin")
     if not os.path.exists(path):
         binary = cupy.cuda.compiler.compile_using_nvrtc(code, options=OPTIONS)[0]
