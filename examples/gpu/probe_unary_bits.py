@@ -7,7 +7,8 @@ For each function: how many of the inputs nimble's result differs from jax.jit's
 (NaNs compare equal), and the largest difference in units in the last place, over all
 inputs, over the inputs that are not subnormal, and over those whose results are not
 subnormal either. For the functions in CANDIDATES, the same counts for each candidate
-CUDA expression compiled with NVRTC's default options, which shows which form XLA's
+CUDA expression compiled with NVRTC's default options (no flush to zero, unless the form
+says --ftz), which shows which form XLA's
 matches; a form's division is named (div.rn: CUDA C's `/`; div.full: the PTX
 instruction; __fdividef).
 Inputs: float32 values spread over the exponents (|x| from 2^-20 to 2^6), the specials,
@@ -26,6 +27,7 @@ from jax import lax
 
 import nimblejax as nimble
 from nimblejax.bench.needs_gpu import require_gpu
+from nimblejax.runtime.compile import load_module
 
 FUNCS = {
     "erf": lax.erf, "tanh": jnp.tanh, "rsqrt": lax.rsqrt, "exp": jnp.exp, "log": jnp.log,
@@ -168,7 +170,9 @@ def candidate(body: str, form: str):
            "  int i = blockIdx.x * blockDim.x + threadIdx.x; if (i >= count) return;\n"
            "  float x = xs[i], w = ws[i], y;\n" + code + "\n  ys[i] = y;\n}\n")
     options = tuple(flag for word, flag in OPTION_FLAGS.items() if word in form.split())
-    return cupy.RawModule(code=src, backend="nvrtc", options=options).get_function("k")
+    # As nimble compiles (runtime/compile.py): CuPy's RawModule(code=...) would append
+    # --ftz=true to every form.
+    return load_module(src, options).get_function("k")
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ from nimblejax.options import kernel_cache_dir
 # (examples/gpu/probe_unary_bits.py): the IEEE sqrt differed from jax.jit's on 97,969 of
 # 1.1M inputs, sqrt.approx.f32 on none. Division, erf and tanh: compiler/lowering/xla_math.py.
 OPTIONS = ("--std=c++17", "--prec-sqrt=false")
-CACHE_FORMAT = 1  # part of each cached cubin's name: raise it when _load's output changes
+CACHE_FORMAT = 1  # part of each cached cubin's name: raise it when load_module's output changes
 MAX_THREADS = 8  # NVRTC scales to about this many on the GPU machine's 16 cores
 MIN_KERNELS_PER_MODULE = 4  # fewer: the header parse costs more than the thread saves,
 MIN_MODULE_BYTES = 4096  # unless they are this much source: NVRTC parses the headers in
@@ -119,7 +119,7 @@ def _compile_together(sources: list[str]) -> bool:
     import cupy
 
     try:
-        module = _load("\n".join(sources))
+        module = load_module("\n".join(sources))
     except cupy.cuda.compiler.CompileException:
         return False
     _modules.update(dict.fromkeys(sources, module))
@@ -132,15 +132,15 @@ def _compile_each(sources: list[str]) -> None:
     for i, src in enumerate(sources):
         if progress is None and time.perf_counter() - start > 1.0:
             progress = _progress(len(sources))
-        _modules[src] = _load(src)
+        _modules[src] = load_module(src)
         if progress is not None:
             progress.update(i + 1)
     if progress is not None:
         progress.close()
 
 
-def _load(code: str):
-    """A cupy.RawModule of `code` for the current device, compiled by NVRTC with OPTIONS
+def load_module(code: str, options: tuple = OPTIONS):
+    """A cupy.RawModule of `code` for the current device, compiled by NVRTC with `options`
     as they are: CuPy's own compile (RawModule(code=...)) appends -ftz=true, which
     flushes subnormal float32 operands and results to zero where XLA's kernels keep them.
     The cubin is kept in CuPy's kernel cache directory (CUPY_CACHE_DIR), named by a hash
@@ -148,11 +148,11 @@ def _load(code: str):
     import cupy
 
     arch = cupy.cuda.Device().compute_capability
-    key = repr((code, OPTIONS, _nvrtc_version(), arch, CACHE_FORMAT))
+    key = repr((code, options, _nvrtc_version(), arch, CACHE_FORMAT))
     folder = kernel_cache_dir()
     path = os.path.join(folder, f"nimblejax-{hashlib.sha256(key.encode()).hexdigest()}.cubin")
     if not os.path.exists(path):
-        binary = cupy.cuda.compiler.compile_using_nvrtc(code, options=OPTIONS)[0]
+        binary = cupy.cuda.compiler.compile_using_nvrtc(code, options=options)[0]
         os.makedirs(folder, exist_ok=True)
         part = f"{path}.{os.getpid()}.{threading.get_ident()}"  # then renamed: no torn reads
         with open(part, "wb") as f:

@@ -57,7 +57,7 @@ class FakeDevice:
 
 
 def fake_load(code: str) -> FakeModule:
-    """compile._load on the fake: a module of `code`, compiled at once."""
+    """compile.load_module on the fake: a module of `code`, compiled at once."""
     module = FakeModule(code, compile_mod.OPTIONS)
     module.compile()
     return module
@@ -70,7 +70,7 @@ def fake_cupy(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setattr(compile_mod, "_modules", {})
     monkeypatch.setattr(compile_mod, "_pending", {})
-    monkeypatch.setattr(compile_mod, "_load", fake_load)
+    monkeypatch.setattr(compile_mod, "load_module", fake_load)
     FakeModule.built = []
     return cupy
 
@@ -181,7 +181,7 @@ def test_plan_kernels_are_the_sources_the_graph_build_compiles():
 
 
 def test_no_flush_to_zero_in_the_options():
-    """XLA's kernels keep subnormal float32 values; so do nimble's (_load compiles with
+    """XLA's kernels keep subnormal float32 values; so do nimble's (load_module compiles with
     OPTIONS as they are, where CuPy's RawModule would append -ftz=true)."""
     assert not any("ftz" in o for o in compile_mod.OPTIONS)
 
@@ -195,7 +195,7 @@ def test_kernels_compiled_with_the_options_keep_subnormals():
 
 
 def test_load_compiles_with_the_options_as_they_are_and_caches_the_cubin(monkeypatch, tmp_path):
-    """_load asks NVRTC (CuPy's compile_using_nvrtc, which adds no -ftz=true) for a cubin,
+    """load_module asks NVRTC (CuPy's compile_using_nvrtc, which adds no -ftz=true) for a cubin,
     keeps it under CUPY_CACHE_DIR and loads it from there; the same code again (another
     process) is not compiled again, other code or another NVRTC is."""
     compiled: list = []
@@ -210,11 +210,11 @@ def test_load_compiles_with_the_options_as_they_are_and_caches_the_cubin(monkeyp
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 0))
-    kind, path = compile_mod._load("code a")
+    kind, path = compile_mod.load_module("code a")
     assert compiled == [("code a", compile_mod.OPTIONS)] and kind == "module"
     assert open(path, "rb").read() == b"cubin of code a" and path.startswith(str(tmp_path / "cache"))
-    assert compile_mod._load("code a")[1] == path and len(compiled) == 1
-    assert compile_mod._load("code b")[1] != path and len(compiled) == 2
+    assert compile_mod.load_module("code a")[1] == path and len(compiled) == 1
+    assert compile_mod.load_module("code b")[1] != path and len(compiled) == 2
     monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 1))
-    assert compile_mod._load("code a")[1] != path and len(compiled) == 3
+    assert compile_mod.load_module("code a")[1] != path and len(compiled) == 3
     assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".cubin"] * 3

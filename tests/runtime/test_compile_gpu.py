@@ -60,7 +60,7 @@ def subnormal_mix(n: int = 4096) -> np.ndarray:
 ])
 def test_subnormal_operands_and_results_bit_for_bit_as_jax_jit(name, fn):
     """XLA's GPU kernels keep subnormal float32 values (no flush to zero); nimble's are
-    compiled so too (runtime/compile.py's _load), so the bits agree."""
+    compiled so too (runtime/compile.py's load_module), so the bits agree."""
     x = subnormal_mix()
     y = np.roll(x, 1) * np.float32(3.0)
     args = (jnp.asarray(x), jnp.asarray(y))
