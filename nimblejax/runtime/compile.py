@@ -152,13 +152,21 @@ def load_module(code: str, options: tuple = OPTIONS):
     folder = kernel_cache_dir()
     path = os.path.join(folder, f"nimblejax-{hashlib.sha256(key.encode()).hexdigest()}.cubin")
     if not os.path.exists(path):
-        binary = cupy.cuda.compiler.compile_using_nvrtc(code, options=options)[0]
+        binary = cupy.cuda.compiler.compile_using_nvrtc(code, options=nvrtc_options(options))[0]
         os.makedirs(folder, exist_ok=True)
         part = f"{path}.{os.getpid()}.{threading.get_ident()}"  # then renamed: no torn reads
         with open(part, "wb") as f:
             f.write(binary if isinstance(binary, bytes) else binary.encode())
         os.replace(part, path)
     return cupy.RawModule(path=path)
+
+
+def nvrtc_options(options: tuple = OPTIONS) -> tuple:
+    """`options` with the include folders CuPy's own compile adds (its headers, CCCL's,
+    the CUDA toolkit's: where cuda_fp16.h is found), and nothing else."""
+    from cupy._core import core
+
+    return tuple(core.assemble_cupy_compiler_options(tuple(options)))
 
 
 def _nvrtc_version() -> tuple:

@@ -6,6 +6,7 @@ plans as one module (the real check that concatenated kernels do not collide), a
 GPU tests compile and run them through CuPy."""
 from __future__ import annotations
 
+import re
 import sys
 import types
 
@@ -201,7 +202,7 @@ def test_load_compiles_with_the_options_as_they_are_and_caches_the_cubin(monkeyp
     compiled: list = []
 
     def compile_using_nvrtc(code, options):
-        compiled.append((code, options))
+        compiled.append((code, options[-len(compile_mod.OPTIONS):]))
         return b"cubin of " + code.encode(), {}
 
     cupy = types.SimpleNamespace(RawModule=lambda path: ("module", path), cuda=types.SimpleNamespace(
@@ -210,6 +211,7 @@ def test_load_compiles_with_the_options_as_they_are_and_caches_the_cubin(monkeyp
     monkeypatch.setitem(sys.modules, "cupy", cupy)
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(compile_mod, "nvrtc_options", lambda options: ("-Iheaders",) + tuple(options))
     kind, path = compile_mod.load_module("code a")
     assert compiled == [("code a", compile_mod.OPTIONS)] and kind == "module"
     assert open(path, "rb").read() == b"cubin of code a" and path.startswith(str(tmp_path / "cache"))
@@ -218,3 +220,21 @@ def test_load_compiles_with_the_options_as_they_are_and_caches_the_cubin(monkeyp
     monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 1))
     assert compile_mod.load_module("code a")[1] != path and len(compiled) == 3
     assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".cubin"] * 3
+
+
+@pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
+def test_a_suite_plans_kernels_compile_with_the_options_load_module_passes():
+    """The include folders CuPy adds, nimble's options, no -ftz=true: LSTM's kernels
+    (half and bfloat16 headers, nimble's math helpers) compile so, without flushing."""
+    import nimblejax as nimble
+
+    options = compile_mod.nvrtc_options()
+    assert [o for o in options if o in compile_mod.OPTIONS] == list(compile_mod.OPTIONS)
+    assert any(o.startswith("-I") for o in options) and not any("ftz" in o for o in options)
+    fn, args = MODELS["lstm"].abstract(1, tiny=True)
+    plan = nimble.jit(fn, backend="interpret").plan(*args)
+    sources = {k.source: k for t in plan.tasks if t.kernel is not None for k in t.kernel.launches}
+    ptx = compile_to_ptx("\n".join(sources), "lstm_all.cu", options=options)
+    assert all(f".entry {k.name}(" in ptx for k in sources.values())
+    # (libdevice's expf keeps its own ex2.approx.ftz: it scales the argument itself)
+    assert not re.search(r"\b(fma\.rn|mul|add|sub)(\.rn)?\.ftz\.f32", ptx)
