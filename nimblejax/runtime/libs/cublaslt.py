@@ -354,15 +354,18 @@ class LtGemm:
         held: list = []  # the filled operands, alive until the stream is done with them
         try:
             filled = self._filled(cupy, buf, stream, held)
-            pairs = [(filled.a, filled.b)]
+            cold = None
             size = cublas.itemsize(self.call.dtype)
-            # Cold copies take about twice the L2; where they do not fit, timed warm.
+            # The flush and the cold copies take about twice the L2 each; where they do
+            # not fit, timed warm.
             with contextlib.suppress(cupy.cuda.memory.OutOfMemoryError), stream:
                 if buf.l2_bytes > 0:
-                    pairs = fill.cold_operand_pairs(cupy, self.call.extent("a") * size,
-                                                    self.call.extent("b") * size,
-                                                    self.call.dtype, buf.l2_bytes, held)
-            return [self._time_one(cupy, handle, r.algo, filled, pairs, stream, start, end)
+                    flush = fill.l2_flusher(cupy, buf.l2_bytes, held)
+                    cold = (fill.cold_operand_pairs(cupy, self.call.extent("a") * size,
+                                                    self.call.extent("b") * size, self.call.dtype,
+                                                    buf.l2_bytes, held, most=TIMED_LAUNCHES), flush)
+            pairs, flush = cold or ([(filled.a, filled.b)], None)
+            return [self._time_one(cupy, handle, r.algo, filled, pairs, flush, stream, start, end)
                     for r in results]
         finally:
             stream.synchronize()
@@ -395,11 +398,12 @@ class LtGemm:
                 fresh[name] = held[-1].data.ptr
         return dataclasses.replace(buf, **fresh)
 
-    def _time_one(self, cupy, handle, algo, buf, pairs, stream, start, end) -> float | None:
+    def _time_one(self, cupy, handle, algo, buf, pairs, flush, stream, start, end) -> float | None:
         """Mean µs of one candidate, None if cuBLASLt refuses it or it does not
         capture. The launches are timed as one CUDA graph, so the GPU runs them
         back to back (no host gaps) exactly as a captured plan would; launch i reads
-        the operands `pairs[i % len(pairs)]` (A, B)."""
+        the operands `pairs[i % len(pairs)]` (A, B), after `flush(stream)` where there
+        is one (fill.py: cold operands)."""
 
         def launch(i: int = 0) -> int:
             a, b = pairs[i % len(pairs)]
@@ -408,7 +412,7 @@ class LtGemm:
 
         if launch() != 0:  # warm-up, outside capture
             return None
-        launches = max(TIMED_LAUNCHES, len(pairs))
+        launches = TIMED_LAUNCHES
         stream.begin_capture()
         try:
             statuses = [launch(i) for i in range(launches)]
@@ -420,6 +424,8 @@ class LtGemm:
         if graph is None or any(statuses):
             return None
         graph.launch(stream)  # warm-up of the graph itself
+        if flush is not None:
+            flush(stream.ptr)
         start.record(stream)
         graph.launch(stream)
         end.record(stream)

@@ -78,10 +78,14 @@ def release_fill() -> None:
 # Cold operands: where a plan's arena is larger than the GPU's L2 cache, each of its
 # GEMMs reads its weights from device memory (a call streams the whole arena through L2
 # before the next call returns to a GEMM), so its candidates are timed on operands not
-# in L2: launch i of the timing reads A and B copy i % n, n copies together at least
-# COLD_L2_FACTOR times the L2 size (at most MAX_COLD_COPIES). Timed on one A and B
-# repeated, a GEMM at batch 1 reads its weights from L2, where an algorithm with few
-# blocks looks as fast as one that spreads the weights over every SM.
+# in L2. Timed on one A and B repeated, a GEMM at batch 1 reads its weights from L2,
+# where an algorithm with few blocks looks as fast as one that spreads the weights over
+# every SM. The timed launches follow a write of COLD_L2_FACTOR L2 sizes (`l2_flusher`),
+# and launch i reads A and B copy i % n: n distinct copies (at most the launches), or
+# fewer where n copies together reach COLD_L2_FACTOR L2 sizes, so no launch finds its
+# operands in L2. (Without the flush, every launch had to cycle through 2 L2 sizes of
+# copies, up to MAX_COLD_COPIES launches a candidate: ResNet-50's cold first call at
+# batch 1 spent 1.1 to 1.3 s choosing cuBLASLt's algorithms, against 0.26 s timed warm.)
 COLD = True  # False: every GEMM timed on one A and B (examples/gpu/probe_variants.py)
 COLD_L2_FACTOR = 2
 MAX_COLD_COPIES = 64
@@ -109,12 +113,23 @@ def cold_copies(a_bytes: int, b_bytes: int, l2_bytes: int) -> int:
 
 
 def cold_operand_pairs(cupy, a_bytes: int, b_bytes: int, dtype: str, l2_bytes: int,
-                       held: list) -> list[tuple[int, int]]:
+                       held: list, most: int = MAX_COLD_COPIES) -> list[tuple[int, int]]:
     """(A, B) device pointers of `cold_copies` distinct slots of random values of
-    `dtype`, each 256-byte aligned; the array holding them is appended to `held`."""
-    n = cold_copies(a_bytes, b_bytes, l2_bytes)
+    `dtype` (at most `most`), each 256-byte aligned; the array holding them is appended
+    to `held`."""
+    n = min(int(most), cold_copies(a_bytes, b_bytes, l2_bytes))
     slot = _aligned(a_bytes) + _aligned(b_bytes)
     values = fill_values(cupy, -(-(n * slot + ALIGN) // itemsize(dtype)), dtype)
     held.append(values)
     base = _aligned(values.data.ptr)
     return [(base + i * slot, base + i * slot + _aligned(a_bytes)) for i in range(n)]
+
+
+def l2_flusher(cupy, l2_bytes: int, held: list):
+    """A function of a stream pointer that evicts what the L2 holds: a memset of
+    COLD_L2_FACTOR L2 sizes on that stream (no kernel to compile). The buffer it writes
+    is appended to `held`."""
+    buf = cupy.empty(COLD_L2_FACTOR * int(l2_bytes), dtype=cupy.uint8)
+    held.append(buf)
+    rt = cupy.cuda.runtime
+    return lambda stream: rt.memsetAsync(buf.data.ptr, 0, buf.nbytes, stream)

@@ -177,6 +177,38 @@ def test_cold_operand_pairs_are_distinct_aligned_slots_of_random_values(monkeypa
     fill.release_fill()
 
 
+def test_cold_operand_pairs_stop_at_the_timed_launches(monkeypatch):
+    """After an L2 flush each timed launch needs operands of its own, no more: at most
+    `most` copies (BERT at batch 1: 10 of the 39 that cycling through two L2s took)."""
+    monkeypatch.setattr(fill, "_FILL", {})
+    monkeypatch.setattr(fill, "_BLOCKS", {})
+    held: list = []
+    l2 = 50 << 20
+    pairs = fill.cold_operand_pairs(_HostCupy(), 128 * 768 * 4, 768 * 768 * 4, "float32", l2, held,
+                                    most=cublaslt.TIMED_LAUNCHES)
+    assert len(pairs) == cublaslt.TIMED_LAUNCHES and len(set(pairs)) == len(pairs)
+    big = fill.cold_operand_pairs(_HostCupy(), 40 << 20, 40 << 20, "float32", l2, held, most=10)
+    assert len(big) == 2  # two copies already span two L2s: launches alternate them
+    fill.release_fill()
+
+
+def test_the_l2_flusher_writes_twice_the_l2_on_the_stream_it_is_given():
+    writes: list = []
+    runtime = type("runtime", (), {"memsetAsync": staticmethod(lambda *a: writes.append(a))})
+
+    class Buffer:
+        def __init__(self, nbytes: int) -> None:
+            self.nbytes, self.data = nbytes, type("data", (), {"ptr": 4096})
+
+    cupy = type("cupy", (), {"uint8": np.uint8, "empty": staticmethod(lambda n, dtype: Buffer(n)),
+                             "cuda": type("cuda", (), {"runtime": runtime})})
+    held: list = []
+    flush = fill.l2_flusher(cupy, 50 << 20, held)
+    assert writes == [] and len(held) == 1
+    flush(77)
+    assert writes == [(4096, 0, fill.COLD_L2_FACTOR * (50 << 20), 77)]
+
+
 def test_only_plans_larger_than_the_l2_time_on_cold_operands(monkeypatch):
     device = type("device", (), {"attributes": {"L2CacheSize": 50 << 20}})
     cupy = type("cupy", (), {"cuda": type("cuda", (), {"Device": staticmethod(lambda: device)})})
@@ -244,7 +276,7 @@ def test_strided_heads_gemm_after_timing_matches_numpy(gpu, monkeypatch):
 
 @pytest.mark.gpu
 def test_cold_timing_picks_a_working_algorithm_and_caches_apart(gpu, monkeypatch):
-    """A GEMM of a plan larger than the L2 is timed on rotating copies of A and B: it
+    """A GEMM of a plan larger than the L2 is timed after an L2 flush on copies of A and B: it
     still picks a candidate that runs, computes the product, and its choice is cached
     apart from the same GEMM timed on one A and B."""
     cupy, handle, workspace = gpu
