@@ -10,7 +10,8 @@ first run. nimble's built handler (a one-time g++ build per install, cached unde
 ``nimblejax.options.cache_dir()``) is kept; ``--cold-handler`` empties that cache too.
 ``--phases`` runs the timed span under cProfile and adds where it went (`PHASES`:
 seconds under the profiler, cumulative, so nested phases overlap; the first call itself
-is slower so).
+is slower so), and the functions with the most cumulative seconds (`profile_top`, in
+the JSON; nimble's fifteen first printed).
 """
 from __future__ import annotations
 
@@ -45,6 +46,19 @@ def phase_seconds(stats) -> dict:
     return {label: round(seconds, 3) for label, seconds in out.items()}
 
 
+def profile_top(stats, total_s: float, n: int = 40) -> list:
+    """The `n` functions with the most cumulative seconds under the profiler, leaving out
+    those holding nearly all of the call (its outer frames): [where, seconds, calls], where
+    a path is shortened to its package (what `--phases` leaves unnamed shows here)."""
+    rows = []
+    for (path, line, name), (_, calls, _, cumulative, _) in stats.stats.items():
+        if cumulative < 0.9 * total_s:
+            short = path.rsplit("site-packages/", 1)[-1].rsplit("/work/main/", 1)[-1]
+            rows.append([f"{short}:{line}({name})", round(cumulative, 3), calls])
+    rows.sort(key=lambda r: -r[1])
+    return rows[:n]
+
+
 def child(model: str, batch: int, side: str, phases: bool = False) -> dict:
     """Runs in the fresh process: times the first call and checks it against jax.jit's
     answer from the same process (computed after the timing, so it warms nothing)."""
@@ -72,7 +86,9 @@ def child(model: str, batch: int, side: str, phases: bool = False) -> dict:
         import pstats
 
         profiler.disable()
-        row["phases_s"] = phase_seconds(pstats.Stats(profiler))
+        stats = pstats.Stats(profiler)
+        row["phases_s"] = phase_seconds(stats)
+        row["profile_top"] = profile_top(stats, seconds)
     if side == "nimble":
         want = np.asarray(jax.jit(fn)(params, x), np.float32)
         got = np.asarray(out, np.float32)
@@ -151,6 +167,11 @@ def main(argv: list[str] | None = None) -> None:
     print(_table(rows))
     if opts.phases:
         print(_phase_table(rows))
+        for r in rows:
+            if r.get("side") == "nimble" and r.get("profile_top"):
+                print(f"\n{r['model']} at batch {r['batch']}, nimble: the most cumulative seconds")
+                for where, seconds, calls in r["profile_top"][:15]:
+                    print(f"  {seconds:7.3f} s  {calls:>6}  {where}")
     if opts.json:
         with open(opts.json, "w") as fh:
             json.dump({"rows": rows}, fh, indent=1)

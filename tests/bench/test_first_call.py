@@ -53,6 +53,11 @@ def test_phases_are_read_from_the_profile_by_file_and_function():
     table = first_call._phase_table(rows).splitlines()
     assert table[0] == "| phase | m 1 nimble |" and table[2] == "| first call (profiled) | 1.2 |"
     assert "| trace and plan | 0.3 |" in table
+    top = first_call.profile_top(stats, total_s=1.0)  # numpy's 9 s holds the whole call: left out
+    assert [r[0] for r in top[:2]] == ["/x/nimblejax/compiler/pipeline.py:1(compile_function)",
+                                       "/x/site-packages/cupy/__init__.py:1(<module>)".replace(
+                                           "/x/site-packages/", "")]
+    assert top[0][1:] == [0.3, 1] and len(top) == 4
 
 
 def test_a_child_profiles_its_first_call_when_asked(monkeypatch, capsys):
@@ -62,3 +67,4 @@ def test_a_child_profiles_its_first_call_when_asked(monkeypatch, capsys):
     assert row["side"] == "jax" and row["first_call_s"] > 0
     assert set(row["phases_s"]) == {p[0] for p in first_call.PHASES}
     assert row["phases_s"]["XLA compiles"] > 0
+    assert row["profile_top"] and all(0 <= r[1] < 0.9 * row["first_call_s"] for r in row["profile_top"])
