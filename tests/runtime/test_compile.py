@@ -18,6 +18,7 @@ from nimblejax.bench.models import MODELS
 from nimblejax.compiler.lowering.task import Kernel
 from nimblejax.runtime import compile as compile_mod
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
+from tests.runtime.test_conditional import newton
 
 
 class CompileException(Exception):
@@ -150,16 +151,10 @@ def test_a_suite_plans_kernels_compile_as_one_module(name):
     assert all(f".entry {k.name}(" in ptx for k in sources.values())
 
 
-def newton(a):
-    """A run-time while loop: a WHILE task whose step plan has kernels of its own."""
-    from jax import lax
-
-    def body(c):
-        x, _, k = c
-        nx = 0.5 * (x + a / x)
-        return nx, jnp.max(jnp.abs(nx - x)), k + 1
-    return lax.while_loop(lambda c: (c[1] > 1e-6) & (c[2] < 50), body,
-                          (jnp.sin(a) + 2.0, jnp.float32(jnp.inf), jnp.int32(0)))[0] * 3.0
+def looped(a):
+    """A run-time while loop (test_conditional's Newton iteration): a WHILE task whose
+    step plan has kernels of its own."""
+    return newton(jnp.abs(a) + 0.5)[0] * 3.0
 
 
 def test_plan_kernels_are_the_sources_the_graph_build_compiles():
@@ -169,7 +164,7 @@ def test_plan_kernels_are_the_sources_the_graph_build_compiles():
     from nimblejax.runtime import pdl
     from nimblejax.runtime.launch import plan_kernels
 
-    plan = nimble.jit(newton, backend="interpret", loops="graph").plan(jax.ShapeDtypeStruct((64,), jnp.float32))
+    plan = nimble.jit(looped, backend="interpret", loops="graph").plan(jax.ShapeDtypeStruct((64,), jnp.float32))
     (loop,) = [t for t in plan.tasks if t.control is not None]
     own = plan_kernels(plan, pdl=False)
     step = plan_kernels(loop.control.step, pdl=False)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import nimblejax as nimble
-from tests.runtime.test_compile import newton
+from tests.runtime.test_compile import looped
 
 pytestmark = pytest.mark.gpu
 
@@ -31,11 +31,11 @@ def test_a_first_call_compiles_each_kernel_once_in_the_form_it_launches(monkeypa
     c = float(np.random.default_rng().uniform(1.5, 2.5))  # new sources: none cached in this process
 
     def fn(a):
-        return newton(a) * c + jnp.tanh(a * c)
+        return looped(a) * c + jnp.tanh(a * c)
 
     f = nimble.jit(fn, loops="graph", pdl=pdl_on)
     a = jnp.asarray(np.random.default_rng(1).uniform(0.5, 40.0, 256), jnp.float32)
-    np.testing.assert_allclose(np.asarray(f(a)), np.asarray(jax.jit(fn)(a)), rtol=2e-6, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(f(a)), np.asarray(jax.jit(fn)(a)), rtol=1e-5, atol=1e-5)
     launched = {k.source for k in plan_kernels(f.plan(a), pdl.applies(pdl_on), nested=True)}
     assert built and len(built) == len(set(built)), "a kernel compiled twice"
     assert set(built) <= launched, "a source compiled that the graph does not launch"
