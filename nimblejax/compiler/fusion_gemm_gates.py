@@ -65,7 +65,8 @@ def fuse_gemm_gates(groups: list[Group], graph: Graph, small_gemm: bool = True) 
     for i, g in enumerate(groups):
         if g is None or g.kind is not GroupKind.GEMM or g.post is not None or g.output in results:
             continue
-        readers = [j for j, e in enumerate(groups) if e is not None and g.output in e.inputs]
+        out = g.output  # (a property: computed once here, not once a group)
+        readers = [j for j, e in enumerate(groups) if e is not None and out in e.inputs]
         tile = gate_tile(g, small_gemm) if readers else None
         if tile is None:
             continue

@@ -18,7 +18,7 @@ from nimblejax.bench.models import MODELS
 from nimblejax.compiler.lowering.task import Kernel
 from nimblejax.runtime import compile as compile_mod
 from nimblejax.testing.nvrtc_check import available_compiler, compile_to_ptx
-from tests.runtime.test_conditional import newton
+from tests.runtime.test_conditional import branchy, newton
 
 
 class CompileException(Exception):
@@ -174,6 +174,20 @@ def test_plan_kernels_are_the_sources_the_graph_build_compiles():
     waiting = plan_kernels(plan, pdl=True, nested=True)
     assert [k.source for k in waiting] == [pdl.waiting_source(k.source) for k in nested]
     assert [k.name for k in waiting] == [k.name for k in nested]
+
+
+def test_plan_kernels_take_every_branch_of_a_switch():
+    import nimblejax as nimble
+    from nimblejax.compiler.loops import SwitchCall
+    from nimblejax.runtime.launch import plan_kernels
+
+    x = jax.ShapeDtypeStruct((32, 32), jnp.float32)
+    plan = nimble.jit(branchy, backend="interpret", loops="graph").plan(jax.ShapeDtypeStruct((), jnp.int32), x)
+    (switch,) = [t for t in plan.tasks if t.control is not None]
+    assert isinstance(switch.control, SwitchCall) and len(switch.control.branches) == 3
+    branch_sources = [k.source for b in switch.control.branches for k in plan_kernels(b, pdl=False, nested=True)]
+    nested = [k.source for k in plan_kernels(plan, pdl=False, nested=True)]
+    assert branch_sources and nested[-len(branch_sources):] == branch_sources
 
 
 def test_no_flush_to_zero_in_the_options():
