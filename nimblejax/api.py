@@ -250,10 +250,11 @@ class NimbleFunction(XlaPath):
         self._resolved_backend = backend
         return backend
 
-    def _plan_flat(self, flat_fun: Callable, specs) -> Plan:
-        """The XLA path's planner. On the GPU its kernels start compiling at once, while
-        JAX traces and compiles the rest of the call (runtime/compile.py)."""
-        plan = compile_function(flat_fun, specs, self.options)[0]
+    def _plan_flat(self, flat_fun: Callable, specs) -> tuple[Plan, list]:
+        """The XLA path's planner: (plan, the flat results' shapes, from the same trace).
+        On the GPU its kernels start compiling at once, while JAX traces and compiles the
+        rest of the call (runtime/compile.py)."""
+        plan, out_shapes = compile_function(flat_fun, specs, self.options)
         if self._resolved_backend == "cuda":
             from nimblejax.runtime import pdl
             from nimblejax.runtime.compile import start_compiling
@@ -262,7 +263,7 @@ class NimbleFunction(XlaPath):
             # The sources the graph build will ask for (programmatic-launch forms included):
             # anything else would be compiled twice, the second time after the wait.
             start_compiling(plan_kernels(plan, pdl.applies(self.options.pdl), nested=True))
-        return plan
+        return plan, out_shapes
 
     def _make_runner(self) -> Callable:
         return choose.runner_maker(self._resolved_backend, self.options, getattr(self, "_library", None))

@@ -79,23 +79,27 @@ class XlaPath:
         from nimblejax.runtime import xla_op
 
         specs = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in sigs]
+        if any(xla_op.key_impl(s) is not None for s in specs):
+            return False
         out_tree_box: list = []
         flat_fun = self._flat_fun(in_tree, statics, out_tree_box)
-        out_specs = jax.eval_shape(flat_fun, *specs)
-        if any(xla_op.key_impl(s) is not None for s in list(specs) + list(out_specs)):
-            return False
         donated = self._donated_leaves(in_tree)
         precision = _PRECISION.value
         body = xla_op.Body((id(self), in_tree, statics, donated, precision), flat_fun,
                            self._plan_flat, self._make_runner(), self._specs, donated,
                            arena=RESIDENT, options=self.options)
         avals = tuple(jax.core.ShapedArray(s.shape, s.dtype, weak_type=s.weak_type) for s in specs)
-        try:
-            plan = body.plan(avals)
+        try:  # the plan's trace gives the results' shapes: the function is traced once
+            entry = body.compiled(avals)
         except UnsupportedPrimitiveError:  # co-execution: the full path (_op_call)
             if self.options.fallback == "error":
                 raise
             return False
+        if any(xla_op.key_impl(s) is not None for s in entry.out_shapes):
+            return False
+        if not out_tree_box:  # planned before, under other sources: trace for the tree
+            jax.eval_shape(flat_fun, *specs)
+        plan = entry.plan
         # Always passed: a leaf the plan returns as it is (XLA hands it back), and a donated
         # leaf (XLA writes a result into it; fed back, every result was a fresh XLA
         # allocation: H100, 96 state leaves, 1062 µs against 516 µs passed).

@@ -73,6 +73,7 @@ class Compiled:
     out_tree: Any = None
     runners: dict = field(default_factory=dict)
     call: Any = None  # the direct path's call: its runner, keys crossing as key data
+    out_shapes: Any = None  # the flat results' ShapeDtypeStructs, from the plan's trace
 
 
 def assemble(plan: Plan, made: Sequence, input_at: Callable[[int], Any], value: Callable) -> list:

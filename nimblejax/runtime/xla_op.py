@@ -44,7 +44,7 @@ class Body:
     function, tree, statics and transformation) share their plans.
 
     `flat_fun` maps flat operands to flat results; `plan_fn(flat_fun, specs)` plans it
-    (the owning NimbleFunction's options); `make_runner(plan, donated)` makes
+    (the owning NimbleFunction's options) and returns (plan, the flat results' shapes); `make_runner(plan, donated)` makes
     the runner for the backend; `specs` is the owner's one call-spec cache (call spec →
     runner.Compiled); `donated` are flat operand indices whose buffers jax.jit donates
     (results may alias them)."""
@@ -79,19 +79,28 @@ class Body:
                     fallback=self.fallback, options=self.options)
 
     def out_shapes(self, avals) -> list:
-        return jax.eval_shape(self.flat_fun, *[jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type)
-                                               for a in avals])
+        """The flat results' shapes: those the plan's trace gave where it is made (the
+        function is not traced again), else from jax.eval_shape."""
+        specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals)
+        found = self.specs.get(self._spec_key(specs))
+        if found is not None and found.out_shapes is not None:
+            return list(found.out_shapes)
+        return jax.eval_shape(self.flat_fun, *specs)
+
+    def _spec_key(self, specs) -> tuple:
+        return (self.key, tuple((s.shape, np.dtype(s.dtype), s.weak_type) for s in specs))
 
     def compiled(self, avals) -> Compiled:
         """The call spec's entry for these operand types, its plan made once. Made at
         trace time (abstract eval), so that the user's frames are on the stack and errors
         name their lines."""
         specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals)
-        key = (self.key, tuple((s.shape, np.dtype(s.dtype), s.weak_type) for s in specs))
+        key = self._spec_key(specs)
         with _lock:
             found = self.specs.get(key)
             if found is None:
-                found = self.specs[key] = Compiled(self.plan_fn(self.flat_fun, specs))
+                plan, shapes = self.plan_fn(self.flat_fun, specs)
+                found = self.specs[key] = Compiled(plan, out_shapes=shapes)
         return found
 
     def plan(self, avals) -> Plan:
