@@ -44,6 +44,7 @@ _modules: dict[str, object] = {}  # source → cupy.RawModule, shared by every p
 _pending: dict[str, Future] = {}  # source → its module's compile (True: it compiled)
 _lock = threading.Lock()
 _pool: list = []  # the one ThreadPoolExecutor, made on first use
+_private: list = []  # load_module's folder where the kernel cache is not writable
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -149,16 +150,35 @@ def load_module(code: str, options: tuple = OPTIONS):
 
     arch = cupy.cuda.Device().compute_capability
     key = repr((code, options, _nvrtc_version(), arch, CACHE_FORMAT))
-    folder = kernel_cache_dir()
-    path = os.path.join(folder, f"nimblejax-{hashlib.sha256(key.encode()).hexdigest()}.cubin")
+    name = f"nimblejax-{hashlib.sha256(key.encode()).hexdigest()}.cubin"
+    path = os.path.join(kernel_cache_dir(), name)
     if not os.path.exists(path):
         binary = cupy.cuda.compiler.compile_using_nvrtc(code, options=nvrtc_options(options))[0]
-        os.makedirs(folder, exist_ok=True)
-        part = f"{path}.{os.getpid()}.{threading.get_ident()}"  # then renamed: no torn reads
-        with open(part, "wb") as f:
-            f.write(binary if isinstance(binary, bytes) else binary.encode())
-        os.replace(part, path)
+        binary = binary if isinstance(binary, bytes) else binary.encode()
+        try:
+            _write(path, binary)
+        except OSError:  # a cache folder not writable here: this process's own folder
+            path = os.path.join(_private_folder(), name)
+            _write(path, binary)
     return cupy.RawModule(path=path)
+
+
+def _write(path: str, binary: bytes) -> None:
+    """`binary` at `path`, written beside it and renamed: no reader sees a part of it."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    part = f"{path}.{os.getpid()}.{threading.get_ident()}"
+    with open(part, "wb") as f:
+        f.write(binary)
+    os.replace(part, path)
+
+
+def _private_folder() -> str:
+    with _lock:
+        if not _private:
+            import tempfile
+
+            _private.append(tempfile.mkdtemp(prefix="nimblejax-kernels-"))
+        return _private[0]
 
 
 def nvrtc_options(options: tuple = OPTIONS) -> tuple:

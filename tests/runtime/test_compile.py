@@ -247,3 +247,18 @@ def test_a_suite_plans_kernels_compile_with_the_options_load_module_passes():
     assert all(f".entry {k.name}(" in ptx for k in sources.values())
     # (libdevice's expf keeps its own ex2.approx.ftz: it scales the argument itself)
     assert not re.search(r"\b(fma\.rn|mul|add|sub)(\.rn)?\.ftz\.f32", ptx)
+
+
+def test_load_module_falls_back_to_a_folder_of_its_own_where_the_cache_is_not_writable(monkeypatch, tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache folder should be")  # makedirs fails under it
+    cupy = types.SimpleNamespace(RawModule=lambda path: path, cuda=types.SimpleNamespace(
+        compiler=types.SimpleNamespace(compile_using_nvrtc=lambda code, options: ("ptx text", {})),
+        Device=lambda: types.SimpleNamespace(compute_capability="90")))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(blocked / "cache"))
+    monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(compile_mod, "nvrtc_options", lambda options: tuple(options))
+    monkeypatch.setattr(compile_mod, "_private", [str(tmp_path / "own")])
+    path = compile_mod.load_module("code c")
+    assert path.startswith(str(tmp_path / "own")) and open(path, "rb").read() == b"ptx text"
