@@ -53,10 +53,17 @@ def profile_top(stats, total_s: float, n: int = 40) -> list:
     rows = []
     for (path, line, name), (_, calls, _, cumulative, _) in stats.stats.items():
         if cumulative < 0.9 * total_s:
-            short = path.rsplit("site-packages/", 1)[-1].rsplit("/work/main/", 1)[-1]
-            rows.append([f"{short}:{line}({name})", round(cumulative, 3), calls])
+            rows.append([f"{_short(path)}:{line}({name})", round(cumulative, 3), calls])
     rows.sort(key=lambda r: -r[1])
     return rows[:n]
+
+
+def _short(path: str) -> str:
+    """A profiled file's path from its package on: after site-packages/, or from
+    nimblejax/ (a checkout)."""
+    if "site-packages/" in path:
+        return path.rsplit("site-packages/", 1)[-1]
+    return "nimblejax/" + path.rsplit("/nimblejax/", 1)[-1] if "/nimblejax/" in path else path
 
 
 def child(model: str, batch: int, side: str, phases: bool = False) -> dict:

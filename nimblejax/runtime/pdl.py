@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import re
 
 from nimblejax.compiler.lowering.task import Kernel
@@ -60,7 +61,12 @@ PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM
 
 def waiting_source(source: str) -> str:
     """`source` with the wait as the first statement of every kernel in it."""
-    return _wait_macro(TRIGGER) + _BODY.sub(lambda m: m.group(1) + " NIMBLE_PDL_WAIT();", source)
+    return _waiting_source(source, TRIGGER)
+
+
+@functools.lru_cache(maxsize=4096)  # a first call asks twice: the early compile, the graph build
+def _waiting_source(source: str, trigger: bool) -> str:
+    return _wait_macro(trigger) + _BODY.sub(lambda m: m.group(1) + " NIMBLE_PDL_WAIT();", source)
 
 
 def waiting(kernel: Kernel) -> Kernel:

@@ -44,8 +44,8 @@ class Body:
     function, tree, statics and transformation) share their plans.
 
     `flat_fun` maps flat operands to flat results; `plan_fn(flat_fun, specs)` plans it
-    (the owning NimbleFunction's options) and returns (plan, the flat results' shapes); `make_runner(plan, donated)` makes
-    the runner for the backend; `specs` is the owner's one call-spec cache (call spec →
+    (the owning NimbleFunction's options) and returns (plan, the flat results' shapes);
+    `make_runner(plan, donated)` makes the runner for the backend; `specs` is the owner's one call-spec cache (call spec →
     runner.Compiled); `donated` are flat operand indices whose buffers jax.jit donates
     (results may alias them)."""
 
@@ -78,24 +78,12 @@ class Body:
         return Body(self.key + (tag,), flat_fun, self.plan_fn, self.make_runner, self.specs,
                     fallback=self.fallback, options=self.options)
 
-    def out_shapes(self, avals) -> list:
-        """The flat results' shapes: those the plan's trace gave where it is made (the
-        function is not traced again), else from jax.eval_shape."""
-        specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals)
-        found = self.specs.get(self._spec_key(specs))
-        if found is not None and found.out_shapes is not None:
-            return list(found.out_shapes)
-        return jax.eval_shape(self.flat_fun, *specs)
-
-    def _spec_key(self, specs) -> tuple:
-        return (self.key, tuple((s.shape, np.dtype(s.dtype), s.weak_type) for s in specs))
-
     def compiled(self, avals) -> Compiled:
         """The call spec's entry for these operand types, its plan made once. Made at
         trace time (abstract eval), so that the user's frames are on the stack and errors
         name their lines."""
         specs = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, weak_type=a.weak_type) for a in avals)
-        key = self._spec_key(specs)
+        key = (self.key, tuple((s.shape, np.dtype(s.dtype), s.weak_type) for s in specs))
         with _lock:
             found = self.specs.get(key)
             if found is None:
@@ -121,9 +109,9 @@ _lock = threading.RLock()  # plans and runners are made once, whichever thread a
 
 @nimble_call_p.def_abstract_eval
 def _abstract(*avals, body: Body):
-    body.plan(avals)
+    # The results' shapes come from the plan's own trace: the function is not traced again.
     return [jax.core.ShapedArray(s.shape, s.dtype, weak_type=getattr(s, "weak_type", False))
-            for s in body.out_shapes(avals)]
+            for s in body.compiled(avals).out_shapes]
 
 
 @nimble_call_p.def_impl

@@ -54,9 +54,8 @@ def test_phases_are_read_from_the_profile_by_file_and_function():
     assert table[0] == "| phase | m 1 nimble |" and table[2] == "| first call (profiled) | 1.2 |"
     assert "| trace and plan | 0.3 |" in table
     top = first_call.profile_top(stats, total_s=1.0)  # numpy's 9 s holds the whole call: left out
-    assert [r[0] for r in top[:2]] == ["/x/nimblejax/compiler/pipeline.py:1(compile_function)",
-                                       "/x/site-packages/cupy/__init__.py:1(<module>)".replace(
-                                           "/x/site-packages/", "")]
+    assert [r[0] for r in top[:2]] == ["nimblejax/compiler/pipeline.py:1(compile_function)",
+                                       "cupy/__init__.py:1(<module>)"]
     assert top[0][1:] == [0.3, 1] and len(top) == 4
 
 

@@ -412,10 +412,9 @@ class LtGemm:
 
         if launch() != 0:  # warm-up, outside capture
             return None
-        launches = TIMED_LAUNCHES
         stream.begin_capture()
         try:
-            statuses = [launch(i) for i in range(launches)]
+            statuses = [launch(i) for i in range(TIMED_LAUNCHES)]
         finally:
             try:
                 graph = stream.end_capture()
@@ -430,7 +429,7 @@ class LtGemm:
         graph.launch(stream)
         end.record(stream)
         end.synchronize()
-        return cupy.cuda.get_elapsed_time(start, end) * 1000.0 / launches
+        return cupy.cuda.get_elapsed_time(start, end) * 1000.0 / TIMED_LAUNCHES
 
     def _set_bias(self, bias: int) -> None:
         # A host-side descriptor write, read when cublasLtMatmul enqueues:
