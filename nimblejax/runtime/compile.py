@@ -57,11 +57,16 @@ def _executor() -> ThreadPoolExecutor:
 def start_compiling(kernels: Iterable[Kernel]) -> None:
     """Begin compiling the kernels not compiled or compiling yet, on background threads,
     for the current device; returns at once."""
+    start_sources(k.source for k in kernels)
+
+
+def start_sources(sources: Iterable[str]) -> None:
+    """`start_compiling` for CUDA sources that are no plan's kernels (the FFI handler's
+    copy kernel): compiled beside them, as they are, into the same kernel cache."""
     import cupy
 
     with _lock:
-        todo = [src for src in dict.fromkeys(k.source for k in kernels)
-                if src not in _modules and src not in _pending]
+        todo = [src for src in dict.fromkeys(sources) if src not in _modules and src not in _pending]
         if not todo:
             return
         device = cupy.cuda.Device().id
@@ -74,7 +79,19 @@ def compile_kernels(kernels: Iterable[Kernel]) -> dict[str, object]:
     """name → cupy function for each kernel: compiled here, or waited for where
     `start_compiling` began it."""
     unique = {k.source: k for k in kernels}
-    start_compiling(unique.values())
+    modules = compiled(unique)
+    return {k.name: modules[src].get_function(k.name) for src, k in unique.items()}
+
+
+def function(source: str, name: str):
+    """The cupy function `name` of `source`, compiled here or waited for (`start_sources`)."""
+    return compiled([source])[source].get_function(name)
+
+
+def compiled(sources: Iterable[str]) -> dict[str, object]:
+    """source → its cupy.RawModule for the current device, compiled here or waited for."""
+    unique = list(dict.fromkeys(sources))
+    start_sources(unique)
     refused: list = []
     for src in unique:
         future = _pending.get(src)
@@ -85,7 +102,7 @@ def compile_kernels(kernels: Iterable[Kernel]) -> dict[str, object]:
     with _lock:
         for src in unique:
             _pending.pop(src, None)
-    return {k.name: _modules[k.source].get_function(k.name) for k in unique.values()}
+    return {src: _modules[src] for src in unique}
 
 
 def threads() -> int:

@@ -51,7 +51,9 @@ class BatchCopier:
     def __call__(self, entries: list, stream) -> None:
         cp = self.cp
         if self.kernel is None:
-            self.kernel = cp.RawKernel(COPY_MANY, "nimble_copy_many")
+            from nimblejax.runtime.compile import function
+
+            self.kernel = function(COPY_MANY, "nimble_copy_many")
         n = len(entries)
         if n > self.capacity:
             self.capacity = max(n, 64)

@@ -128,6 +128,16 @@ def test_compiling_starts_in_the_background_and_is_waited_for(fake_cupy):
     assert not compile_mod._pending
 
 
+def test_a_source_that_is_no_plans_kernel_compiles_beside_them_and_is_waited_for(fake_cupy):
+    """The FFI handler's copy kernel: started with a plan's kernels, taken by name."""
+    src = 'extern "C" __global__ void nimble_ffi_copy(float* out) { }\n'
+    compile_mod.start_sources([src])
+    assert set(compile_mod._pending) == {src}
+    assert compile_mod.function(src, "nimble_ffi_copy")[1] == "nimble_ffi_copy"
+    assert compile_mod.function(src, "nimble_ffi_copy")[1] == "nimble_ffi_copy"  # compiled once
+    assert FakeModule.built == [["nimble_ffi_copy"]] and not compile_mod._pending
+
+
 def test_many_new_kernels_build_several_modules_on_threads(fake_cupy, monkeypatch):
     monkeypatch.setattr(compile_mod, "threads", lambda: 3)
     ks = [kernel(f"k{i}") for i in range(12)]
