@@ -263,10 +263,6 @@ class NimbleFunction(XlaPath):
             # The sources the graph build will ask for (programmatic-launch forms included):
             # anything else would be compiled twice, the second time after the wait.
             start_compiling(plan_kernels(plan, pdl.applies(self.options.pdl), nested=True))
-            if getattr(self, "_library", None) is not None:
-                from nimblejax.runtime.ffi_runner import start_copy_kernel
-
-                start_copy_kernel(self._library)
         return plan, out_shapes
 
     def _make_runner(self) -> Callable:

@@ -6,8 +6,9 @@ Each (model, batch, side) runs in its own Python process with a fresh CuPy kerne
 and JAX's persistent compilation cache off, so neither side finds anything compiled
 before. The model's weights and input are made and moved to the GPU first; the timed span
 is ``f = jit(fn); block(f(params, x))``: tracing, planning, compiling, building and the
-first run. nimble's built handler (a one-time g++ build per install, cached under
-``nimblejax.options.cache_dir()``) is kept; ``--cold-handler`` empties that cache too.
+first run. nimble's built handler and the runtime's own copy kernels (built once per
+install, cached under ``nimblejax.options.cache_dir()``) are kept; ``--cold-handler``
+empties that cache too.
 ``--phases`` runs the timed span under cProfile and adds where it went (`PHASES`:
 seconds under the profiler, cumulative, so nested phases overlap; the first call itself
 is slower so), and the functions with the most cumulative seconds (`profile_top`, in

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterable
 
 from nimblejax.compiler.lowering.task import Kernel
-from nimblejax.options import kernel_cache_dir
+from nimblejax.options import cache_dir, kernel_cache_dir
 
 # sqrtf as XLA's kernels compute it: libdevice's approximate square root (sqrt.approx.f32,
 # subnormals kept; XLA leaves libdevice's __CUDA_PREC_SQRT unset). Measured on an H200
@@ -45,6 +45,7 @@ _pending: dict[str, Future] = {}  # source → its module's compile (True: it co
 _lock = threading.Lock()
 _pool: list = []  # the one ThreadPoolExecutor, made on first use
 _private: list = []  # load_module's folder where the kernel cache is not writable
+_runtime_modules: dict[str, object] = {}  # runtime_kernel's: source → cupy.RawModule
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -57,16 +58,11 @@ def _executor() -> ThreadPoolExecutor:
 def start_compiling(kernels: Iterable[Kernel]) -> None:
     """Begin compiling the kernels not compiled or compiling yet, on background threads,
     for the current device; returns at once."""
-    start_sources(k.source for k in kernels)
-
-
-def start_sources(sources: Iterable[str]) -> None:
-    """`start_compiling` for CUDA sources that are no plan's kernels (the FFI handler's
-    copy kernel): compiled beside them, as they are, into the same kernel cache."""
     import cupy
 
     with _lock:
-        todo = [src for src in dict.fromkeys(sources) if src not in _modules and src not in _pending]
+        todo = [src for src in dict.fromkeys(k.source for k in kernels)
+                if src not in _modules and src not in _pending]
         if not todo:
             return
         device = cupy.cuda.Device().id
@@ -79,19 +75,7 @@ def compile_kernels(kernels: Iterable[Kernel]) -> dict[str, object]:
     """name → cupy function for each kernel: compiled here, or waited for where
     `start_compiling` began it."""
     unique = {k.source: k for k in kernels}
-    modules = compiled(unique)
-    return {k.name: modules[src].get_function(k.name) for src, k in unique.items()}
-
-
-def function(source: str, name: str):
-    """The cupy function `name` of `source`, compiled here or waited for (`start_sources`)."""
-    return compiled([source])[source].get_function(name)
-
-
-def compiled(sources: Iterable[str]) -> dict[str, object]:
-    """source → its cupy.RawModule for the current device, compiled here or waited for."""
-    unique = list(dict.fromkeys(sources))
-    start_sources(unique)
+    start_compiling(unique.values())
     refused: list = []
     for src in unique:
         future = _pending.get(src)
@@ -102,7 +86,7 @@ def compiled(sources: Iterable[str]) -> dict[str, object]:
     with _lock:
         for src in unique:
             _pending.pop(src, None)
-    return {src: _modules[src] for src in unique}
+    return {k.name: _modules[k.source].get_function(k.name) for k in unique.values()}
 
 
 def threads() -> int:
@@ -157,18 +141,35 @@ def _compile_each(sources: list[str]) -> None:
         progress.close()
 
 
-def load_module(code: str, options: tuple = OPTIONS):
+def runtime_kernel(source: str, name: str):
+    """The cupy function `name` of one of the runtime's own fixed kernels (the FFI
+    handler's copy kernel, the direct path's batch copier): no plan's kernel, so built
+    like the handler, once per install and GPU architecture, its cubin kept with the
+    handler in options.cache_dir(); loaded once per process. Through CuPy's RawKernel,
+    which preprocesses a source with NVRTC before compiling it into CuPy's cache, the
+    copy kernel cost every cold first call 0.23-0.53 s (H200, cProfile, bb71eb1)."""
+    with _lock:
+        module = _runtime_modules.get(source)
+    if module is None:
+        module = load_module(source, folder=cache_dir())
+        with _lock:
+            module = _runtime_modules.setdefault(source, module)
+    return module.get_function(name)
+
+
+def load_module(code: str, options: tuple = OPTIONS, folder: str | None = None):
     """A cupy.RawModule of `code` for the current device, compiled by NVRTC with `options`
     as they are: CuPy's own compile (RawModule(code=...)) appends -ftz=true, which
     flushes subnormal float32 operands and results to zero where XLA's kernels keep them.
-    The cubin is kept in CuPy's kernel cache directory (CUPY_CACHE_DIR), named by a hash
-    of the code, the options, NVRTC's version and the device's architecture."""
+    The cubin is kept in `folder`, by default CuPy's kernel cache directory
+    (CUPY_CACHE_DIR), named by a hash of the code, the options, NVRTC's version and the
+    device's architecture."""
     import cupy
 
     arch = cupy.cuda.Device().compute_capability
     key = repr((code, options, _nvrtc_version(), arch, CACHE_FORMAT))
     name = f"nimblejax-{hashlib.sha256(key.encode()).hexdigest()}.cubin"
-    path = os.path.join(kernel_cache_dir(), name)
+    path = os.path.join(folder or kernel_cache_dir(), name)
     if not os.path.exists(path):
         binary = cupy.cuda.compiler.compile_using_nvrtc(code, options=nvrtc_options(options))[0]
         binary = binary if isinstance(binary, bytes) else binary.encode()

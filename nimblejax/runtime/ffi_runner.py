@@ -260,22 +260,13 @@ def _aliases(inputs, buffers, donated: frozenset) -> dict:
 _COPY_FUNCTIONS: dict = {}  # device ordinal -> (RawKernel, CUfunction)
 
 
-def start_copy_kernel(library) -> None:
-    """Begin compiling the handler's copy kernel beside a plan's kernels (runtime/compile.py),
-    on the current device: through CuPy's RawKernel it cost a cold first call 0.23-0.53 s
-    (H200, cProfile), CuPy preprocessing the source with NVRTC before compiling it."""
-    from nimblejax.runtime import compile as nvrtc
-
-    nvrtc.start_sources([library.copy_kernel_source()])
-
-
 def _copy_function(library, ordinal: int) -> int:
-    """The CUfunction of the handler's copy kernel on device `ordinal` (current),
-    compiled once per process (or waited for: `start_copy_kernel`) and loaded per device."""
+    """The CUfunction of the handler's copy kernel on device `ordinal` (current), built
+    with the handler (compile.runtime_kernel) and loaded once per process and device."""
     if ordinal not in _COPY_FUNCTIONS:
-        from nimblejax.runtime import compile as nvrtc
+        from nimblejax.runtime.compile import runtime_kernel
 
-        kernel = nvrtc.function(library.copy_kernel_source(), "nimble_ffi_copy")
+        kernel = runtime_kernel(library.copy_kernel_source(), "nimble_ffi_copy")
         # The kernel must outlive every plan; .kernel loads it into the current context.
         _COPY_FUNCTIONS[ordinal] = (kernel, kernel.kernel.ptr)
     return _COPY_FUNCTIONS[ordinal][1]

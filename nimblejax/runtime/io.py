@@ -51,9 +51,9 @@ class BatchCopier:
     def __call__(self, entries: list, stream) -> None:
         cp = self.cp
         if self.kernel is None:
-            from nimblejax.runtime.compile import function
+            from nimblejax.runtime.compile import runtime_kernel
 
-            self.kernel = function(COPY_MANY, "nimble_copy_many")
+            self.kernel = runtime_kernel(COPY_MANY, "nimble_copy_many")
         n = len(entries)
         if n > self.capacity:
             self.capacity = max(n, 64)

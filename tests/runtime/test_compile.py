@@ -128,16 +128,6 @@ def test_compiling_starts_in_the_background_and_is_waited_for(fake_cupy):
     assert not compile_mod._pending
 
 
-def test_a_source_that_is_no_plans_kernel_compiles_beside_them_and_is_waited_for(fake_cupy):
-    """The FFI handler's copy kernel: started with a plan's kernels, taken by name."""
-    src = 'extern "C" __global__ void nimble_ffi_copy(float* out) { }\n'
-    compile_mod.start_sources([src])
-    assert set(compile_mod._pending) == {src}
-    assert compile_mod.function(src, "nimble_ffi_copy")[1] == "nimble_ffi_copy"
-    assert compile_mod.function(src, "nimble_ffi_copy")[1] == "nimble_ffi_copy"  # compiled once
-    assert FakeModule.built == [["nimble_ffi_copy"]] and not compile_mod._pending
-
-
 def test_many_new_kernels_build_several_modules_on_threads(fake_cupy, monkeypatch):
     monkeypatch.setattr(compile_mod, "threads", lambda: 3)
     ks = [kernel(f"k{i}") for i in range(12)]
@@ -239,6 +229,40 @@ def test_load_compiles_with_the_options_as_they_are_and_caches_the_cubin(monkeyp
     monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 1))
     assert compile_mod.load_module("code a")[1] != path and len(compiled) == 3
     assert sorted(p.suffix for p in (tmp_path / "cache").iterdir()) == [".cubin"] * 3
+
+
+def test_the_runtimes_own_kernels_are_built_once_into_the_handlers_cache(monkeypatch, tmp_path):
+    """compile.runtime_kernel: a fixed kernel of the runtime (the handler's copy kernel)
+    is compiled into options.cache_dir(), beside the handler, not into the kernel cache
+    a fresh CuPy cache empties; once per process, and once per install."""
+    compiled: list = []
+
+    def compile_using_nvrtc(code, options):
+        compiled.append(code)
+        return b"cubin of " + code.encode(), {}
+
+    class Module:
+        def __init__(self, path):
+            self.path = path
+
+        def get_function(self, name):
+            return (self.path, name)
+
+    cupy = types.SimpleNamespace(RawModule=Module, cuda=types.SimpleNamespace(
+        compiler=types.SimpleNamespace(compile_using_nvrtc=compile_using_nvrtc),
+        Device=lambda: types.SimpleNamespace(compute_capability="90")))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cupy"))
+    monkeypatch.setenv("NIMBLEJAX_CACHE_DIR", str(tmp_path / "nimble"))
+    monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(compile_mod, "nvrtc_options", tuple)
+    monkeypatch.setattr(compile_mod, "_runtime_modules", {})
+    path, name = compile_mod.runtime_kernel("copy code", "copy")
+    assert name == "copy" and path.startswith(str(tmp_path / "nimble")) and compiled == ["copy code"]
+    assert compile_mod.runtime_kernel("copy code", "copy")[0] == path and len(compiled) == 1
+    monkeypatch.setattr(compile_mod, "_runtime_modules", {})  # another process: loads the cubin
+    assert compile_mod.runtime_kernel("copy code", "copy")[0] == path and len(compiled) == 1
+    assert not (tmp_path / "cupy").exists()
 
 
 @pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
