@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
                                          "inception_v3,nasnet_mobile")
     ap.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
     ap.add_argument("--cold-handler", action="store_true",
-                    help="also rebuild nimble's XLA FFI handler (its first use after install)")
+                    help="also rebuild nimble's XLA FFI handler and copy kernels (their first use after install)")
     ap.add_argument("--phases", action="store_true",
                     help="run each first call under cProfile and report where it went")
     ap.add_argument("--json", default=None, help="write the rows here")
