@@ -266,6 +266,20 @@ def test_the_runtimes_own_kernels_are_built_once_into_the_handlers_cache(monkeyp
 
 
 @pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
+def test_the_runtimes_own_kernels_compile_with_the_options_load_module_passes():
+    """The handler's copy kernel (its C++ header's source) and the batch copier, as
+    runtime_kernel compiles them: extern "C", nothing beyond the built-in vector types."""
+    import pathlib
+
+    from nimblejax.runtime.io import COPY_MANY
+
+    header = (pathlib.Path(compile_mod.__file__).parent / "ffi" / "copy_kernel.h").read_text()
+    copy = header[header.index('R"CUDA(') + len('R"CUDA('):header.index(')CUDA"')]
+    for name, source in (("nimble_ffi_copy", copy), ("nimble_copy_many", COPY_MANY)):
+        assert f".entry {name}(" in compile_to_ptx(source, name, options=compile_mod.nvrtc_options())
+
+
+@pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
 def test_a_suite_plans_kernels_compile_with_the_options_load_module_passes():
     """The include folders CuPy adds, nimble's options, no -ftz=true: LSTM's kernels
     (half and bfloat16 headers, nimble's math helpers) compile so, without flushing."""
