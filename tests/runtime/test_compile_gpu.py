@@ -41,6 +41,35 @@ def test_a_first_call_compiles_each_kernel_once_in_the_form_it_launches(monkeypa
     assert set(built) <= launched, "a source compiled that the graph does not launch"
 
 
+def subnormal_mix(n: int = 4096) -> np.ndarray:
+    """float32 values of both signs: subnormal ones, the smallest normal ones, ordinary ones."""
+    rng = np.random.default_rng(7)
+    tiny = np.finfo(np.float32).tiny
+    parts = [rng.uniform(0, tiny, n // 4), rng.uniform(tiny, 4 * tiny, n // 4),
+             rng.uniform(0.5, 2.0, n // 4), np.ldexp(1.0, rng.integers(-149, -126, n // 4))]
+    x = np.concatenate(parts).astype(np.float32)
+    return x * rng.choice(np.float32([-1, 1]), x.size)
+
+
+@pytest.mark.parametrize("name, fn", [
+    ("half", lambda x, y: x * 0.5),
+    ("product", lambda x, y: x * y),
+    ("sum", lambda x, y: x + y * 0.25),
+    ("sqrt", lambda x, y: jnp.sqrt(jnp.abs(x)) * y),
+    ("max", lambda x, y: jnp.maximum(x, y)),
+])
+def test_subnormal_operands_and_results_bit_for_bit_as_jax_jit(name, fn):
+    """XLA's GPU kernels keep subnormal float32 values (no flush to zero); nimble's are
+    compiled so too (runtime/compile.py's load_module), so the bits agree."""
+    x = subnormal_mix()
+    y = np.roll(x, 1) * np.float32(3.0)
+    args = (jnp.asarray(x), jnp.asarray(y))
+    got = np.asarray(nimble.jit(fn)(*args)).view(np.int32)
+    want = np.asarray(jax.jit(fn)(*args)).view(np.int32)
+    differ = np.flatnonzero(got != want)
+    assert differ.size == 0, f"{name}: {differ.size} of {x.size} differ, e.g. x={x[differ[:3]]}"
+
+
 def test_the_handlers_copy_kernel_is_built_with_the_handler(monkeypatch):
     """Compiled by NVRTC into the handler's cache folder, not through CuPy's RawKernel
     (whose compile preprocesses the source first: 0.23-0.53 s of a cold first call on
