@@ -75,7 +75,7 @@ def jit(fun: Optional[Callable] = None, *, static_argnums: int | Sequence[int] =
 
     Compiler and runtime options (``max_streams``, ``eager``, ``conv``, ``gemm``,
     ``debug``, ``call_path``, ``residency``, ``small_gemm``, ``tc_gemm``, ``horizontal``,
-    ``fallback``, ``loops``, ``segments``, ``pdl``; see nimblejax.options) come from the environment when the function is decorated,
+    ``fallback``, ``loops``, ``segments``, ``pdl``, ``defer_build``; see nimblejax.options) come from the environment when the function is decorated,
     overridden by ``options=Options(...)`` and then by keyword arguments:
     ``nimble.jit(f, max_streams=1)``.
     """

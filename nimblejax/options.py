@@ -23,6 +23,7 @@ settings never share a stale plan.
 | loops        | NIMBLE_LOOPS         | "graph" / "unroll"          | the plan      |
 | segments     | NIMBLE_SEGMENTS      | graphs a call runs as (1)   | runtime       |
 | pdl          | NIMBLE_PDL           | True / False (0 turns off)  | runtime       |
+| defer_build  | NIMBLE_DEFER_BUILD   | True / False (1 turns on)   | runtime       |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
@@ -49,6 +50,10 @@ and why).
 may start while the kernel before it on its stream ends, and waits before its first
 memory access (runtime/pdl.py says how, and what it saved). On GPUs before Hopper
 launches stay plain.
+
+`defer_build`: a first call on the XLA path builds its new graph while XLA compiles the
+call, not before (runtime/placement.py says how, and what it should save); off until
+measured on a GPU.
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
 after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
@@ -103,7 +108,7 @@ _ENV = {"gemm": "NIMBLE_GEMM", "conv": "NIMBLE_CONV", "eager": "NIMBLE_EAGER",
         "max_streams": "NIMBLE_MAX_STREAMS", "debug": "NIMBLE_DEBUG", "call_path": "NIMBLE_CALL_PATH",
         "residency": "NIMBLE_RESIDENCY", "small_gemm": "NIMBLE_SMALL_GEMM",
         "tc_gemm": "NIMBLE_TC_GEMM", "horizontal": "NIMBLE_HORIZONTAL", "split_k": "NIMBLE_SPLIT_K", "fallback": "NIMBLE_FALLBACK", "loops": "NIMBLE_LOOPS",
-        "segments": "NIMBLE_SEGMENTS", "pdl": "NIMBLE_PDL"}
+        "segments": "NIMBLE_SEGMENTS", "pdl": "NIMBLE_PDL", "defer_build": "NIMBLE_DEFER_BUILD"}
 
 
 @dataclass(frozen=True)
@@ -124,13 +129,14 @@ class Options:
     loops: str = "graph"
     segments: int = 1
     pdl: bool = True
+    defer_build: bool = False
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
         _check_choice("conv", self.conv, CONV_PATHS)
         _check_choice("call_path", self.call_path, CALL_PATHS)
         _check_choice("residency", self.residency, RESIDENCY_CHECKS)
-        for switch in ("small_gemm", "tc_gemm", "horizontal", "split_k", "pdl"):
+        for switch in ("small_gemm", "tc_gemm", "horizontal", "split_k", "pdl", "defer_build"):
             _check_switch(switch, getattr(self, switch))
         _check_choice("fallback", self.fallback, FALLBACKS)
         _check_choice("loops", self.loops, LOOPS)
@@ -197,6 +203,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "loops": env.get(_ENV["loops"], "graph"),
         "segments": _int_or_none(env.get(_ENV["segments"], ""), "segments") or 1,
         "pdl": _flag(env.get(_ENV["pdl"], "1")),
+        "defer_build": _flag(env.get(_ENV["defer_build"], "")),
     }
     if base is not None:
         values.update(changed(base))

@@ -12,7 +12,7 @@ import jax
 from nimblejax.arguments import warn_at_user_line as _warn_at_user_line
 from nimblejax.compiler.errors import UnsupportedPrimitiveError
 from nimblejax.compiler.kinds import OutputKind
-from nimblejax.runtime import residency
+from nimblejax.runtime import placement, residency
 from nimblejax.runtime import runner as runner_mod
 from nimblejax.runtime.runner import RESIDENT
 
@@ -45,7 +45,7 @@ class XlaPath:
             statics, (leaves, in_tree) = (), _tree_flatten((args, kwargs))
         if not self._checked and len(leaves) <= DIRECT_MAX_LEAVES and self._direct_ok:
             self._entry = self._op_jit_fn  # from now on: f(x) is the jitted call itself
-            return self._op_jit_fn(*args, **kwargs)
+            return placement.first_run(self._op_jit_fn, args, kwargs, self.options.defer_build)
         self._checked = True
         with self._lock:
             last, decided = self._resident, None
@@ -61,7 +61,7 @@ class XlaPath:
                 self._resident = None
                 return self._op_jit_fn(*args, **kwargs)
             record, passed = made
-            record.outs = outs = record.fn(*passed)
+            record.outs = outs = placement.first_run(record.fn, passed, None, self.options.defer_build)
             if not self._has_statics:
                 record.structure = residency.structure(self._walker, args, kwargs, leaves)
             self._resident = record

@@ -24,6 +24,7 @@ import numpy as np
 from nimblejax.compiler.plan import Plan
 from nimblejax.compiler.segments import plan_segments
 from nimblejax.runtime import inplace as inplace_mod
+from nimblejax.runtime import placement
 from nimblejax.runtime.ffi import TARGET
 from nimblejax.runtime.runner import PASSED, Runner, assemble
 
@@ -39,6 +40,7 @@ class FfiRunner(Runner):
         self.id = 0
         self.exes: dict = {}  # device ordinal -> DeviceGraph
         self.views: dict = {}  # operand sources -> the id of the view registered for them
+        self.pending: list = []  # device ordinals whose graph is built after lowering
         self.donated = donated
         self.buffers = list(plan.output_buffers)
         self.out_specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in self.buffers]
@@ -65,9 +67,32 @@ class FfiRunner(Runner):
         return list(self.exes.values())
 
     def place(self, devices) -> None:
-        for d in devices:
-            if d.platform == "gpu" and d.local_hardware_id not in self.exes:
-                self._register(d.local_hardware_id)
+        todo = [d.local_hardware_id for d in devices if d.platform == "gpu"
+                and d.local_hardware_id not in self.exes and d.local_hardware_id not in self.pending]
+        pending = placement.deferring()
+        if todo and pending is not None:  # built while XLA compiles (runtime/placement.py)
+            if not self.segment_ids:  # the ids the custom calls name, registered later
+                self.segment_ids = [self.library.reserve_id() for _ in self.segments]
+                self.id = self.segment_ids[0]
+            self.pending += todo
+            if self not in pending:
+                pending.append(self)
+            return
+        for ordinal in todo:
+            self._register(ordinal)
+
+    def finish_placement(self) -> None:
+        """Build and register the graphs `place` deferred, under the ids it reserved."""
+        while self.pending:
+            self._register(self.pending[0])
+            self.pending.pop(0)
+
+    def abandon_placement(self) -> None:
+        """After a deferred build failed: nothing is left pending, and where no device
+        was placed, the reserved ids are given up (the next lowering registers anew)."""
+        self.pending = []
+        if not self.exes:
+            self.id, self.segment_ids, self.views = 0, [], {}
 
     def _register(self, ordinal: int) -> None:
         import cupy
@@ -176,8 +201,8 @@ class FfiRunner(Runner):
         if all(src == PASSED for src in sources):
             return self.id
         view = self.views.get(sources)
-        if view is None:
-            view = 0
+        if view is None:  # (an id reserved where a device's graph is still to be built)
+            view = self.library.reserve_id() if self.pending else 0
             for ordinal in self.exes:
                 view = self._register_view(sources, view, ordinal)
             self.views[sources] = view

@@ -8,8 +8,7 @@ import nimblejax as nimble
 from nimblejax import options as options_mod
 from nimblejax.options import Options, from_env
 
-VARS = ("NIMBLE_GEMM", "NIMBLE_CONV", "NIMBLE_EAGER", "NIMBLE_MAX_STREAMS", "NIMBLE_DEBUG",
-        "NIMBLE_CALL_PATH")
+VARS = tuple(options_mod._ENV.values())
 
 
 @pytest.fixture
@@ -21,6 +20,14 @@ def clean_env(monkeypatch):
 
 def test_defaults_without_environment(clean_env):
     assert from_env() == Options()
+
+
+def test_deferred_builds_are_off_unless_asked_for(clean_env):
+    assert from_env().defer_build is False
+    clean_env.setenv("NIMBLE_DEFER_BUILD", "1")
+    assert from_env().defer_build is True and nimble.jit(lambda x: x).options.defer_build is True
+    with pytest.raises(ValueError, match="NIMBLE_DEFER_BUILD"):
+        Options(defer_build="yes")
 
 
 def test_environment_then_base_then_keywords(clean_env):

@@ -26,6 +26,7 @@ EXPORTS = (
     "nimble_ffi_init",
     "nimble_ffi_last_error",
     "nimble_ffi_register",
+    "nimble_ffi_reserve_id",
     "nimble_ffi_unregister",
     "nimble_ffi_copy_kernel_source",
     "nimble_ffi_capture_copy_node",
@@ -95,6 +96,13 @@ def test_exported_symbols(built):
     lib = ctypes.CDLL(str(built))
     for name in EXPORTS:
         assert getattr(lib, name, None) is not None, name
+
+
+def test_reserved_plan_ids_are_new_and_distinct(library):
+    """A custom call may name its plan before the plan is built (a first call building
+    its graph while XLA compiles: runtime/placement.py)."""
+    ids = [library.reserve_id() for _ in range(3)]
+    assert all(i > 0 for i in ids) and ids == sorted(set(ids))
 
 
 def test_copy_kernel_source(library):

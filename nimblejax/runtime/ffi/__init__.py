@@ -174,6 +174,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.nimble_ffi_last_error.restype = ctypes.c_char_p
     lib.nimble_ffi_copy_kernel_source.argtypes = []
     lib.nimble_ffi_copy_kernel_source.restype = ctypes.c_char_p
+    lib.nimble_ffi_reserve_id.argtypes = []
+    lib.nimble_ffi_reserve_id.restype = ctypes.c_longlong
     lib.nimble_ffi_register.argtypes = [
         ctypes.c_longlong, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int, _u64_p, _u64_p,
@@ -251,6 +253,11 @@ class FfiLibrary:
         """
         if self._lib.nimble_ffi_init() != 0:
             raise RuntimeError(f"nimblejax FFI init failed: {self.last_error()}")
+
+    def reserve_id(self) -> int:
+        """A new plan id (> 0) for a later `register` or `register_view` to take: a
+        custom call can name its plan before the plan is built."""
+        return int(self._lib.nimble_ffi_reserve_id())
 
     def register(
         self,

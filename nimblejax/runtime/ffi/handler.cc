@@ -309,6 +309,13 @@ NIMBLE_EXPORT const char* nimble_ffi_copy_kernel_source(void) {
   return kCopyKernelSource;
 }
 
+// A new plan id, registered later (nimble_ffi_register or _register_view with it): a
+// call's custom call can name its plan before the plan's graph is built.
+NIMBLE_EXPORT long long nimble_ffi_reserve_id(void) {
+  std::lock_guard<std::mutex> lock(g_plans_mu);
+  return g_next_id++;
+}
+
 // Registers the copy of plan `plan_id` (0: a new id) for device ordinal `device`
 // and returns the plan's id. Needs the device's CUDA context current (the one
 // graph_exec and copy_fn belong to): the plan's event is created in it.
