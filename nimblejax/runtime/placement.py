@@ -38,8 +38,8 @@ def first_run(fn: Callable, args: tuple, kwargs: Optional[dict] = None, defer: b
     """`fn(*args, **kwargs)` for a jitted nimble call that may lower for the first time,
     its new graphs built while XLA compiles it where `defer`."""
     kwargs = kwargs or {}
-    if not defer or deferring() is not None:
-        return fn(*args, **kwargs)
+    if not defer or deferring() is not None or _traced((args, kwargs)):
+        return fn(*args, **kwargs)  # (under a transformation: lowered by the caller's program)
     _local.pending = pending = []
     try:
         lowered = fn.lower(*args, **kwargs)
@@ -61,6 +61,12 @@ def first_run(fn: Callable, args: tuple, kwargs: Optional[dict] = None, defer: b
         raise
     compiling.join()
     return fn(*args, **kwargs)
+
+
+def _traced(tree) -> bool:
+    import jax
+
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(tree))
 
 
 def _compile(lowered) -> None:

@@ -93,3 +93,28 @@ def test_a_failed_build_is_abandoned_and_the_next_call_lowers_again():
     runner.fail = False
     np.testing.assert_array_equal(f(x), x * 2)  # not the program naming the lost ids
     assert runner.lowered == 2
+
+
+def test_under_a_transformation_the_call_is_plain():
+    """A first call inside the caller's jax.jit or grad is lowered by the caller's program."""
+    runner = FakeRunner()
+    f = doubling(runner)
+    x = values()
+    np.testing.assert_array_equal(jax.jit(lambda y: placement.first_run(f, (y,)))(x), x * 2)
+    assert runner.finished == 0
+
+
+@pytest.mark.parametrize("transform", ["jit", "grad"])
+def test_a_nimble_functions_first_call_under_a_transformation_with_deferred_builds(transform):
+    import nimblejax as nimble
+
+    def fn(x):
+        return jnp.sin(x) * x
+
+    f = nimble.jit(fn, backend="interpret", defer_build=True)
+    x = values()
+    if transform == "jit":
+        got, want = jax.jit(f)(x), jax.jit(fn)(x)
+    else:
+        got, want = jax.grad(lambda y: f(y).sum())(x), jax.grad(lambda y: fn(y).sum())(x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
