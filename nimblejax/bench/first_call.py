@@ -12,7 +12,12 @@ empties that cache too.
 ``--phases`` runs the timed span under cProfile and adds where it went (`PHASES`:
 seconds under the profiler, cumulative, so nested phases overlap; the first call itself
 is slower so), and the functions with the most cumulative seconds (`profile_top`, in
-the JSON; nimble's fifteen first printed).
+the JSON; nimble's fifteen first printed). ``--variant defer:NIMBLE_DEFER_BUILD=1`` also
+times nimble's first call under those environment variables (repeatable), and
+``--rounds N`` runs everything N times, alternating, the table giving medians:
+
+    python -m nimblejax.bench.first_call --models mlp,lstm --batch 1 \
+        --variant defer:NIMBLE_DEFER_BUILD=1 --rounds 3
 """
 from __future__ import annotations
 
@@ -116,21 +121,43 @@ def _fresh_env(root: str, cold_handler: bool) -> dict:
 
 
 def run_one(model: str, batch: int, side: str, root: str, cold_handler: bool,
-            phases: bool = False) -> dict:
+            phases: bool = False, variant: tuple = ("nimble", {})) -> dict:
+    """One side's first call in a fresh process; nimble's under `variant`'s environment
+    (a label and the variables it sets: `--variant`), named in the row."""
     cmd = [sys.executable, "-m", "nimblejax.bench.first_call", "--child", model, str(batch), side]
     cmd += ["--phases"] if phases else []
-    done = subprocess.run(cmd, env=_fresh_env(root, cold_handler), capture_output=True, text=True)
+    env = _fresh_env(root, cold_handler)
+    label = None
+    if side == "nimble":
+        label, extra = variant
+        env.update(extra)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return {"model": model, "batch": batch, "side": side, "error": " | ".join(tail)}
-    return json.loads(lines[-1])
+        row = {"model": model, "batch": batch, "side": side, "error": " | ".join(tail)}
+    else:
+        row = json.loads(lines[-1])
+    if label is not None and label != "nimble":
+        row["variant"] = label
+    return row
+
+
+def parse_variant(text: str) -> tuple:
+    """`label:VAR=value,VAR=value` → (label, {VAR: value}): nimble's first call again
+    under these environment variables (NIMBLE_DEFER_BUILD=1, say)."""
+    label, sep, assignments = text.partition(":")
+    pairs = [a.partition("=") for a in assignments.split(",") if a]
+    if not sep or not label or not pairs or any(not name or not eq for name, eq, _ in pairs):
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: expected LABEL:VAR=VALUE[,VAR=VALUE]")
+    return label, {name: value for name, _, value in pairs}
 
 
 def _phase_table(rows: list[dict]) -> str:
     """Seconds per phase (under the profiler), a column per side of each model and batch."""
     timed = [r for r in rows if "phases_s" in r]
-    head = "| phase | " + " | ".join(f"{r['model']} {r['batch']} {r['side']}" for r in timed) + " |"
+    head = "| phase | " + " | ".join(f"{r['model']} {r['batch']} {r.get('variant', r['side'])}"
+                                     for r in timed) + " |"
     out = [head, "|---|" + "---|" * len(timed)]
     out.append("| first call (profiled) | " + " | ".join(str(r["first_call_s"]) for r in timed) + " |")
     for label, _, _ in PHASES:
@@ -139,14 +166,34 @@ def _phase_table(rows: list[dict]) -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    by_key = {(r["model"], r["batch"], r["side"]): r for r in rows}
-    out = ["| model | batch | jax.jit s | nimble s | nimble / jax.jit |", "|---|---|---|---|---|"]
+    """nimble's first call over jax.jit's per model and batch, a pair of columns per
+    nimble variant; medians where `--rounds` ran each more than once."""
+    labels = list(dict.fromkeys(r.get("variant", "nimble") for r in rows if r["side"] == "nimble"))
+    labels = labels or ["nimble"]
+    head = "| model | batch | jax.jit s | " + " | ".join(
+        f"{label} s | {label} / jax.jit" for label in labels) + " |"
+    out = [head, "|---|---|---|" + "---|---|" * len(labels)]
     for model, batch in dict.fromkeys((r["model"], r["batch"]) for r in rows):
-        j, n = by_key.get((model, batch, "jax"), {}), by_key.get((model, batch, "nimble"), {})
-        js, ns = j.get("first_call_s"), n.get("first_call_s")
-        ratio = f"{ns / js:.2f}" if js and ns else n.get("error", j.get("error", "—"))
-        out.append(f"| {model} | {batch} | {js or '—'} | {ns or '—'} | {ratio} |")
+        mine = [r for r in rows if (r["model"], r["batch"]) == (model, batch)]
+        jax_rows = [r for r in mine if r["side"] == "jax"]
+        js = _median([r["first_call_s"] for r in jax_rows if "first_call_s" in r])
+        cells = [f"{js or '—'}"]
+        for label in labels:
+            ours = [r for r in mine if r["side"] == "nimble" and r.get("variant", "nimble") == label]
+            ns = _median([r["first_call_s"] for r in ours if "first_call_s" in r])
+            errors = [r["error"] for r in ours + jax_rows if "error" in r]
+            ratio = f"{ns / js:.2f}" if js and ns else (errors[0] if errors else "—")
+            cells += [f"{ns or '—'}", ratio]
+        out.append(f"| {model} | {batch} | " + " | ".join(cells) + " |")
     return "\n".join(out)
+
+
+def _median(values: list):
+    if not values:
+        return None
+    values = sorted(values)
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else round((values[middle - 1] + values[middle]) / 2, 3)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -158,6 +205,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="also rebuild nimble's XLA FFI handler and copy kernels (their first use after install)")
     ap.add_argument("--phases", action="store_true",
                     help="run each first call under cProfile and report where it went")
+    ap.add_argument("--variant", action="append", type=parse_variant, default=[],
+                    metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
+                    help="also time nimble's first call under these environment variables "
+                         "(repeatable), e.g. defer:NIMBLE_DEFER_BUILD=1")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run everything this many times, alternating; the table gives medians")
     ap.add_argument("--json", default=None, help="write the rows here")
     ap.add_argument("--child", nargs=3, metavar=("MODEL", "BATCH", "SIDE"), help=argparse.SUPPRESS)
     opts = ap.parse_args(argv)
@@ -167,11 +220,14 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     with tempfile.TemporaryDirectory(prefix="nimblejax-first-call-") as root:
-        for model in opts.models.split(","):
-            for batch in (int(b) for b in opts.batch.split(",")):
-                for side in SIDES:
-                    rows.append(run_one(model, batch, side, root, opts.cold_handler, opts.phases))
-                    print(json.dumps(rows[-1]), flush=True)
+        runs = [("jax", None), ("nimble", ("nimble", {}))] + [("nimble", v) for v in opts.variant]
+        for _ in range(opts.rounds):
+            for model in opts.models.split(","):
+                for batch in (int(b) for b in opts.batch.split(",")):
+                    for side, variant in runs:
+                        rows.append(run_one(model, batch, side, root, opts.cold_handler, opts.phases,
+                                            variant or ("nimble", {})))
+                        print(json.dumps(rows[-1]), flush=True)
     print(_table(rows))
     if opts.phases:
         print(_phase_table(rows))

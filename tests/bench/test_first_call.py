@@ -2,7 +2,11 @@
 and a child that fails reported as a row that says why (not a crash of the whole run)."""
 from __future__ import annotations
 
+import argparse
 import json
+import types
+
+import pytest
 
 from nimblejax.bench import first_call
 
@@ -15,6 +19,39 @@ def test_table_gives_nimble_over_jax_per_model_and_batch():
     lines = first_call._table(rows).splitlines()
     assert lines[2] == "| m | 1 | 4.0 | 1.0 | 0.25 |"
     assert lines[3] == "| m | 32 | 2.0 | — | boom |"
+
+
+def test_variants_get_their_columns_and_rounds_their_medians():
+    rows = [{"model": "m", "batch": 1, "side": "jax", "first_call_s": t} for t in (4.0, 2.0, 3.0)]
+    rows += [{"model": "m", "batch": 1, "side": "nimble", "first_call_s": t} for t in (1.0, 1.5, 0.5)]
+    rows += [{"model": "m", "batch": 1, "side": "nimble", "variant": "defer", "first_call_s": t}
+             for t in (0.3, 0.6)]
+    lines = first_call._table(rows).splitlines()
+    assert lines[0] == "| model | batch | jax.jit s | nimble s | nimble / jax.jit | defer s | defer / jax.jit |"
+    assert lines[2] == "| m | 1 | 3.0 | 1.0 | 0.33 | 0.45 | 0.15 |"
+
+
+def test_a_variant_is_a_label_and_the_variables_it_sets():
+    assert first_call.parse_variant("defer:NIMBLE_DEFER_BUILD=1,NIMBLE_PDL=0") == (
+        "defer", {"NIMBLE_DEFER_BUILD": "1", "NIMBLE_PDL": "0"})
+    for bad in ("defer", "defer:", ":A=1", "defer:A"):
+        with pytest.raises(argparse.ArgumentTypeError, match="LABEL:VAR=VALUE"):
+            first_call.parse_variant(bad)
+
+
+def test_a_nimble_variant_runs_under_its_environment(tmp_path, monkeypatch):
+    seen: list = []
+
+    def fake_run(cmd, env, capture_output, text):
+        seen.append(env.get("NIMBLE_DEFER_BUILD"))
+        return types.SimpleNamespace(returncode=0, stderr="", stdout=json.dumps(
+            {"model": "m", "batch": 1, "side": cmd[-1], "first_call_s": 1.0}))
+
+    monkeypatch.setattr(first_call.subprocess, "run", fake_run)
+    monkeypatch.delenv("NIMBLE_DEFER_BUILD", raising=False)
+    row = first_call.run_one("m", 1, "nimble", str(tmp_path), False, variant=("defer", {"NIMBLE_DEFER_BUILD": "1"}))
+    assert row["variant"] == "defer" and seen == ["1"]
+    assert "variant" not in first_call.run_one("m", 1, "jax", str(tmp_path), False) and seen[-1] is None
 
 
 def test_a_failing_child_is_a_row_naming_the_error(tmp_path):
