@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -189,11 +190,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def _median(values: list):
-    if not values:
-        return None
-    values = sorted(values)
-    middle = len(values) // 2
-    return values[middle] if len(values) % 2 else round((values[middle - 1] + values[middle]) / 2, 3)
+    return round(statistics.median(values), 3) if values else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -220,13 +217,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows = []
     with tempfile.TemporaryDirectory(prefix="nimblejax-first-call-") as root:
-        runs = [("jax", None), ("nimble", ("nimble", {}))] + [("nimble", v) for v in opts.variant]
+        runs = [("jax", ("nimble", {})), ("nimble", ("nimble", {}))] + [("nimble", v) for v in opts.variant]
         for _ in range(opts.rounds):
             for model in opts.models.split(","):
                 for batch in (int(b) for b in opts.batch.split(",")):
                     for side, variant in runs:
-                        rows.append(run_one(model, batch, side, root, opts.cold_handler, opts.phases,
-                                            variant or ("nimble", {})))
+                        rows.append(run_one(model, batch, side, root, opts.cold_handler, opts.phases, variant))
                         print(json.dumps(rows[-1]), flush=True)
     print(_table(rows))
     if opts.phases:
