@@ -23,7 +23,7 @@ settings never share a stale plan.
 | loops        | NIMBLE_LOOPS         | "graph" / "unroll"          | the plan      |
 | segments     | NIMBLE_SEGMENTS      | graphs a call runs as (1)   | runtime       |
 | pdl          | NIMBLE_PDL           | True / False (0 turns off)  | runtime       |
-| defer_build  | NIMBLE_DEFER_BUILD   | True / False (1 turns on)   | runtime       |
+| defer_build  | NIMBLE_DEFER_BUILD   | True / False (0 turns off)  | runtime       |
 
 `gemm`: plain cuBLAS computes no GEMM epilogue, so its plans keep a GEMM's bias add and
 activation as kernels (compiler/epilogue.py).
@@ -52,8 +52,7 @@ memory access (runtime/pdl.py says how, and what it saved). On GPUs before Hoppe
 launches stay plain.
 
 `defer_build`: a first call on the XLA path builds its new graph while XLA compiles the
-call, not before (runtime/placement.py says how, and what it should save); off until
-measured on a GPU.
+call, not before (runtime/placement.py says how, and what it saved).
 
 `debug`: 1 verifies every plan (no races between streams); 2 also prints the program
 after every compiler pass to stderr: the stages `NimbleFunction.stages` returns
@@ -129,7 +128,7 @@ class Options:
     loops: str = "graph"
     segments: int = 1
     pdl: bool = True
-    defer_build: bool = False
+    defer_build: bool = True
 
     def __post_init__(self) -> None:
         _check_choice("gemm", self.gemm, GEMM_LIBRARIES)
@@ -203,7 +202,7 @@ def from_env(base: Optional[Options] = None, *, probe_cudnn: Optional[Callable[[
         "loops": env.get(_ENV["loops"], "graph"),
         "segments": _int_or_none(env.get(_ENV["segments"], ""), "segments") or 1,
         "pdl": _flag(env.get(_ENV["pdl"], "1")),
-        "defer_build": _flag(env.get(_ENV["defer_build"], "")),
+        "defer_build": _flag(env.get(_ENV["defer_build"], "1")),
     }
     if base is not None:
         values.update(changed(base))

@@ -12,12 +12,12 @@ empties that cache too.
 ``--phases`` runs the timed span under cProfile and adds where it went (`PHASES`:
 seconds under the profiler, cumulative, so nested phases overlap; the first call itself
 is slower so), and the functions with the most cumulative seconds (`profile_top`, in
-the JSON; nimble's fifteen first printed). ``--variant defer:NIMBLE_DEFER_BUILD=1`` also
+the JSON; nimble's fifteen first printed). ``--variant inline:NIMBLE_DEFER_BUILD=0`` also
 times nimble's first call under those environment variables (repeatable), and
 ``--rounds N`` runs everything N times, alternating, the table giving medians:
 
     python -m nimblejax.bench.first_call --models mlp,lstm --batch 1 \
-        --variant defer:NIMBLE_DEFER_BUILD=1 --rounds 3
+        --variant inline:NIMBLE_DEFER_BUILD=0 --rounds 3
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def run_one(model: str, batch: int, side: str, root: str, cold_handler: bool,
 
 def parse_variant(text: str) -> tuple:
     """`label:VAR=value,VAR=value` → (label, {VAR: value}): nimble's first call again
-    under these environment variables (NIMBLE_DEFER_BUILD=1, say)."""
+    under these environment variables (NIMBLE_DEFER_BUILD=0, say)."""
     label, sep, assignments = text.partition(":")
     pairs = [a.partition("=") for a in assignments.split(",") if a]
     if not sep or not label or not pairs or any(not name or not eq for name, eq, _ in pairs):
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--variant", action="append", type=parse_variant, default=[],
                     metavar="LABEL:VAR=VALUE[,VAR=VALUE]",
                     help="also time nimble's first call under these environment variables "
-                         "(repeatable), e.g. defer:NIMBLE_DEFER_BUILD=1")
+                         "(repeatable), e.g. inline:NIMBLE_DEFER_BUILD=0")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run everything this many times, alternating; the table gives medians")
     ap.add_argument("--json", default=None, help="write the rows here")

@@ -22,10 +22,10 @@ def test_defaults_without_environment(clean_env):
     assert from_env() == Options()
 
 
-def test_deferred_builds_are_off_unless_asked_for(clean_env):
-    assert from_env().defer_build is False
-    clean_env.setenv("NIMBLE_DEFER_BUILD", "1")
-    assert from_env().defer_build is True and nimble.jit(lambda x: x).options.defer_build is True
+def test_deferred_builds_are_on_unless_turned_off(clean_env):
+    assert from_env().defer_build is True
+    clean_env.setenv("NIMBLE_DEFER_BUILD", "0")
+    assert from_env().defer_build is False and nimble.jit(lambda x: x).options.defer_build is False
     with pytest.raises(ValueError, match="NIMBLE_DEFER_BUILD"):
         Options(defer_build="yes")
 
