@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -27,6 +28,7 @@ from typing import Iterable
 
 from nimblejax.compiler.lowering.task import Kernel
 from nimblejax.options import cache_dir, kernel_cache_dir
+from nimblejax.runtime import nvrtc
 
 # sqrtf as XLA's kernels compute it: libdevice's approximate square root (sqrt.approx.f32,
 # subnormals kept; XLA leaves libdevice's __CUDA_PREC_SQRT unset). Measured on an H200
@@ -46,6 +48,7 @@ _lock = threading.Lock()
 _pool: list = []  # the one ThreadPoolExecutor, made on first use
 _private: list = []  # load_module's folder where the kernel cache is not writable
 _runtime_modules: dict[str, object] = {}  # runtime_kernel's: source → cupy.RawModule
+_cupy_compiles: list = []  # why NVRTC called directly was left for CuPy's compile, if it was
 
 
 def _executor() -> ThreadPoolExecutor:
@@ -57,18 +60,26 @@ def _executor() -> ThreadPoolExecutor:
 
 def start_compiling(kernels: Iterable[Kernel]) -> None:
     """Begin compiling the kernels not compiled or compiling yet, on background threads,
-    for the current device; returns at once."""
-    import cupy
-
+    for the current device; returns at once. CuPy need not be imported yet: the threads
+    compile through NVRTC itself (runtime/nvrtc.py) and import it only to load."""
     with _lock:
         todo = [src for src in dict.fromkeys(k.source for k in kernels)
                 if src not in _modules and src not in _pending]
         if not todo:
             return
-        device = cupy.cuda.Device().id
+        device, arch = _target()
         for module in module_split(todo, threads()):
-            future = _executor().submit(_build_on, device, module)
+            future = _executor().submit(_build_on, device, arch, module)
             _pending.update(dict.fromkeys(module, future))
+
+
+def _target() -> tuple:
+    """(CuPy's current device, or None where CuPy is not imported: its default; the
+    compute capability to compile for)."""
+    try:
+        return sys.modules["cupy"].cuda.Device().id, nvrtc.current_arch()
+    except (KeyError, AttributeError):
+        return None, nvrtc.current_arch()
 
 
 def compile_kernels(kernels: Iterable[Kernel]) -> dict[str, object]:
@@ -108,22 +119,27 @@ def module_split(sources: list[str], threads: int) -> list[list[str]]:
     return modules
 
 
-def _build_on(device: int, sources: list[str]) -> bool:
-    """One module on a pool thread, on `device`."""
+def _build_on(device, arch: str, sources: list[str]) -> bool:
+    """One module on a pool thread, for `device` (None: CuPy's default) of `arch`."""
+    if device is None:
+        return _compile_together(sources, arch)
     import cupy
 
     with cupy.cuda.Device(device):
-        return _compile_together(sources)
+        return _compile_together(sources, arch)
 
 
-def _compile_together(sources: list[str]) -> bool:
-    """Compile `sources` as one module; False where NVRTC refuses the whole."""
-    import cupy
-
+def _compile_together(sources: list[str], arch: str | None = None) -> bool:
+    """Compile `sources` as one module; False where NVRTC refuses the whole. (CuPy is not
+    imported before the compile: the main thread may be importing it meanwhile.)"""
     try:
-        module = load_module("\n".join(sources))
-    except cupy.cuda.compiler.CompileException:
-        return False
+        module = load_module("\n".join(sources), arch=arch)
+    except Exception as e:
+        cupy = sys.modules.get("cupy")
+        if isinstance(e, nvrtc.NvrtcError) or (
+                cupy is not None and isinstance(e, cupy.cuda.compiler.CompileException)):
+            return False
+        raise
     _modules.update(dict.fromkeys(sources, module))
     return True
 
@@ -157,28 +173,48 @@ def runtime_kernel(source: str, name: str):
     return module.get_function(name)
 
 
-def load_module(code: str, options: tuple = OPTIONS, folder: str | None = None):
-    """A cupy.RawModule of `code` for the current device, compiled by NVRTC with `options`
-    as they are: CuPy's own compile (RawModule(code=...)) appends -ftz=true, which
-    flushes subnormal float32 operands and results to zero where XLA's kernels keep them.
-    The cubin is kept in `folder`, by default CuPy's kernel cache directory
-    (CUPY_CACHE_DIR), named by a hash of the code, the options, NVRTC's version and the
-    device's architecture."""
-    import cupy
-
-    arch = cupy.cuda.Device().compute_capability
+def load_module(code: str, options: tuple = OPTIONS, folder: str | None = None,
+                arch: str | None = None):
+    """A cupy.RawModule of `code` for the current device (of compute capability `arch`,
+    else asked), compiled by NVRTC with `options` as they are: CuPy's own compile
+    (RawModule(code=...)) appends -ftz=true, which flushes subnormal float32 operands
+    and results to zero where XLA's kernels keep them. The cubin is kept in `folder`, by
+    default CuPy's kernel cache directory (CUPY_CACHE_DIR), named by a hash of the code,
+    the options, NVRTC's version and the architecture. CuPy is imported only to load it."""
+    arch = arch or nvrtc.current_arch()
     key = repr((code, options, _nvrtc_version(), arch, CACHE_FORMAT))
     name = f"nimblejax-{hashlib.sha256(key.encode()).hexdigest()}.cubin"
     path = os.path.join(folder or kernel_cache_dir(), name)
     if not os.path.exists(path):
-        binary = cupy.cuda.compiler.compile_using_nvrtc(code, options=nvrtc_options(options))[0]
-        binary = binary if isinstance(binary, bytes) else binary.encode()
+        binary = _cubin(code, options, arch)
         try:
             _write(path, binary)
         except OSError:  # a cache folder not writable here: this process's own folder
             path = os.path.join(_private_folder(), name)
             _write(path, binary)
+    import cupy
+
     return cupy.RawModule(path=path)
+
+
+def _cubin(code: str, options: tuple, arch: str) -> bytes:
+    """`code`'s cubin: NVRTC called directly (runtime/nvrtc.py: the same library and
+    options as CuPy's compile, the same cubins, measured on CI's CPU for the kernels of
+    four suite models, and no CuPy import); CuPy's compile where NVRTC cannot be loaded
+    so, or refuses what CuPy's compile takes (then CuPy's from now on: the two differ
+    here, in the header folders say)."""
+    refused = None
+    if nvrtc.library() is not None and not _cupy_compiles:
+        try:
+            return nvrtc.compile_cubin(code, options, arch)
+        except nvrtc.NvrtcError as e:
+            refused = e
+    import cupy
+
+    binary = cupy.cuda.compiler.compile_using_nvrtc(code, options=nvrtc_options(options), arch=arch)[0]
+    if refused is not None:
+        _cupy_compiles.append(str(refused))
+    return binary if isinstance(binary, bytes) else binary.encode()
 
 
 def _write(path: str, binary: bytes) -> None:
@@ -208,9 +244,11 @@ def nvrtc_options(options: tuple = OPTIONS) -> tuple:
 
 
 def _nvrtc_version() -> tuple:
-    from cupy_backends.cuda.libs import nvrtc
+    if nvrtc.library() is not None:
+        return nvrtc.version()
+    from cupy_backends.cuda.libs import nvrtc as cupy_nvrtc
 
-    return nvrtc.getVersion()
+    return cupy_nvrtc.getVersion()
 
 
 class _progress:

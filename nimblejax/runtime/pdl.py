@@ -82,10 +82,11 @@ def applies(requested: bool) -> bool:
 
 
 def supported() -> bool:
-    """Whether the current GPU takes programmatic launches (compute capability 9.0+)."""
-    import cupy
+    """Whether the current GPU takes programmatic launches (compute capability 9.0+);
+    asked without importing CuPy (runtime/nvrtc.py), as a plan is made."""
+    from nimblejax.runtime import nvrtc
 
-    return int(cupy.cuda.Device().compute_capability) >= 90
+    return int(nvrtc.current_arch()) >= 90
 
 
 # ---- cuLaunchKernelEx (ABI as declared in NVIDIA's cuda.h) ----------------------------------

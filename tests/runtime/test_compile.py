@@ -25,6 +25,12 @@ class CompileException(Exception):
     pass
 
 
+@pytest.fixture(autouse=True)
+def _compiled_through_nvrtc_itself(monkeypatch):
+    """Each test starts with NVRTC called directly, as a process does."""
+    monkeypatch.setattr(compile_mod, "_cupy_compiles", [])
+
+
 class FakeModule:
     """A RawModule whose compile fails when its code defines one function twice."""
 
@@ -48,6 +54,8 @@ class FakeModule:
 class FakeDevice:
     """cupy.cuda.Device: the current one (id 0) and a context that makes one current."""
 
+    compute_capability = "90"
+
     def __init__(self, id: int = 0) -> None:
         self.id = id
 
@@ -58,7 +66,7 @@ class FakeDevice:
         return None
 
 
-def fake_load(code: str) -> FakeModule:
+def fake_load(code: str, arch: str | None = None) -> FakeModule:
     """compile.load_module on the fake: a module of `code`, compiled at once."""
     module = FakeModule(code, compile_mod.OPTIONS)
     module.compile()
@@ -210,7 +218,7 @@ def test_load_compiles_with_the_options_as_they_are_and_caches_the_cubin(monkeyp
     process) is not compiled again, other code or another NVRTC is."""
     compiled: list = []
 
-    def compile_using_nvrtc(code, options):
+    def compile_using_nvrtc(code, options, arch):
         compiled.append((code, options[-len(compile_mod.OPTIONS):]))
         return b"cubin of " + code.encode(), {}
 
@@ -221,6 +229,7 @@ def test_load_compiles_with_the_options_as_they_are_and_caches_the_cubin(monkeyp
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 0))
     monkeypatch.setattr(compile_mod, "nvrtc_options", lambda options: ("-Iheaders",) + tuple(options))
+    monkeypatch.setattr(compile_mod.nvrtc, "library", lambda: None)  # CuPy's compile
     kind, path = compile_mod.load_module("code a")
     assert compiled == [("code a", compile_mod.OPTIONS)] and kind == "module"
     assert open(path, "rb").read() == b"cubin of code a" and path.startswith(str(tmp_path / "cache"))
@@ -237,7 +246,7 @@ def test_the_runtimes_own_kernels_are_built_once_into_the_handlers_cache(monkeyp
     a fresh CuPy cache empties; once per process, and once per install."""
     compiled: list = []
 
-    def compile_using_nvrtc(code, options):
+    def compile_using_nvrtc(code, options, arch):
         compiled.append(code)
         return b"cubin of " + code.encode(), {}
 
@@ -256,6 +265,7 @@ def test_the_runtimes_own_kernels_are_built_once_into_the_handlers_cache(monkeyp
     monkeypatch.setenv("NIMBLEJAX_CACHE_DIR", str(tmp_path / "nimble"))
     monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 0))
     monkeypatch.setattr(compile_mod, "nvrtc_options", tuple)
+    monkeypatch.setattr(compile_mod.nvrtc, "library", lambda: None)
     monkeypatch.setattr(compile_mod, "_runtime_modules", {})
     path, name = compile_mod.runtime_kernel("copy code", "copy")
     assert name == "copy" and path.startswith(str(tmp_path / "nimble")) and compiled == ["copy code"]
@@ -263,6 +273,72 @@ def test_the_runtimes_own_kernels_are_built_once_into_the_handlers_cache(monkeyp
     monkeypatch.setattr(compile_mod, "_runtime_modules", {})  # another process: loads the cubin
     assert compile_mod.runtime_kernel("copy code", "copy")[0] == path and len(compiled) == 1
     assert not (tmp_path / "cupy").exists()
+
+
+def fake_cupy_loader(monkeypatch, tmp_path, cupy_compiled: list):
+    """sys.modules' cupy: RawModule(path=) and a compile_using_nvrtc that records."""
+    def compile_using_nvrtc(code, options, arch):
+        cupy_compiled.append(code)
+        return b"cupy's cubin of " + code.encode(), {}
+
+    cupy = types.SimpleNamespace(RawModule=lambda path: ("module", path), cuda=types.SimpleNamespace(
+        compiler=types.SimpleNamespace(compile_using_nvrtc=compile_using_nvrtc, CompileException=CompileException),
+        Device=lambda: types.SimpleNamespace(compute_capability="90", id=0)))
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(compile_mod, "nvrtc_options", tuple)
+    monkeypatch.setattr(compile_mod, "_cupy_compiles", [])
+    monkeypatch.setattr(compile_mod.nvrtc, "library", lambda: object())
+    monkeypatch.setattr(compile_mod.nvrtc, "version", lambda: (13, 0))
+
+
+def test_kernels_compile_through_nvrtc_itself_and_load_through_cupy(monkeypatch, tmp_path):
+    """load_module calls NVRTC directly (runtime/nvrtc.py: no CuPy import before the
+    cubin exists) for the architecture it is given, and CuPy only loads the cubin."""
+    direct, cupy_compiled = [], []
+    fake_cupy_loader(monkeypatch, tmp_path, cupy_compiled)
+    monkeypatch.setattr(compile_mod.nvrtc, "compile_cubin",
+                        lambda code, options, arch: direct.append((code, options, arch)) or b"cubin")
+    kind, path = compile_mod.load_module("code a", arch="86")
+    assert direct == [("code a", compile_mod.OPTIONS, "86")] and not cupy_compiled
+    assert kind == "module" and open(path, "rb").read() == b"cubin"
+
+
+def test_a_source_nvrtc_refuses_directly_but_cupy_takes_leaves_it_to_cupy(monkeypatch, tmp_path):
+    """Where NVRTC called directly refuses what CuPy's compile takes (the two would differ
+    in their header folders, say), that and every later kernel compile through CuPy."""
+    direct, cupy_compiled = [], []
+    fake_cupy_loader(monkeypatch, tmp_path, cupy_compiled)
+
+    def refuse(code, options, arch):
+        direct.append(code)
+        raise compile_mod.nvrtc.NvrtcError("NVRTC could not compile", "cuda_fp16.h: not found")
+
+    monkeypatch.setattr(compile_mod.nvrtc, "compile_cubin", refuse)
+    path = compile_mod.load_module("code a", arch="90")[1]
+    assert open(path, "rb").read() == b"cupy's cubin of code a" and direct == ["code a"]
+    compile_mod.load_module("code b", arch="90")
+    assert direct == ["code a"] and cupy_compiled == ["code a", "code b"]
+    assert "cuda_fp16.h" in compile_mod._cupy_compiles[0]
+
+
+def test_the_architecture_comes_from_the_driver_before_cupy_is_imported(monkeypatch):
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    monkeypatch.setattr(compile_mod.nvrtc, "_driver_arch", lambda ordinal: {0: "90"}.get(ordinal))
+    assert compile_mod.nvrtc.current_arch() == "90"
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Device=lambda: types.SimpleNamespace(compute_capability="100"))))
+    assert compile_mod.nvrtc.current_arch() == "100"  # CuPy's current device, once imported
+
+
+@pytest.mark.skipif(compile_mod.nvrtc.library() is None, reason="no libnvrtc")
+def test_nvrtc_called_directly_makes_a_cubin_and_reports_what_it_refuses():
+    """The real library: a cubin (an ELF file) for sm_90 without a GPU; a source with an
+    error raises NvrtcError with NVRTC's log."""
+    src = '#include <cuda_fp16.h>\nextern "C" __global__ void k(__half* x) { x[0] = __float2half(1.f); }\n'
+    assert compile_mod.nvrtc.compile_cubin(src, compile_mod.OPTIONS, "90")[:4] == b"\x7fELF"
+    with pytest.raises(compile_mod.nvrtc.NvrtcError, match="undefined"):
+        compile_mod.nvrtc.compile_cubin('extern "C" __global__ void k() { nope(); }', (), "90")
 
 
 @pytest.mark.skipif(available_compiler() is None, reason="no NVRTC or nvcc")
@@ -301,9 +377,10 @@ def test_load_module_falls_back_to_a_folder_of_its_own_where_the_cache_is_not_wr
     blocked = tmp_path / "blocked"
     blocked.write_text("a file where the cache folder should be")  # makedirs fails under it
     cupy = types.SimpleNamespace(RawModule=lambda path: path, cuda=types.SimpleNamespace(
-        compiler=types.SimpleNamespace(compile_using_nvrtc=lambda code, options: ("ptx text", {})),
+        compiler=types.SimpleNamespace(compile_using_nvrtc=lambda code, options, arch: ("ptx text", {})),
         Device=lambda: types.SimpleNamespace(compute_capability="90")))
     monkeypatch.setitem(sys.modules, "cupy", cupy)
+    monkeypatch.setattr(compile_mod.nvrtc, "library", lambda: None)
     monkeypatch.setenv("CUPY_CACHE_DIR", str(blocked / "cache"))
     monkeypatch.setattr(compile_mod, "_nvrtc_version", lambda: (13, 0))
     monkeypatch.setattr(compile_mod, "nvrtc_options", lambda options: tuple(options))

@@ -1,0 +1,158 @@
+"""NVRTC through ctypes: a generated kernel's source to a cubin without importing CuPy.
+
+Why: a cold first call imported CuPy (0.15 to 0.18 s on the GPU machine) before its
+plan's kernels could start compiling, since they compiled through CuPy's
+`compile_using_nvrtc`. Called here, NVRTC starts as soon as the plan is made, on the
+compile threads (ctypes releases the GIL), while the main thread imports CuPy for the
+graph build. The library is the one CuPy loads (cuda.pathfinder's libnvrtc), the
+options the ones CuPy's compile passes for a cubin (`-arch=sm_XX`, every function a
+device function by default, the header folders that make <cuda_fp16.h> resolve), so a
+kernel compiles alike both ways; runtime/compile.py falls back to CuPy's compile where
+this one cannot load NVRTC or refuses a source CuPy's compile takes.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import sys
+from typing import Optional
+
+from nimblejax.testing.nvrtc_check import include_dirs
+
+SUCCESS = 0
+CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 75, 76
+# CuPy's compile adds these to a caller's options (cupy/cuda/compiler.py, CuPy 14.2);
+# --pch (automatic precompiled headers) from NVRTC 12.8 on.
+DEFAULT_OPTIONS = ("--device-as-default-execution-space",)
+PCH_SINCE = (12, 8)
+
+
+class NvrtcError(RuntimeError):
+    """NVRTC refused a source (`log` holds its messages) or failed otherwise."""
+
+    def __init__(self, message: str, log: str = "") -> None:
+        super().__init__(message + (f"\n{log}" if log else ""))
+        self.log = log
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> Optional[ctypes.CDLL]:
+    """libnvrtc as CuPy finds it (cuda.pathfinder), with its prototypes; None where it
+    cannot be found or loaded."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+
+        lib = ctypes.CDLL(load_nvidia_dynamic_lib("nvrtc").abs_path)
+    except Exception:  # no pathfinder, no library: CuPy's compile is the way
+        return None
+    p, size, cstr = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p
+    for name, args in (("nvrtcVersion", [ctypes.POINTER(ctypes.c_int)] * 2),
+                       ("nvrtcCreateProgram", [ctypes.POINTER(p), cstr, cstr, ctypes.c_int, p, p]),
+                       ("nvrtcCompileProgram", [p, ctypes.c_int, ctypes.POINTER(cstr)]),
+                       ("nvrtcGetCUBINSize", [p, ctypes.POINTER(size)]),
+                       ("nvrtcGetCUBIN", [p, ctypes.c_char_p]),
+                       ("nvrtcGetProgramLogSize", [p, ctypes.POINTER(size)]),
+                       ("nvrtcGetProgramLog", [p, ctypes.c_char_p]),
+                       ("nvrtcDestroyProgram", [ctypes.POINTER(p)])):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def version() -> tuple:
+    """(major, minor) of the library `compile_cubin` uses."""
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check(library().nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+    return major.value, minor.value
+
+
+def full_options(options: tuple, arch: str) -> tuple:
+    """`options` as CuPy's compile passes them for a cubin of compute capability `arch`
+    ("90"): its defaults, the architecture and the header folders."""
+    pch = ("--pch",) if version() >= PCH_SINCE else ()
+    return (tuple(f"-I{d}" for d in include_dirs()) + tuple(options) + (f"-arch=sm_{arch}",)
+            + DEFAULT_OPTIONS + pch)
+
+
+def compile_cubin(code: str, options: tuple, arch: str, name: str = "kern.cu") -> bytes:
+    """The cubin of `code` for compute capability `arch`; NvrtcError with NVRTC's log
+    where the source does not compile."""
+    lib = library()
+    prog = ctypes.c_void_p()
+    _check(lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), name.encode(), 0, None, None),
+           "nvrtcCreateProgram")
+    try:
+        opts = [o.encode() for o in full_options(options, arch)]
+        array = (ctypes.c_char_p * len(opts))(*opts)
+        status = lib.nvrtcCompileProgram(prog, len(opts), array)
+        if status != SUCCESS:
+            raise NvrtcError(f"NVRTC could not compile {name} (status {status})", _log(lib, prog))
+        size = ctypes.c_size_t()
+        _check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+        binary = ctypes.create_string_buffer(size.value)
+        _check(lib.nvrtcGetCUBIN(prog, binary), "nvrtcGetCUBIN")
+        return binary.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def _log(lib: ctypes.CDLL, prog: ctypes.c_void_p) -> str:
+    size = ctypes.c_size_t()
+    if lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size)) != SUCCESS:
+        return ""
+    text = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, text)
+    return text.value.decode(errors="replace")
+
+
+def _check(status: int, call: str) -> None:
+    if status != SUCCESS:
+        raise NvrtcError(f"{call} failed with NVRTC status {status}")
+
+
+# ---- the device NVRTC compiles for ------------------------------------------------------
+def current_arch() -> str:
+    """The compute capability kernels are compiled for ("90"): CuPy's current device's
+    where CuPy is imported, else device 0's (CuPy's default), asked of the driver: a cold
+    first call's kernels start compiling before CuPy is imported."""
+    try:
+        return sys.modules["cupy"].cuda.Device().compute_capability
+    except (KeyError, AttributeError):  # not imported, or being imported on another thread
+        pass
+    arch = _driver_arch(0)
+    if arch is None:
+        import cupy
+
+        return cupy.cuda.Device().compute_capability
+    return arch
+
+
+def driver_device_count() -> int:
+    """GPUs the CUDA driver sees (CUDA_VISIBLE_DEVICES applied); 0 without a driver."""
+    drv = _driver()
+    count = ctypes.c_int()
+    if drv is None or drv.cuDeviceGetCount(ctypes.byref(count)) != SUCCESS:
+        return 0
+    return count.value
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_arch(ordinal: int) -> Optional[str]:
+    drv = _driver()
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if (drv is None or drv.cuDeviceGet(ctypes.byref(dev), ordinal) != SUCCESS
+            or drv.cuDeviceGetAttribute(ctypes.byref(major), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+            or drv.cuDeviceGetAttribute(ctypes.byref(minor), CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)):
+        return None
+    return f"{major.value}{minor.value}"
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> Optional[ctypes.CDLL]:
+    """libcuda, initialized; None where there is no driver or it does not initialize."""
+    try:
+        drv = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    return drv if drv.cuInit(0) == SUCCESS else None
