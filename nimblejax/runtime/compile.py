@@ -88,15 +88,17 @@ def compile_kernels(kernels: Iterable[Kernel]) -> dict[str, object]:
     unique = {k.source: k for k in kernels}
     start_compiling(unique.values())
     refused: list = []
-    for src in unique:
-        future = _pending.get(src)
-        if future is not None and not future.result():
-            refused.append(src)
+    try:
+        for src in unique:
+            future = _pending.get(src)
+            if future is not None and not future.result():
+                refused.append(src)
+    finally:  # (a compile that raised is not kept: the next call compiles again)
+        with _lock:
+            for src in unique:
+                _pending.pop(src, None)
     if refused:  # a module NVRTC refused: each of its kernels alone, on this thread
         _compile_each([src for src in refused if src not in _modules])
-    with _lock:
-        for src in unique:
-            _pending.pop(src, None)
     return {k.name: _modules[k.source].get_function(k.name) for k in unique.values()}
 
 

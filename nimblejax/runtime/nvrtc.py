@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 from typing import Optional
 
-from nimblejax.testing.nvrtc_check import include_dirs
+from nimblejax import options
 
 SUCCESS = 0
 CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 75, 76
@@ -109,6 +110,57 @@ def _log(lib: ctypes.CDLL, prog: ctypes.c_void_p) -> str:
 def _check(status: int, call: str) -> None:
     if status != SUCCESS:
         raise NvrtcError(f"{call} failed with NVRTC status {status}")
+
+
+# ---- the header folders -----------------------------------------------------------------
+def _nvidia_wheel_include_dirs() -> list[str]:
+    # CUDA 13 wheels put headers in nvidia/cu13/include; CUDA 12 wheels in
+    # nvidia/cuda_runtime/include.
+    from nimblejax.runtime.libs.loader import nvidia_namespace_dirs
+
+    return [
+        os.path.join(root, sub, "include")
+        for root in nvidia_namespace_dirs()
+        for sub in ("cu13", "cuda_runtime")
+    ]
+
+
+def _pathfinder_include_dir() -> str | None:
+    try:
+        from cuda.pathfinder import find_nvidia_header_directory
+    except ImportError:
+        return None
+    try:
+        return find_nvidia_header_directory("cudart")
+    except Exception:  # unsupported name on older pathfinder versions
+        return None
+
+
+def _candidate_include_dirs() -> list[str]:
+    candidates = _nvidia_wheel_include_dirs()
+    found = _pathfinder_include_dir()
+    if found:
+        candidates.append(found)
+    candidates += [os.path.join(root, "include") for root in options.cuda_roots()]
+    return candidates
+
+
+@functools.lru_cache(maxsize=1)
+def include_dirs() -> tuple[str, ...]:
+    """Directories that make <cuda_fp16.h> / <cuda_bf16.h> resolve.
+
+    NVRTC ships no CUDA headers of its own, so the first directory holding
+    cuda_fp16.h is used (plus its cccl/ subdirectory when present, which
+    CUDA 13 headers may reach for). Empty when none is found.
+    """
+    for directory in _candidate_include_dirs():
+        if os.path.isfile(os.path.join(directory, "cuda_fp16.h")):
+            dirs = [directory]
+            cccl = os.path.join(directory, "cccl")
+            if os.path.isdir(cccl):
+                dirs.append(cccl)
+            return tuple(dirs)
+    return ()
 
 
 # ---- the device NVRTC compiles for ------------------------------------------------------

@@ -18,6 +18,7 @@ import tempfile
 from types import ModuleType
 
 from nimblejax import options
+from nimblejax.runtime.nvrtc import include_dirs
 
 __all__ = [
     "KernelCompileError",
@@ -91,61 +92,6 @@ def _excerpt(source: str, lines: list[int]) -> str:
         out.append(f"{marker} {number:>{width}} | {src[number - 1]}")
         previous = number
     return "\n".join(out)
-
-
-# ---------------------------------------------------------------------------
-# Include paths
-# ---------------------------------------------------------------------------
-
-
-def _nvidia_wheel_include_dirs() -> list[str]:
-    # CUDA 13 wheels put headers in nvidia/cu13/include; CUDA 12 wheels in
-    # nvidia/cuda_runtime/include.
-    from nimblejax.runtime.libs.loader import nvidia_namespace_dirs
-
-    return [
-        os.path.join(root, sub, "include")
-        for root in nvidia_namespace_dirs()
-        for sub in ("cu13", "cuda_runtime")
-    ]
-
-
-def _pathfinder_include_dir() -> str | None:
-    try:
-        from cuda.pathfinder import find_nvidia_header_directory
-    except ImportError:
-        return None
-    try:
-        return find_nvidia_header_directory("cudart")
-    except Exception:  # unsupported name on older pathfinder versions
-        return None
-
-
-def _candidate_include_dirs() -> list[str]:
-    candidates = _nvidia_wheel_include_dirs()
-    found = _pathfinder_include_dir()
-    if found:
-        candidates.append(found)
-    candidates += [os.path.join(root, "include") for root in options.cuda_roots()]
-    return candidates
-
-
-@functools.lru_cache(maxsize=1)
-def include_dirs() -> tuple[str, ...]:
-    """Directories that make <cuda_fp16.h> / <cuda_bf16.h> resolve.
-
-    NVRTC ships no CUDA headers of its own, so the first directory holding
-    cuda_fp16.h is used (plus its cccl/ subdirectory when present, which
-    CUDA 13 headers may reach for). Empty when none is found.
-    """
-    for directory in _candidate_include_dirs():
-        if os.path.isfile(os.path.join(directory, "cuda_fp16.h")):
-            dirs = [directory]
-            cccl = os.path.join(directory, "cccl")
-            if os.path.isdir(cccl):
-                dirs.append(cccl)
-            return tuple(dirs)
-    return ()
 
 
 # ---------------------------------------------------------------------------

@@ -105,6 +105,20 @@ def test_a_module_that_fails_is_compiled_kernel_by_kernel(fake_cupy):
     assert FakeModule.built == [["a"], ["a"], ["b"]]
 
 
+def test_a_compile_that_raised_is_compiled_again_by_the_next_call(fake_cupy, monkeypatch):
+    failing = [True]
+
+    def load(code, arch=None):
+        if failing.pop() if failing else False:
+            raise RuntimeError("the compile thread broke")
+        return fake_load(code)
+
+    monkeypatch.setattr(compile_mod, "load_module", load)
+    with pytest.raises(RuntimeError, match="broke"):
+        compile_mod.compile_kernels([kernel("a")])
+    assert compile_mod.compile_kernels([kernel("a")])["a"][1] == "a" and FakeModule.built == [["a"]]
+
+
 def test_module_split_deals_every_source_once_into_even_modules():
     sources = [f"k{i}" + "x" * (i % 7) for i in range(21)]
     for threads, count in ((1, 1), (4, 4), (8, 5), (64, 5)):  # ≥ 4 kernels a module

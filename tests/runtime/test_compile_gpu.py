@@ -23,9 +23,9 @@ def test_a_first_call_compiles_each_kernel_once_in_the_form_it_launches(monkeypa
     built: list = []
     real = compile_mod._compile_together
 
-    def spy(sources):
+    def spy(sources, arch=None):
         built.extend(sources)
-        return real(sources)
+        return real(sources, arch)
 
     monkeypatch.setattr(compile_mod, "_compile_together", spy)
     c = float(np.random.default_rng().uniform(1.5, 2.5))  # new sources: none cached in this process
@@ -82,9 +82,9 @@ def test_the_handlers_copy_kernel_is_built_with_the_handler(monkeypatch):
     folders: list = []
     real = compile_mod.load_module
 
-    def spy(code, options=compile_mod.OPTIONS, folder=None):
+    def spy(code, options=compile_mod.OPTIONS, folder=None, arch=None):
         folders.append(folder)
-        return real(code, options, folder)
+        return real(code, options, folder, arch)
 
     def refuse(*args, **kwargs):
         raise AssertionError("compiled through CuPy's RawKernel")
