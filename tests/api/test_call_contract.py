@@ -131,6 +131,20 @@ def test_cuda_backend_without_a_gpu_says_so():
         nimble.jit(lambda x: x + 1, backend="cuda")(X)
 
 
+def test_asking_for_a_gpu_imports_no_cupy(monkeypatch):
+    """gpu_available asks the CUDA driver (runtime/nvrtc.py), not CuPy: a cold first call
+    imports CuPy later, while its kernels compile."""
+    import sys
+
+    from nimblejax.api import gpu_available
+    from nimblejax.runtime import nvrtc
+
+    monkeypatch.delitem(sys.modules, "cupy", raising=False)
+    available = gpu_available()
+    assert "cupy" not in sys.modules
+    assert available == (nvrtc.driver_device_count() > 0)
+
+
 def test_two_threads_calling_one_function():
     f = nimble.jit(mlp, backend="interpret")
     xs = [rand(np.random.default_rng(i), 2, 4) for i in range(8)]

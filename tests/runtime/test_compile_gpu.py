@@ -106,3 +106,36 @@ def test_the_handlers_copy_kernel_is_built_with_the_handler(monkeypatch):
     from nimblejax.options import cache_dir
 
     assert cache_dir() in folders
+
+
+def test_a_cold_first_call_starts_compiling_before_cupy_is_imported(tmp_path):
+    """A fresh process: the plan's kernels start compiling (NVRTC called directly,
+    runtime/nvrtc.py) before CuPy is imported, so that CuPy's import runs beside them;
+    the call's result is jax.jit's."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import nimblejax as nimble
+from nimblejax.runtime import compile as compile_mod
+seen = []
+real = compile_mod.start_compiling
+def spy(kernels):
+    kernels = list(kernels)
+    if kernels:
+        seen.append("cupy" in sys.modules)
+    return real(kernels)
+compile_mod.start_compiling = spy
+fn = lambda x: jnp.tanh(x) * 2.0 + jnp.sin(x)
+x = jnp.asarray(np.random.default_rng(0).standard_normal(4096), jnp.float32)
+got = nimble.jit(fn)(x)
+np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(fn)(x)), rtol=1e-6, atol=1e-6)
+print("cupy imported at the first start:", seen[0], "cupy now:", "cupy" in sys.modules)
+"""
+    env = {**__import__("os").environ, "CUPY_CACHE_DIR": str(tmp_path / "kernels")}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "cupy imported at the first start: False cupy now: True" in done.stdout, done.stdout
