@@ -181,12 +181,30 @@ def current_arch() -> str:
 
 
 def driver_device_count() -> int:
-    """GPUs the CUDA driver sees (CUDA_VISIBLE_DEVICES applied); 0 without a driver."""
+    """GPUs the CUDA driver sees (CUDA_VISIBLE_DEVICES applied); 0 without a driver, or
+    with one older than the CUDA release CuPy's wheel was built for (cupy-cuda13x: 13.0),
+    which CuPy could not use."""
     drv = _driver()
-    count = ctypes.c_int()
-    if drv is None or drv.cuDeviceGetCount(ctypes.byref(count)) != SUCCESS:
+    count, version = ctypes.c_int(), ctypes.c_int()
+    if (drv is None or drv.cuDeviceGetCount(ctypes.byref(count)) != SUCCESS
+            or drv.cuDriverGetVersion(ctypes.byref(version)) != SUCCESS
+            or version.value < cupy_cuda_release()):
         return 0
     return count.value
+
+
+def cupy_cuda_release() -> int:
+    """The CUDA release CuPy's wheel needs, as the driver reports versions (13000 for
+    cupy-cuda13x); 0 where that is not known (a CuPy built from source)."""
+    from importlib import metadata
+
+    for major in (13, 12, 11):
+        try:
+            metadata.version(f"cupy-cuda{major}x")
+        except metadata.PackageNotFoundError:
+            continue
+        return major * 1000
+    return 0
 
 
 @functools.lru_cache(maxsize=None)

@@ -145,6 +145,35 @@ def test_asking_for_a_gpu_imports_no_cupy(monkeypatch):
     assert available == (nvrtc.driver_device_count() > 0)
 
 
+class FakeDriver:
+    """libcuda's cuDeviceGetCount and cuDriverGetVersion."""
+
+    def __init__(self, count: int, version: int) -> None:
+        self.count, self.version = count, version
+
+    def cuDeviceGetCount(self, out) -> int:
+        out._obj.value = self.count
+        return 0
+
+    def cuDriverGetVersion(self, out) -> int:
+        out._obj.value = self.version
+        return 0
+
+
+def test_a_driver_older_than_cupys_cuda_counts_no_gpu(monkeypatch):
+    """CuPy built for CUDA 13 cannot use a CUDA 12 driver: no GPU for nimble either (the
+    cuda backend then says no GPU is visible, not a CUDA error code later)."""
+    from nimblejax.runtime import nvrtc
+
+    monkeypatch.setattr(nvrtc, "cupy_cuda_release", lambda: 13000)
+    monkeypatch.setattr(nvrtc, "_driver", lambda: FakeDriver(2, 12080))
+    assert nvrtc.driver_device_count() == 0
+    monkeypatch.setattr(nvrtc, "_driver", lambda: FakeDriver(2, 13000))
+    assert nvrtc.driver_device_count() == 2
+    monkeypatch.setattr(nvrtc, "_driver", lambda: None)
+    assert nvrtc.driver_device_count() == 0
+
+
 def test_two_threads_calling_one_function():
     f = nimble.jit(mlp, backend="interpret")
     xs = [rand(np.random.default_rng(i), 2, 4) for i in range(8)]
