@@ -3,7 +3,7 @@ of an MLP 64x128x10 at batch 32, the parameters and every intermediate in shared
 each step's five products on tensor cores (TF32 `mma.sync`, as XLA's default precision
 computes them), against jax.jit and nimble.jit of the same loop (run on the GPU machine):
 
-    PYTHONPATH=. python3 examples/gpu/probe_block_loop.py [--steps 100] [--json out.json]
+    PYTHONPATH=. python3 examples/gpu/probe_block_loop.py [--json out.json]
 
 The question behind it (issue 32): nimble runs this loop at 1.27x jax.jit (H200,
 a971dc0): five kernels a step, four on the critical path, 7.4 µs of GPU time a step,
@@ -21,6 +21,7 @@ import numpy as np
 from nimblejax.bench.needs_gpu import require_gpu
 
 THREADS = 512  # 16 warps
+STEPS = 100  # benchmark_loops.sgd_loop's
 FEATURES, HIDDEN, OUT, BATCH, OUT_PAD = 64, 128, 10, 32, 16
 
 SRC = r'''
@@ -112,26 +113,8 @@ SHARED_FLOATS = (BATCH * FEATURES + BATCH * OUT + FEATURES * HIDDEN + HIDDEN * O
                  + BATCH * HIDDEN + BATCH * OUT_PAD + BATCH * HIDDEN + HIDDEN * OUT_PAD)
 
 
-def sgd_loop(steps):
-    import jax
-    import jax.numpy as jnp
-    from jax import lax
-
-    def run(params, x, y):  # benchmark_loops.py's sgd_loop, with the step count a parameter
-        def loss(p):
-            h = jnp.tanh(x @ p[0])
-            return jnp.mean((h @ p[1] - y) ** 2)
-
-        def step(_, p):
-            g = jax.grad(loss)(p)
-            return jax.tree_util.tree_map(lambda a, b: a - 0.01 * b, p, g)
-        return lax.fori_loop(0, steps, step, params)
-    return run
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--json", default=None)
     opts = ap.parse_args()
@@ -141,6 +124,8 @@ def main() -> None:
     import jax.numpy as jnp
 
     import nimblejax as nimble
+    from benchmark_loops import sgd_loop as loop  # (this script's folder) the 100 steps
+
     from nimblejax.bench.timing import blocked_us, cuda_event_us
 
     rng = np.random.default_rng(0)
@@ -148,7 +133,6 @@ def main() -> None:
     sets = [((r(FEATURES, HIDDEN) * 0.1, r(HIDDEN, OUT) * 0.1), r(BATCH, FEATURES), r(BATCH, OUT))
             for _ in range(8)]
     jsets = [jax.tree_util.tree_map(jnp.asarray, s) for s in sets]
-    loop = sgd_loop(opts.steps)
     rows = {}
     for name, fn in (("jax.jit", jax.jit(loop)), ("nimble.jit", nimble.jit(loop))):
         rows[name] = {"blocked_us": blocked_us(fn, jsets, opts.calls)}
@@ -164,21 +148,21 @@ def main() -> None:
     stream = cupy.cuda.Stream(non_blocking=True)
 
     def launch():
-        kernel((1,), (THREADS,), (x, y, w1, w2, w1o, w2o, np.int32(opts.steps), np.float32(0.01)),
+        kernel((1,), (THREADS,), (x, y, w1, w2, w1o, w2o, np.int32(STEPS), np.float32(0.01)),
                shared_mem=SHARED_FLOATS * 4, stream=stream)
 
     with stream:
         us = cuda_event_us(launch, stream, opts.calls)
     stream.synchronize()
     diffs = [float(np.abs(cupy.asnumpy(g) - np.asarray(w)).max()) for g, w in zip((w1o, w2o), want)]
-    rows["one block"] = {"gpu_us": us, "us_per_step": us / opts.steps,
+    rows["one block"] = {"gpu_us": us, "us_per_step": us / STEPS,
                          "max_abs_vs_jax": max(diffs),
                          "largest_weight": float(max(np.abs(np.asarray(w)).max() for w in want))}
     for name, row in rows.items():
         print(f"{name:12s} " + "  ".join(f"{k} {v:.4g}" for k, v in row.items()))
     if opts.json:
         with open(opts.json, "w") as fh:
-            json.dump({"steps": opts.steps, "rows": rows}, fh, indent=1)
+            json.dump({"steps": STEPS, "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
