@@ -28,12 +28,15 @@ DEFAULT_OPTIONS = ("--device-as-default-execution-space",)
 PCH_SINCE = (12, 8)
 
 
-class NvrtcError(RuntimeError):
-    """NVRTC refused a source (`log` holds its messages) or failed otherwise."""
+COMPILATION_ERROR = 6  # NVRTC_ERROR_COMPILATION: the source has errors (the log says which)
 
-    def __init__(self, message: str, log: str = "") -> None:
+
+class NvrtcError(RuntimeError):
+    """NVRTC refused a source (`log` holds its messages) or failed otherwise (`status`)."""
+
+    def __init__(self, message: str, log: str = "", status: int = 0) -> None:
         super().__init__(message + (f"\n{log}" if log else ""))
-        self.log = log
+        self.log, self.status = log, status
 
 
 @functools.lru_cache(maxsize=1)
@@ -52,6 +55,8 @@ def library() -> Optional[ctypes.CDLL]:
                        ("nvrtcCompileProgram", [p, ctypes.c_int, ctypes.POINTER(cstr)]),
                        ("nvrtcGetCUBINSize", [p, ctypes.POINTER(size)]),
                        ("nvrtcGetCUBIN", [p, ctypes.c_char_p]),
+                       ("nvrtcGetPTXSize", [p, ctypes.POINTER(size)]),
+                       ("nvrtcGetPTX", [p, ctypes.c_char_p]),
                        ("nvrtcGetProgramLogSize", [p, ctypes.POINTER(size)]),
                        ("nvrtcGetProgramLog", [p, ctypes.c_char_p]),
                        ("nvrtcDestroyProgram", [ctypes.POINTER(p)])):
@@ -77,23 +82,29 @@ def full_options(options: tuple, arch: str) -> tuple:
 
 
 def compile_cubin(code: str, options: tuple, arch: str, name: str = "kern.cu") -> bytes:
-    """The cubin of `code` for compute capability `arch`; NvrtcError with NVRTC's log
-    where the source does not compile."""
+    """The cubin of `code` for compute capability `arch`, with the options CuPy's compile
+    adds (`full_options`); NvrtcError with NVRTC's log where the source does not compile."""
+    return compile_program(code, full_options(options, arch), name)
+
+
+def compile_program(code: str, options: tuple, name: str = "kern.cu", ptx: bool = False):
+    """`code` compiled with `options` as they are: its cubin (bytes), or with `ptx` its
+    PTX text (testing/nvrtc_check.py); NvrtcError where NVRTC refuses it."""
     lib = library()
     prog = ctypes.c_void_p()
     _check(lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(), name.encode(), 0, None, None),
            "nvrtcCreateProgram")
     try:
-        opts = [o.encode() for o in full_options(options, arch)]
-        array = (ctypes.c_char_p * len(opts))(*opts)
-        status = lib.nvrtcCompileProgram(prog, len(opts), array)
+        opts = [o.encode() for o in options]
+        status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
         if status != SUCCESS:
-            raise NvrtcError(f"NVRTC could not compile {name} (status {status})", _log(lib, prog))
+            raise NvrtcError(f"NVRTC could not compile {name} (status {status})", _log(lib, prog), status)
+        get_size, get = (lib.nvrtcGetPTXSize, lib.nvrtcGetPTX) if ptx else (lib.nvrtcGetCUBINSize, lib.nvrtcGetCUBIN)
         size = ctypes.c_size_t()
-        _check(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-        binary = ctypes.create_string_buffer(size.value)
-        _check(lib.nvrtcGetCUBIN(prog, binary), "nvrtcGetCUBIN")
-        return binary.raw
+        _check(get_size(prog, ctypes.byref(size)), "nvrtcGetPTXSize" if ptx else "nvrtcGetCUBINSize")
+        out = ctypes.create_string_buffer(size.value)
+        _check(get(prog, out), "nvrtcGetPTX" if ptx else "nvrtcGetCUBIN")
+        return out.value.decode() if ptx else out.raw
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -193,6 +204,7 @@ def driver_device_count() -> int:
     return count.value
 
 
+@functools.lru_cache(maxsize=1)
 def cupy_cuda_release() -> int:
     """The CUDA release CuPy's wheel needs, as the driver reports versions (13000 for
     cupy-cuda13x); 0 where that is not known (a CuPy built from source)."""

@@ -1,7 +1,7 @@
 """Compile generated CUDA C++ to PTX without a GPU, to catch codegen errors early.
 
-NVRTC (through cuda-bindings) is preferred because it is what CuPy uses to
-build the same source on the GPU machine; `nvcc -ptx` is the fallback. Neither
+NVRTC (runtime/nvrtc.py, the library the runtime compiles with) is preferred because it
+builds the same source on the GPU machine; `nvcc -ptx` is the fallback. Neither
 needs a device or a driver. Options mirror CuPy's RawModule defaults (no
 `-default-device`), so a kernel that passes here also compiles there: every
 helper function must be marked `__device__` explicitly.
@@ -15,9 +15,9 @@ import re
 import shutil
 import subprocess
 import tempfile
-from types import ModuleType
 
 from nimblejax import options
+from nimblejax.runtime import nvrtc
 from nimblejax.runtime.nvrtc import include_dirs
 
 __all__ = [
@@ -99,20 +99,9 @@ def _excerpt(source: str, lines: list[int]) -> str:
 # ---------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=1)
-def _nvrtc() -> ModuleType | None:
-    """cuda.bindings.nvrtc if libnvrtc actually loads, else None."""
-    try:
-        from cuda.bindings import nvrtc
-    except ImportError:
-        return None
-    try:
-        # The Python module imports fine without libnvrtc; the first real
-        # call is what loads the shared library.
-        err, _major, _minor = nvrtc.nvrtcVersion()
-    except Exception:
-        return None
-    return nvrtc if err == nvrtc.nvrtcResult.NVRTC_SUCCESS else None
+def _nvrtc() -> bool:
+    """Whether libnvrtc loads (runtime/nvrtc.py, the library the runtime compiles with)."""
+    return nvrtc.library() is not None
 
 
 @functools.lru_cache(maxsize=1)
@@ -137,7 +126,7 @@ def _nvcc_path() -> str | None:
 def available_compilers() -> tuple[str, ...]:
     """Every usable backend, preferred first."""
     found = []
-    if _nvrtc() is not None:
+    if _nvrtc():
         found.append("nvrtc")
     if _nvcc_path() is not None:
         found.append("nvcc")
@@ -164,48 +153,12 @@ def _options(arch: str, options: tuple[str, ...]) -> list[str]:
     return opts
 
 
-def _check_nvrtc(nvrtc: ModuleType, result: object, what: str) -> None:
-    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise RuntimeError(f"{what} failed: {result}")
-
-
-def _nvrtc_log(nvrtc: ModuleType, prog: object) -> str:
-    err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-    _check_nvrtc(nvrtc, err, "nvrtcGetProgramLogSize")
-    buf = b" " * size
-    (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
-    _check_nvrtc(nvrtc, err, "nvrtcGetProgramLog")
-    return buf.rstrip(b"\0").decode(errors="replace")
-
-
-def _nvrtc_ptx(nvrtc: ModuleType, prog: object) -> str:
-    err, size = nvrtc.nvrtcGetPTXSize(prog)
-    _check_nvrtc(nvrtc, err, "nvrtcGetPTXSize")
-    buf = b" " * size
-    (err,) = nvrtc.nvrtcGetPTX(prog, buf)
-    _check_nvrtc(nvrtc, err, "nvrtcGetPTX")
-    return buf.rstrip(b"\0").decode()
-
-
 def _compile_nvrtc(source: str, name: str, opts: list[str]) -> str:
-    nvrtc = _nvrtc()
-    assert nvrtc is not None
-    err, prog = nvrtc.nvrtcCreateProgram(
-        source.encode(), _file_name(name).encode(), 0, [], []
-    )
-    _check_nvrtc(nvrtc, err, "nvrtcCreateProgram")
     try:
-        encoded = [o.encode() for o in opts]
-        (err,) = nvrtc.nvrtcCompileProgram(prog, len(encoded), encoded)
-        if err == nvrtc.nvrtcResult.NVRTC_ERROR_COMPILATION:
-            raise KernelCompileError(name, "nvrtc", _nvrtc_log(nvrtc, prog), source)
-        if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            # Bad options and the like: still surface the log.
-            log = _nvrtc_log(nvrtc, prog)
-            raise KernelCompileError(name, "nvrtc", f"{err}\n{log}", source)
-        return _nvrtc_ptx(nvrtc, prog)
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+        return nvrtc.compile_program(source, tuple(opts), _file_name(name), ptx=True)
+    except nvrtc.NvrtcError as e:  # bad options and the like: the status, then the log
+        log = e.log if e.status == nvrtc.COMPILATION_ERROR else f"status {e.status}\n{e.log}"
+        raise KernelCompileError(name, "nvrtc", log, source) from None
 
 
 def _compile_nvcc(source: str, name: str, opts: list[str]) -> str:
