@@ -3,7 +3,7 @@ body of `jax.shard_map`, JAX's own collectives (NCCL on GPUs) between devices.
 
     PYTHONPATH=. python3 -m nimblejax.bench.data_parallel [--models mlp,resnet50]
         [--per-device-batch 32] [--devices 1,2] [--calls 30] [--rounds 5]
-        [--backend cuda] [--json out.json] [--floor] [--segments N]
+        [--backend cuda] [--json out.json] [--floor] [--segments N] [--processes]
 
 For each model and device count n, one SGD step over a global batch of n x per-device
 batch: per-device loss and gradients (nimble.jit or jax.jit), `lax.pmean` of them over
@@ -21,12 +21,23 @@ JSON keeps every round's µs and how far the two steps' updates differ. With
 --segments N, also nimble's step with its plan cut into up to N graphs (nimble.jit's
 `segments`: XLA all-reduces the gradients the first graphs hand back while the later
 ones compute), timed in the same rounds.
+
+With --processes, each row of n > 1 devices runs as n processes of one GPU each
+(`jax.distributed` on this host, the way multi-GPU training is launched with one process a
+GPU): each process dispatches its own device's step, so JAX's per-step host work, which
+one process pays once per device, is paid in parallel. The row's times are process 0's
+(the pmean keeps the processes in step).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 from typing import Callable, Sequence
 
 import jax
@@ -90,6 +101,13 @@ def build(model: str, batch: int, rng: np.random.Generator):
     return fn, params, x, labels
 
 
+def global_array(value, sharding: NamedSharding) -> jax.Array:
+    """`value` (the same on every process) as one global array laid out by `sharding`:
+    device_put with one process, each process's own shards with several."""
+    host = np.asarray(value)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def rel_err(got, want) -> float:
     """Largest |got - want| of any leaf, relative to that leaf's largest |want|."""
     return max(float(jnp.max(jnp.abs(g - w)) / (jnp.max(jnp.abs(w)) + 1e-30))
@@ -114,8 +132,8 @@ def measure(model: str, n_devices: int, per_device: int, calls: int = 30,
     loss = cross_entropy(apply)
     data = NamedSharding(mesh, P("data"))
     # Distinct batch objects, so that no cache keyed on argument identity can help.
-    batches = [(jax.device_put(x + 0.01 * i, data), jax.device_put(labels, data)) for i in range(4)]
-    start = jax.device_put(params, NamedSharding(mesh, P()))
+    batches = [(global_array(np.asarray(x) + 0.01 * i, data), global_array(labels, data)) for i in range(4)]
+    start = jax.tree_util.tree_map(lambda p: global_array(p, NamedSharding(mesh, P())), params)
     grads = {"jax": jax.value_and_grad(loss), "nimble": nimble.jit(jax.value_and_grad(loss), backend=backend)}
     if segments > 1:
         grads["segmented"] = nimble.jit(jax.value_and_grad(loss), backend=backend, segments=segments)
@@ -160,10 +178,60 @@ HEADER = ("| model | GPUs | jax.jit samples/s | nimble samples/s | nimble / jax 
 
 def table_row(row: dict) -> str:
     """One markdown row; the pmean's share is the step less the step without it."""
-    return (f"| {row['model']} | {row['devices']} | {row['jax_samples_per_s']:.0f} "
+    gpus = f"{row['devices']} ({row['processes']} processes)" if row.get("processes") else row["devices"]
+    return (f"| {row['model']} | {gpus} | {row['jax_samples_per_s']:.0f} "
             f"| {row['nimble_samples_per_s']:.0f} | {row['speedup']:.2f}x | {row['jax_scaling']:.2f}x "
             f"| {row['nimble_scaling']:.2f}x | {row['jax_step_us']:.0f} ({row['jax_collective_us']:.0f}) "
             f"| {row['nimble_step_us']:.0f} ({row['nimble_collective_us']:.0f}) |")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def measure_in_processes(model: str, n: int, opts: argparse.Namespace, timeout_s: float = 900) -> dict:
+    """One row measured by n processes of one device each (this module run with
+    --worker); process 0's row, with the process count."""
+    port = free_port()
+    passed = [f"--{k.replace('_', '-')}={v}" for k, v in (
+        ("per_device_batch", opts.per_device_batch), ("calls", opts.calls), ("rounds", opts.rounds),
+        ("backend", opts.backend), ("segments", opts.segments))] + (["--floor"] if opts.floor else [])
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "row.json")
+        procs = [subprocess.Popen([sys.executable, "-m", "nimblejax.bench.data_parallel", "--models", model,
+                                   "--worker", f"{rank},{n},{port},{out}", *passed])
+                 for rank in range(n)]
+        try:
+            codes = [p.wait(timeout=timeout_s) for p in procs]
+        finally:
+            for p in procs:
+                p.kill() if p.poll() is None else None
+        if any(codes):
+            raise RuntimeError(f"data-parallel workers of {model} on {n} processes exited with {codes}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def worker(spec: str, opts: argparse.Namespace) -> int:
+    """Process `rank` of n: joins the others through jax.distributed (coordinator on this
+    host), one local device each, then measures the row over all n devices together."""
+    rank, n, port, out = spec.split(",", 3)
+    rank, n = int(rank), int(n)
+    if opts.backend == "cuda":
+        jax.distributed.initialize(f"127.0.0.1:{port}", n, rank, local_device_ids=[rank])
+    else:  # a CPU check: one host device a process, collectives through gloo
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(f"127.0.0.1:{port}", n, rank)
+    row = measure(opts.models, n, opts.per_device_batch, opts.calls, opts.backend, opts.rounds,
+                  opts.floor, opts.segments)
+    row["processes"] = n
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(row, f)
+    jax.distributed.shutdown()
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -179,7 +247,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="also time each row's dispatch floor (a step with no model: the update p - lr * p)")
     ap.add_argument("--segments", type=int, default=1,
                     help="also time nimble's step with its plan cut into up to N graphs (nimble.jit's segments)")
+    ap.add_argument("--processes", action="store_true",
+                    help="run each row of n > 1 devices as n processes of one device each (jax.distributed)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # rank,n,port,out: one of those processes
     opts = ap.parse_args(argv)
+    if opts.worker:
+        return worker(opts.worker, opts)
     total = len(jax.devices())
     counts = [int(c) for c in opts.devices.split(",")] if opts.devices else sorted({1, total})
     rows = []
@@ -189,11 +262,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for model in opts.models.split(","):
         base: dict = {}  # samples/s at the first device count, what scaling is relative to
         for n in counts:
-            if n > total:
+            if n > total and not (opts.processes and jax.default_backend() == "cpu"):  # CPU processes: any n
                 print(f"| {model} | {n} | (only {total} device(s)) | | | | | | |")
                 continue
-            row = measure(model, n, opts.per_device_batch, opts.calls, opts.backend, opts.rounds,
-                          opts.floor, opts.segments)
+            if opts.processes and n > 1:
+                row = measure_in_processes(model, n, opts)
+            else:
+                row = measure(model, n, opts.per_device_batch, opts.calls, opts.backend, opts.rounds,
+                              opts.floor, opts.segments)
             for name in ("jax", "nimble") + (("segmented",) if opts.segments > 1 else ()):
                 base.setdefault(name, row[f"{name}_samples_per_s"])
                 row[f"{name}_scaling"] = row[f"{name}_samples_per_s"] / base[name]
