@@ -22,7 +22,7 @@ JSON keeps every round's µs and how far the two steps' updates differ. With
 `segments`: XLA all-reduces the gradients the first graphs hand back while the later
 ones compute), timed in the same rounds.
 
-With --processes, each row of n > 1 devices runs as n processes of one GPU each
+With --processes, each row of n devices runs as n processes of one GPU each
 (`jax.distributed` on this host, the way multi-GPU training is launched with one process a
 GPU): each process dispatches its own device's step, so JAX's per-step host work, which
 one process pays once per device, is paid in parallel. The row's times are process 0's
@@ -178,7 +178,8 @@ HEADER = ("| model | GPUs | jax.jit samples/s | nimble samples/s | nimble / jax 
 
 def table_row(row: dict) -> str:
     """One markdown row; the pmean's share is the step less the step without it."""
-    gpus = f"{row['devices']} ({row['processes']} processes)" if row.get("processes") else row["devices"]
+    n = row.get("processes")
+    gpus = f"{n} ({n} process{'es' if n > 1 else ''})" if n else row["devices"]
     return (f"| {row['model']} | {gpus} | {row['jax_samples_per_s']:.0f} "
             f"| {row['nimble_samples_per_s']:.0f} | {row['speedup']:.2f}x | {row['jax_scaling']:.2f}x "
             f"| {row['nimble_scaling']:.2f}x | {row['jax_step_us']:.0f} ({row['jax_collective_us']:.0f}) "
@@ -248,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--segments", type=int, default=1,
                     help="also time nimble's step with its plan cut into up to N graphs (nimble.jit's segments)")
     ap.add_argument("--processes", action="store_true",
-                    help="run each row of n > 1 devices as n processes of one device each (jax.distributed)")
+                    help="run each row of n devices as n processes of one device each (jax.distributed)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # rank,n,port,out: one of those processes
     opts = ap.parse_args(argv)
     if opts.worker:
@@ -265,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if n > total and not (opts.processes and jax.default_backend() == "cpu"):  # CPU processes: any n
                 print(f"| {model} | {n} | (only {total} device(s)) | | | | | | |")
                 continue
-            if opts.processes and n > 1:
+            if opts.processes:
                 row = measure_in_processes(model, n, opts)
             else:
                 row = measure(model, n, opts.per_device_batch, opts.calls, opts.backend, opts.rounds,

@@ -30,15 +30,16 @@ def test_rows_time_both_steps_with_and_without_pmean(tmp_path, capsys):
 
 @pytest.mark.long
 def test_processes_measure_a_row_of_two_devices_together(tmp_path, capsys):
-    """--processes: the 2-device row comes from two processes of one host device each,
-    joined by jax.distributed (gloo on the CPU), and their step is the one-process step."""
+    """--processes: each row of n devices comes from n processes of one host device each,
+    joined by jax.distributed (gloo on the CPU), and their step is the one-device step."""
     out = tmp_path / "dp.json"
     assert data_parallel.main(["--models", "mlp", "--per-device-batch", "2", "--devices", "1,2",
                                "--calls", "1", "--rounds", "1", "--backend", "interpret",
                                "--json", str(out), "--processes"]) == 0
-    assert "| mlp | 2 (2 processes) |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| mlp | 1 (1 process) |" in printed and "| mlp | 2 (2 processes) |" in printed
     one, two = json.loads(out.read_text())["rows"]
-    assert "processes" not in one and two["processes"] == 2 and two["devices"] == 2
+    assert one["processes"] == 1 and two["processes"] == 2 and two["devices"] == 2
     for name in ("jax", "nimble"):
         assert two[f"{name}_step_us"] > 0 and two[f"{name}_scaling"] > 0
     assert two["max_rel_err"] < 1e-3
