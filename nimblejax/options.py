@@ -245,6 +245,12 @@ def cuda_roots() -> list[str]:
     return [r for r in roots if r]
 
 
+def preload_enabled() -> bool:
+    """$NIMBLE_PRELOAD: whether `import nimblejax` imports CuPy on a background thread
+    where a GPU is visible (runtime/preload.py); 0 turns that off."""
+    return _flag(os.environ.get("NIMBLE_PRELOAD", "1"))
+
+
 def env_value(name: str) -> Optional[str]:
     """Any other variable a helper needs (the NVRTC test helper's compiler choice)."""
     return os.environ.get(name) or None

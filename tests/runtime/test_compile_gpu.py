@@ -109,7 +109,8 @@ def test_the_handlers_copy_kernel_is_built_with_the_handler(monkeypatch):
 
 
 def test_a_cold_first_call_starts_compiling_before_cupy_is_imported(tmp_path):
-    """A fresh process: the plan's kernels start compiling (NVRTC called directly,
+    """A fresh process with CuPy's background import off (NIMBLE_PRELOAD=0: the first call
+    imports it): the plan's kernels start compiling (NVRTC called directly,
     runtime/nvrtc.py) before CuPy is imported, so that CuPy's import runs beside them;
     the call's result is jax.jit's."""
     import subprocess
@@ -134,7 +135,7 @@ got = nimble.jit(fn)(x)
 np.testing.assert_allclose(np.asarray(got), np.asarray(jax.jit(fn)(x)), rtol=1e-6, atol=1e-6)
 print("cupy imported at the first start:", seen[0], "cupy now:", "cupy" in sys.modules)
 """
-    env = {**__import__("os").environ, "CUPY_CACHE_DIR": str(tmp_path / "kernels")}
+    env = {**__import__("os").environ, "CUPY_CACHE_DIR": str(tmp_path / "kernels"), "NIMBLE_PRELOAD": "0"}
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import os
 import subprocess
 import sys
 
@@ -114,7 +115,8 @@ def test_import_loads_nothing() -> None:
     code = ("import sys, nimblejax.runtime.libs.cublaslt as m, nimblejax.runtime.libs.cudnn, "
             "nimblejax.runtime.libs.loader as loader; "
             "assert not loader._loaded and 'cupy' not in sys.modules")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    # NIMBLE_PRELOAD=0: `import nimblejax` would import CuPy on its own thread where a GPU is.
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "NIMBLE_PRELOAD": "0"})
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,60 @@
+"""CuPy imported on a background thread from `import nimblejax`, where a GPU is visible.
+
+A cold first call needs CuPy (streams, memory, the graph capture), and importing it takes
+0.4 s on the GPU machine's host. Imported inside the first call, that was on the call's
+critical path and slowed the threads working beside it (NVRTC, the graph build). Started
+when nimblejax is imported, it runs while the user's program builds its model and
+weights; a first call that comes sooner waits on Python's import lock for the rest.
+
+Measured on an H200 (`bench/first_call.py`, ee7bea7; `.probe`-style timers, CuPy
+imported before the call against inside it): MLP at batch 1 0.20 s against 0.33, at
+batch 32 0.17 against 0.61, LSTM at batch 1 0.24 against 0.43.
+
+- Only where CuPy is installed and the CUDA driver sees a GPU (`api.gpu_available`, which
+  asks the driver, not CuPy): on a machine without one nothing is imported.
+- `NIMBLE_PRELOAD=0` turns it off (options.preload_enabled).
+- A failed import is left to the first call, which imports CuPy itself and reports it.
+- `os.fork()` waits for the import to finish: a child forked while this thread held
+  CuPy's import lock would never get it.
+"""
+from __future__ import annotations
+
+import os
+import threading
+from typing import Optional
+
+_thread: Optional[threading.Thread] = None
+_lock = threading.Lock()
+
+
+def start() -> Optional[threading.Thread]:
+    """Start the import once per process (a no-op when turned off); the thread, if any."""
+    global _thread
+    from nimblejax.options import preload_enabled
+
+    with _lock:
+        if _thread is None and preload_enabled():
+            _thread = threading.Thread(target=_load, name="nimblejax-preload")
+            _thread.start()
+        return _thread
+
+
+def join() -> None:
+    """Wait until the background import, if one was started, has finished."""
+    thread = _thread
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
+
+
+def _load() -> None:
+    try:
+        from nimblejax.api import gpu_available
+
+        if gpu_available():
+            import cupy  # noqa: F401
+    except Exception:  # the first call imports CuPy again and raises what is wrong
+        pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=join)

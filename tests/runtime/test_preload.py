@@ -1,0 +1,65 @@
+"""runtime/preload.py: `import nimblejax` imports CuPy on a background thread only where a
+GPU is visible, NIMBLE_PRELOAD=0 turns it off, and fork waits for it. Each case runs in
+a fresh interpreter (CuPy may be imported in this one already)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def run(code: str, **env: str) -> str:
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
+
+
+def test_import_loads_cupy_exactly_where_a_gpu_is_visible():
+    out = run("""
+        import sys
+        import nimblejax
+        from nimblejax.api import gpu_available
+        from nimblejax.runtime import preload
+        preload.join()
+        print(preload._thread is not None, "cupy" in sys.modules, gpu_available())
+    """, NIMBLE_PRELOAD="1")
+    started, loaded, gpu = out.split()
+    assert started == "True" and loaded == gpu
+
+
+def test_preload_off_starts_no_thread_and_imports_no_cupy():
+    out = run("""
+        import sys, threading
+        import nimblejax
+        from nimblejax.runtime import preload
+        print(preload._thread, "cupy" in sys.modules,
+              any(t.name == "nimblejax-preload" for t in threading.enumerate()))
+    """, NIMBLE_PRELOAD="0")
+    assert out == "None False False"
+
+
+def test_with_a_gpu_the_thread_imports_cupy_once():
+    """A driver that reports a GPU (faked here): the thread imports CuPy, a second start
+    is the same thread, and a fork after it finds the import finished."""
+    out = run("""
+        import os, sys
+        import nimblejax
+        from nimblejax.runtime import nvrtc, preload
+        assert preload._thread is None and "cupy" not in sys.modules
+        nvrtc.driver_device_count = lambda: 1
+        os.environ["NIMBLE_PRELOAD"] = "1"
+        first = preload.start()
+        assert preload.start() is first
+        pid = os.fork()
+        if pid == 0:  # a lock held by the parent's thread would never be released here
+            import signal
+            signal.alarm(20)
+            import cupy
+            os._exit(0 if hasattr(cupy, "ndarray") else 3)
+        _, status = os.waitpid(pid, 0)
+        preload.join()
+        print(first.name, "cupy" in sys.modules, os.waitstatus_to_exitcode(status))
+    """, NIMBLE_PRELOAD="0")
+    assert out == "nimblejax-preload True 0"
