@@ -8,4 +8,4 @@ from nimblejax.runtime import preload as _preload
 __all__ = ["jit", "explain", "NimbleFunction", "Options", "UnsupportedPrimitiveError"]
 __version__ = "0.1.0"
 
-_preload.start()  # CuPy imported in the background where a GPU is visible (runtime/preload.py)
+_preload.start()  # CuPy imported in the background where a CUDA driver is installed (runtime/preload.py)

@@ -247,7 +247,7 @@ def cuda_roots() -> list[str]:
 
 def preload_enabled() -> bool:
     """$NIMBLE_PRELOAD: whether `import nimblejax` imports CuPy on a background thread
-    where a GPU is visible (runtime/preload.py); 0 turns that off."""
+    where a CUDA driver is installed (runtime/preload.py); 0 turns that off."""
     return _flag(os.environ.get("NIMBLE_PRELOAD", "1"))
 
 

@@ -204,6 +204,18 @@ def driver_device_count() -> int:
     return count.value
 
 
+def driver_present() -> bool:
+    """Whether a CUDA driver as recent as CuPy's CUDA release is installed, asked without
+    initializing it (cuDriverGetVersion needs no cuInit): the driver reads
+    CUDA_VISIBLE_DEVICES when it initializes, which this leaves to the program."""
+    try:
+        drv = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    version = ctypes.c_int()
+    return drv.cuDriverGetVersion(ctypes.byref(version)) == SUCCESS and version.value >= cupy_cuda_release()
+
+
 @functools.lru_cache(maxsize=1)
 def cupy_cuda_release() -> int:
     """The CUDA release CuPy's wheel needs, as the driver reports versions (13000 for

@@ -1,4 +1,4 @@
-"""CuPy imported on a background thread from `import nimblejax`, where a GPU is visible.
+"""CuPy imported on a background thread from `import nimblejax`, where a CUDA driver is installed.
 
 A cold first call needs CuPy (streams, memory, the graph capture), and importing it takes
 0.4 s on the GPU machine's host. Imported inside the first call, that was on the call's
@@ -10,8 +10,10 @@ Measured on an H200 (`bench/first_call.py`, ee7bea7; `.probe`-style timers, CuPy
 imported before the call against inside it): MLP at batch 1 0.20 s against 0.33, at
 batch 32 0.17 against 0.61, LSTM at batch 1 0.24 against 0.43.
 
-- Only where CuPy is installed and the CUDA driver sees a GPU (`api.gpu_available`, which
-  asks the driver, not CuPy): on a machine without one nothing is imported.
+- Only where CuPy is installed and a CUDA driver as recent as CuPy's CUDA release is
+  (`nvrtc.driver_present`): on a machine without one nothing is imported. The driver is
+  not initialized here (nor by CuPy's import): a program may still set
+  CUDA_VISIBLE_DEVICES after `import nimblejax`, as it may after `import jax`.
 - `NIMBLE_PRELOAD=0` turns it off (options.preload_enabled).
 - A failed import is left to the first call, which imports CuPy itself and reports it.
 - `os.fork()` waits for the import to finish: a child forked while this thread held
@@ -48,9 +50,11 @@ def join() -> None:
 
 def _load() -> None:
     try:
-        from nimblejax.api import gpu_available
+        import importlib.util
 
-        if gpu_available():
+        from nimblejax.runtime import nvrtc
+
+        if importlib.util.find_spec("cupy") is not None and nvrtc.driver_present():
             import cupy  # noqa: F401
     except Exception:  # the first call imports CuPy again and raises what is wrong
         pass

@@ -140,3 +140,33 @@ print("cupy imported at the first start:", seen[0], "cupy now:", "cupy" in sys.m
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "cupy imported at the first start: False cupy now: True" in done.stdout, done.stdout
+
+
+def test_the_background_cupy_import_leaves_cuda_visible_devices_to_the_program():
+    """`import nimblejax` imports CuPy on a thread (runtime/preload.py) without
+    initializing the driver: a program that hides every GPU afterwards, before its first
+    CUDA use, sees none, as it would after `import jax` alone."""
+    import subprocess
+    import sys
+
+    script = """
+import os
+import nimblejax
+from nimblejax.runtime import preload
+thread = preload.start()
+preload.join()
+import sys
+print("preloaded:", thread is not None and "cupy" in sys.modules)
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+import cupy
+try:
+    count = cupy.cuda.runtime.getDeviceCount()
+except cupy.cuda.runtime.CUDARuntimeError:
+    count = 0
+print("devices:", count)
+"""
+    env = {**__import__("os").environ, "NIMBLE_PRELOAD": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "preloaded: True" in done.stdout and "devices: 0" in done.stdout, done.stdout

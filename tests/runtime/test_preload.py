@@ -1,6 +1,7 @@
 """runtime/preload.py: `import nimblejax` imports CuPy on a background thread only where a
-GPU is visible, NIMBLE_PRELOAD=0 turns it off, and fork waits for it. Each case runs in
-a fresh interpreter (CuPy may be imported in this one already)."""
+CUDA driver is installed, without initializing it; NIMBLE_PRELOAD=0 turns it off, and
+fork waits for it. Each case runs in a fresh interpreter (CuPy may be imported in this
+one already)."""
 from __future__ import annotations
 
 import os
@@ -16,17 +17,33 @@ def run(code: str, **env: str) -> str:
     return done.stdout.strip()
 
 
-def test_import_loads_cupy_exactly_where_a_gpu_is_visible():
+def test_import_loads_cupy_exactly_where_a_driver_is():
     out = run("""
         import sys
         import nimblejax
-        from nimblejax.api import gpu_available
-        from nimblejax.runtime import preload
+        from nimblejax.runtime import nvrtc, preload
         preload.join()
-        print(preload._thread is not None, "cupy" in sys.modules, gpu_available())
+        print(preload._thread is not None, "cupy" in sys.modules, nvrtc.driver_present())
     """, NIMBLE_PRELOAD="1")
-    started, loaded, gpu = out.split()
-    assert started == "True" and loaded == gpu
+    started, loaded, driver = out.split()
+    assert started == "True" and loaded == driver
+
+
+def test_the_thread_leaves_the_driver_uninitialized():
+    """No cuInit (nvrtc._driver, the one place that calls it) from the thread, so that
+    CUDA_VISIBLE_DEVICES set after `import nimblejax` still applies."""
+    out = run("""
+        import os
+        import nimblejax
+        from nimblejax.runtime import nvrtc, preload
+        calls = []
+        nvrtc._driver = lambda: calls.append(1)
+        nvrtc.driver_present = lambda: True
+        os.environ["NIMBLE_PRELOAD"] = "1"
+        preload.start().join()
+        print(len(calls))
+    """, NIMBLE_PRELOAD="0")
+    assert out == "0"
 
 
 def test_preload_off_starts_no_thread_and_imports_no_cupy():
@@ -48,7 +65,7 @@ def test_with_a_gpu_the_thread_imports_cupy_once():
         import nimblejax
         from nimblejax.runtime import nvrtc, preload
         assert preload._thread is None and "cupy" not in sys.modules
-        nvrtc.driver_device_count = lambda: 1
+        nvrtc.driver_present = lambda: True
         os.environ["NIMBLE_PRELOAD"] = "1"
         first = preload.start()
         assert preload.start() is first
