@@ -208,7 +208,8 @@ def measure_in_processes(model: str, n: int, opts: argparse.Namespace, timeout_s
             codes = [p.wait(timeout=timeout_s) for p in procs]
         finally:
             for p in procs:
-                p.kill() if p.poll() is None else None
+                if p.poll() is None:  # a worker left waiting for one that failed
+                    p.kill()
         if any(codes):
             raise RuntimeError(f"data-parallel workers of {model} on {n} processes exited with {codes}")
         with open(out) as f:
