@@ -80,3 +80,50 @@ def test_with_a_gpu_the_thread_imports_cupy_once():
         print(first.name, "cupy" in sys.modules, os.waitstatus_to_exitcode(status))
     """, NIMBLE_PRELOAD="0")
     assert out == "nimblejax-preload True 0"
+
+
+def test_the_thread_builds_the_handler_and_the_residency_check(tmp_path):
+    """A fresh cache: after the thread, the FFI handler and the residency check are
+    there, so a first call builds nothing (fake driver, real compilers)."""
+    import shutil
+
+    if not (shutil.which("c++") or shutil.which("g++")) or not (shutil.which("cc") or shutil.which("gcc")):
+        import pytest
+
+        pytest.skip("no C/C++ compiler")
+    out = run("""
+        import os, pathlib
+        import nimblejax
+        from nimblejax.options import cache_dir
+        from nimblejax.runtime import ffi, nvrtc, preload, residency
+        nvrtc.driver_present = lambda: True
+        os.environ["NIMBLE_PRELOAD"] = "1"
+        preload.start().join()
+        folder = pathlib.Path(cache_dir())
+        print(len(list(folder.rglob("libnimble_ffi.so"))), residency.build_path(str(folder)).is_file())
+    """, NIMBLE_PRELOAD="0", NIMBLEJAX_CACHE_DIR=str(tmp_path))
+    assert out == "1 True"
+
+
+def test_threads_building_one_target_take_turns(tmp_path):
+    """ffi.build_into: two threads asking for one missing file compile it once."""
+    import threading
+    import time
+
+    from nimblejax.runtime import ffi
+
+    compiled = []
+
+    def compile_to(tmp):
+        compiled.append(tmp)
+        time.sleep(0.2)
+        tmp.write_bytes(b"built")
+
+    target = tmp_path / "lib.so"
+    threads = [threading.Thread(target=ffi.build_into, args=(target, compile_to, "a test file", "no fallback"))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(compiled) == 1 and target.read_bytes() == b"built"
