@@ -18,6 +18,12 @@ from nimblejax.runtime.runner import RESIDENT
 
 _tree_flatten, _tree_unflatten = jax.tree_util.tree_flatten, jax.tree_util.tree_unflatten
 _PRECISION = residency.PRECISION  # `.value`: the matmul precision now, read cheaply
+# XLA's compiler options for the jitted nimble calls (DebugOptions fields, as jax.jit's
+# `compiler_options` takes them; None: XLA's defaults). Such a program is the plan's custom
+# call and little else, so XLA's optimizing passes find nothing to do in it, while its
+# compile is on a cold first call's path (0.13 to 0.18 s of the MLP's 0.29 s at batch 1,
+# H200, f0ac4f5). examples/gpu/probe_wrapper_compile.py times candidates.
+WRAPPER_COMPILER_OPTIONS: "dict | None" = None
 # With this many leaves or fewer, f(x) is its jitted nimble operation (JAX's C++ dispatch):
 # residency would save less than its check costs (H100: 9 µs against a 42 µs call).
 DIRECT_MAX_LEAVES = 2
@@ -109,12 +115,14 @@ class XlaPath:
         layout = xla_op.Residency(sources, avals)
         positions = [i for i, src in enumerate(sources) if src == runner_mod.PASSED]
         donate = tuple(k for k, i in enumerate(positions) if i in donated)
-        fn = jax.jit(lambda *xs: xla_op.resident_call(body, layout, list(xs)), donate_argnums=donate)
+        fn = jax.jit(lambda *xs: xla_op.resident_call(body, layout, list(xs)), donate_argnums=donate,
+                     compiler_options=WRAPPER_COMPILER_OPTIONS)
         return fn, always_passed, feedable, lambda: out_tree_box[-1]
 
     def _op_jit(self) -> Callable:
         return jax.jit(self._op_call, static_argnums=self.static_argnums,
-                       static_argnames=self.static_argnames, donate_argnums=self.donate_argnums)
+                       static_argnames=self.static_argnames, donate_argnums=self.donate_argnums,
+                       compiler_options=WRAPPER_COMPILER_OPTIONS)
 
     def _op_call(self, *args, **kwargs):
         """Traced by jax.jit once per signature: f's flat body as one nimble_call."""

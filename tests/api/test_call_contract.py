@@ -251,3 +251,22 @@ def test_no_environment_variable_is_read_outside_options():
             if re.search(r"os\.environ|getenv\(", text):
                 offenders.append(os.path.relpath(path, root))
     assert offenders == []
+
+
+@pytest.mark.parametrize("resident", [False, True])
+def test_the_jitted_calls_compile_with_the_wrapper_options(monkeypatch, resident):
+    """xla_path.WRAPPER_COMPILER_OPTIONS reaches XLA's compile of both jitted calls (the
+    plain operation of a one-leaf call, the resident call of a larger one): an option XLA
+    does not know is refused, a known one compiles and gives the same result."""
+    from nimblejax import xla_path
+
+    def fn(x, *rest):
+        return jnp.sin(x) * 2 + sum(rest)
+
+    args = (X,) + ((X + 1, X + 2, X + 3) if resident else ())
+    want = np.asarray(jax.jit(fn)(*args))
+    monkeypatch.setattr(xla_path, "WRAPPER_COMPILER_OPTIONS", {"not_an_xla_option": True})
+    with pytest.raises(Exception, match="not_an_xla_option"):
+        nimble.jit(fn, backend="interpret")(*args)
+    monkeypatch.setattr(xla_path, "WRAPPER_COMPILER_OPTIONS", {"xla_backend_optimization_level": 0})
+    np.testing.assert_allclose(np.asarray(nimble.jit(fn, backend="interpret")(*args)), want, rtol=1e-6)
