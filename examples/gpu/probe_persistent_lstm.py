@@ -16,6 +16,10 @@ sums the product over 8 parts of K, adds the input projection and the bias, runs
 for its (row, unit) pairs (c stays in a register) and writes its part of h; a grid-wide
 barrier (cooperative launch) separates the steps. Printed: each variant's GPU µs, µs a
 step, and the largest difference from jax.jit's recurrence (TF32) and from float64.
+
+Measured (H200, ee7bea7): 5.07 µs a step, XLA's own step time. There each step read its
+input projection and bias from global memory after the product, on the step's critical
+path; the "prefetched" variant loads them at the step's start, timed beside it.
 """
 import argparse
 import json
@@ -37,6 +41,8 @@ namespace cg = cooperative_groups;
 #define COLS (4 * UNITS)
 #define KQ {kq}
 #define KP (HID / KQ)
+#define PREFETCH {prefetch}
+#define NZ ((ROWS * COLS + {threads} - 1) / {threads})  // z elements a thread sums
 
 __device__ __forceinline__ float tf32(float x) {{
   unsigned r;
@@ -65,6 +71,19 @@ lstm_persistent(const float* __restrict__ xproj, const float* __restrict__ w,
   float c = cell ? c0[(size_t)(row0 + cr) * HID + unit0 + cu] : 0.f;
   const float* hprev = h0;
   for (int t = 0; t < STEPS; ++t) {{
+#if PREFETCH
+    // This step's input projection and bias, loaded now: in flight while h is staged and
+    // the product runs, instead of read after it.
+    float xb[NZ];
+#pragma unroll
+    for (int j = 0; j < NZ; ++j) {{
+      int o = tid + j * {threads};
+      if (o < ROWS * COLS) {{
+        int r = o / COLS, cc = o % COLS, gc = (cc / UNITS) * HID + unit0 + cc % UNITS;
+        xb[j] = __ldg(xproj + ((size_t)(row0 + r) * STEPS + t) * G + gc) + __ldg(bias + gc);
+      }}
+    }}
+#endif
     for (int i = tid * 4; i < ROWS * HID; i += {threads} * 4) {{
       int r = i / HID, k = i % HID;
       float4 v = __ldcg(reinterpret_cast<const float4*>(hprev + (size_t)(row0 + r) * HID + k));
@@ -92,13 +111,20 @@ lstm_persistent(const float* __restrict__ xproj, const float* __restrict__ w,
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) red[(kq * ROWS + r) * COLS + col] = acc[r];
     __syncthreads();
-    for (int o = tid; o < ROWS * COLS; o += {threads}) {{
+#pragma unroll
+    for (int j = 0; j < NZ; ++j) {{
+      int o = tid + j * {threads};
+      if (o >= ROWS * COLS) break;
       int r = o / COLS, cc = o % COLS;
       float s = 0.f;
 #pragma unroll
       for (int q = 0; q < KQ; ++q) s += red[(q * ROWS + r) * COLS + cc];
+#if PREFETCH
+      z[o] = s + xb[j];
+#else
       int gc = (cc / UNITS) * HID + unit0 + cc % UNITS;
       z[o] = s + xproj[((size_t)(row0 + r) * STEPS + t) * G + gc] + bias[gc];
+#endif
     }}
     __syncthreads();
     float* hnext = hbuf + (size_t)(t & 1) * BATCH * HID;
@@ -168,26 +194,30 @@ def main() -> None:
         c64 = 1 / (1 + np.exp(-f)) * c64 + 1 / (1 + np.exp(-i)) * np.tanh(g)
         h64 = 1 / (1 + np.exp(-o)) * np.tanh(c64)
 
-    # the persistent kernel
-    src = SRC.format(hid=H, batch=B, steps=T, rows=ROWS, units=UNITS, kq=KQ, threads=THREADS)
-    kernel = cupy.RawKernel(src, "lstm_persistent", options=("--std=c++17",),
-                            enable_cooperative_groups=True)
+    # the persistent kernel: as first measured, and with each step's input projection
+    # loaded before its product (PREFETCH)
     d = [cupy.asarray(a) for a in (xproj, w, b, h0, h0)]
-    hbuf, h_out, c_out = cupy.zeros((2, B, H), cupy.float32), cupy.empty((B, H), cupy.float32), \
-        cupy.empty((B, H), cupy.float32)
     grid = (H // UNITS, B // ROWS)
     stream = cupy.cuda.Stream(non_blocking=True)
+    for label, prefetch in (("persistent", 0), ("persistent, prefetched", 1)):
+        src = SRC.format(hid=H, batch=B, steps=T, rows=ROWS, units=UNITS, kq=KQ, threads=THREADS,
+                         prefetch=prefetch)
+        kernel = cupy.RawKernel(src, "lstm_persistent", options=("--std=c++17",),
+                                enable_cooperative_groups=True)
+        hbuf, h_out, c_out = cupy.zeros((2, B, H), cupy.float32), cupy.empty((B, H), cupy.float32), \
+            cupy.empty((B, H), cupy.float32)
 
-    def launch():
-        kernel(grid, (THREADS,), (*d, hbuf, h_out, c_out), stream=stream)
+        def launch():
+            kernel(grid, (THREADS,), (*d, hbuf, h_out, c_out), stream=stream)
 
-    with stream:
-        us = cuda_event_us(launch, stream, opts.calls)
-    got = cupy.asnumpy(h_out)
-    rows["persistent"] = {"gpu_us": us, "us_per_step": us / T, "blocks": grid[0] * grid[1],
-                          "max_abs_vs_jax": float(np.abs(got - want_h).max()),
-                          "max_abs_vs_f64": float(np.abs(got - h64).max()),
-                          "jax_vs_f64": float(np.abs(want_h - h64).max())}
+        with stream:
+            us = cuda_event_us(launch, stream, opts.calls)
+        got = cupy.asnumpy(h_out)
+        rows[label] = {"gpu_us": us, "us_per_step": us / T, "blocks": grid[0] * grid[1],
+                       "max_abs_vs_jax": float(np.abs(got - want_h).max()),
+                       "max_abs_vs_f64": float(np.abs(got - h64).max()),
+                       "jax_vs_f64": float(np.abs(want_h - h64).max())}
+    us = min(rows["persistent"]["gpu_us"], rows["persistent, prefetched"]["gpu_us"])
 
     # nimble's plan of the whole model (the input projection GEMM and one kernel a step),
     # and of its input projection alone
