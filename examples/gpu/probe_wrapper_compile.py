@@ -18,7 +18,6 @@ whose options XLA refuses shows its error.
 """
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -85,11 +84,11 @@ def child(variant: str, model: str, batch: int) -> dict:
 
 
 def run(variant: str, model: str, batch: int, root: str) -> dict:
-    env = dict(os.environ, CUPY_CACHE_DIR=tempfile.mkdtemp(prefix="cupy-", dir=root),
-               JAX_ENABLE_COMPILATION_CACHE="false")
-    env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    done = subprocess.run([sys.executable, __file__, "--child", variant, model, str(batch)], env=env,
-                          capture_output=True, text=True, timeout=600)
+    """One child in a fresh process with empty kernel caches, as bench/first_call.py's."""
+    from nimblejax.bench.first_call import fresh_env
+
+    done = subprocess.run([sys.executable, __file__, "--child", variant, model, str(batch)],
+                          env=fresh_env(root, cold_handler=False), capture_output=True, text=True, timeout=600)
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-2:]

@@ -192,17 +192,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure_in_processes(model: str, n: int, opts: argparse.Namespace, timeout_s: float = 900) -> dict:
-    """One row measured by n processes of one device each (this module run with
-    --worker); process 0's row, with the process count."""
+def measure_in_processes(model: str, n: int, argv: Sequence[str], timeout_s: float = 900) -> dict:
+    """One row measured by n processes of one device each: this module run again with
+    the parent's arguments `argv`, for `model`, as --worker; process 0's row."""
     port = free_port()
-    passed = [f"--{k.replace('_', '-')}={v}" for k, v in (
-        ("per_device_batch", opts.per_device_batch), ("calls", opts.calls), ("rounds", opts.rounds),
-        ("backend", opts.backend), ("segments", opts.segments))] + (["--floor"] if opts.floor else [])
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "row.json")
-        procs = [subprocess.Popen([sys.executable, "-m", "nimblejax.bench.data_parallel", "--models", model,
-                                   "--worker", f"{rank},{n},{port},{out}", *passed])
+        procs = [subprocess.Popen([sys.executable, "-m", "nimblejax.bench.data_parallel", *argv,
+                                   "--models", model, "--worker", f"{rank},{n},{port},{out}"])
                  for rank in range(n)]
         try:
             codes = [p.wait(timeout=timeout_s) for p in procs]
@@ -252,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--processes", action="store_true",
                     help="run each row of n devices as n processes of one device each (jax.distributed)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # rank,n,port,out: one of those processes
+    argv = list(sys.argv[1:] if argv is None else argv)
     opts = ap.parse_args(argv)
     if opts.worker:
         return worker(opts.worker, opts)
@@ -268,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"| {model} | {n} | (only {total} device(s)) | | | | | | |")
                 continue
             if opts.processes:
-                row = measure_in_processes(model, n, opts)
+                row = measure_in_processes(model, n, argv)
             else:
                 row = measure(model, n, opts.per_device_batch, opts.calls, opts.backend, opts.rounds,
                               opts.floor, opts.segments)

@@ -118,7 +118,10 @@ def child(model: str, batch: int, side: str, phases: bool = False) -> dict:
     return row
 
 
-def _fresh_env(root: str, cold_handler: bool) -> dict:
+def fresh_env(root: str, cold_handler: bool) -> dict:
+    """This process's environment for a child with empty kernel caches (a CuPy cache
+    folder under `root`) and JAX's compilation cache off; with `cold_handler` an empty
+    nimblejax cache too (the handler and the runtime's kernels built again)."""
     env = dict(os.environ)
     env["CUPY_CACHE_DIR"] = tempfile.mkdtemp(prefix="cupy-", dir=root)
     env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
@@ -134,7 +137,7 @@ def run_one(model: str, batch: int, side: str, root: str, cold_handler: bool,
     (a label and the variables it sets: `--variant`), named in the row."""
     cmd = [sys.executable, "-m", "nimblejax.bench.first_call", "--child", model, str(batch), side]
     cmd += ["--phases"] if phases else []
-    env = _fresh_env(root, cold_handler)
+    env = fresh_env(root, cold_handler)
     if side == "jax":  # a jax.jit program imports no nimblejax: no CuPy loading beside it
         env["NIMBLE_PRELOAD"] = "0"
     label = None

@@ -196,24 +196,25 @@ def driver_device_count() -> int:
     with one older than the CUDA release CuPy's wheel was built for (cupy-cuda13x: 13.0),
     which CuPy could not use."""
     drv = _driver()
-    count, version = ctypes.c_int(), ctypes.c_int()
-    if (drv is None or drv.cuDeviceGetCount(ctypes.byref(count)) != SUCCESS
-            or drv.cuDriverGetVersion(ctypes.byref(version)) != SUCCESS
-            or version.value < cupy_cuda_release()):
+    count = ctypes.c_int()
+    if not _recent_enough(drv) or drv.cuDeviceGetCount(ctypes.byref(count)) != SUCCESS:
         return 0
     return count.value
 
 
 def driver_present() -> bool:
     """Whether a CUDA driver as recent as CuPy's CUDA release is installed, asked without
-    initializing it (cuDriverGetVersion needs no cuInit): the driver reads
-    CUDA_VISIBLE_DEVICES when it initializes, which this leaves to the program."""
-    try:
-        drv = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return False
+    initializing it: the driver reads CUDA_VISIBLE_DEVICES when it initializes, which
+    this leaves to the program."""
+    return _recent_enough(_libcuda())
+
+
+def _recent_enough(drv) -> bool:
+    """Whether libcuda `drv` (None: none) is as recent as CuPy's CUDA release
+    (cuDriverGetVersion needs no cuInit)."""
     version = ctypes.c_int()
-    return drv.cuDriverGetVersion(ctypes.byref(version)) == SUCCESS and version.value >= cupy_cuda_release()
+    return (drv is not None and drv.cuDriverGetVersion(ctypes.byref(version)) == SUCCESS
+            and version.value >= cupy_cuda_release())
 
 
 @functools.lru_cache(maxsize=1)
@@ -243,10 +244,16 @@ def _driver_arch(ordinal: int) -> Optional[str]:
 
 
 @functools.lru_cache(maxsize=1)
-def _driver() -> Optional[ctypes.CDLL]:
-    """libcuda, initialized; None where there is no driver or it does not initialize."""
+def _libcuda() -> Optional[ctypes.CDLL]:
+    """libcuda, loaded and not initialized; None where there is no driver."""
     try:
-        drv = ctypes.CDLL("libcuda.so.1")
+        return ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
-    return drv if drv.cuInit(0) == SUCCESS else None
+
+
+@functools.lru_cache(maxsize=1)
+def _driver() -> Optional[ctypes.CDLL]:
+    """libcuda, initialized; None where there is no driver or it does not initialize."""
+    drv = _libcuda()
+    return drv if drv is not None and drv.cuInit(0) == SUCCESS else None

@@ -26,6 +26,7 @@ batch 32 0.17 against 0.61, LSTM at batch 1 0.24 against 0.43.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 from typing import Optional
@@ -55,8 +56,6 @@ def join() -> None:
 
 def _load() -> None:
     try:
-        import importlib.util
-
         from nimblejax.runtime import nvrtc
 
         if importlib.util.find_spec("cupy") is not None and nvrtc.driver_present():

@@ -61,7 +61,7 @@ def test_a_failing_child_is_a_row_naming_the_error(tmp_path):
 
 
 def test_fresh_env_empties_the_kernel_caches_and_turns_jaxs_cache_off(tmp_path):
-    env = first_call._fresh_env(str(tmp_path), cold_handler=True)
+    env = first_call.fresh_env(str(tmp_path), cold_handler=True)
     assert env["CUPY_CACHE_DIR"].startswith(str(tmp_path))
     assert env["NIMBLEJAX_CACHE_DIR"].startswith(str(tmp_path))
     assert env["JAX_ENABLE_COMPILATION_CACHE"] == "false"

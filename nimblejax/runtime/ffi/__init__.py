@@ -46,9 +46,9 @@ _BUILD_TIMEOUT_S = 300
 _u64_p = ctypes.POINTER(ctypes.c_ulonglong)
 _int_p = ctypes.POINTER(ctypes.c_int)
 
-_lock = threading.Lock()  # guards _warned and _build_locks
+_lock = threading.Lock()  # guards _warned
 _load_lock = threading.Lock()  # separate from _lock: load() warns while held
-_build_locks: dict[pathlib.Path, threading.Lock] = {}  # build_into's, one per target
+_build_lock = threading.Lock()  # build_into's: one build at a time in a process
 _warned: set[str] = set()
 _loaded = False
 _library: FfiLibrary | None = None
@@ -145,11 +145,9 @@ def build_into(target: pathlib.Path, compile_to: Callable[[pathlib.Path], str | 
     """`target` if it is built already, else `compile_to(a temporary file)` (an error
     text, or None) renamed into place: two processes building at once both succeed, and
     no one loads a half-written file. None, after one warning naming `what` and the
-    `fallback`, when the build fails. Threads of one process building the same target
-    take turns (runtime/preload.py builds while a first call may ask): one compiles."""
-    with _lock:
-        turn = _build_locks.setdefault(target, threading.Lock())
-    with turn:
+    `fallback`, when the build fails. Threads of one process take turns (runtime/preload.py
+    builds while a first call may ask), so a target is compiled once."""
+    with _build_lock:
         return _build_into(target, compile_to, what, fallback)
 
 
